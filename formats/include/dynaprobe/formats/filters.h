@@ -1,0 +1,21 @@
+// The chunk filters of a dump: HDF5's byte shuffle (id 2) and zstd (registered id 32015), both
+// also usable directly on buffers for H5Dwrite_chunk / H5Dread_chunk.
+#pragma once
+
+#include <cstddef>
+
+namespace dynaprobe::formats {
+
+// Registers the zstd filter with the HDF5 library in this process (idempotent). Compatible with
+// the reference plugin of hdf5_plugins and with hdf5plugin.Zstd: one zstd frame per chunk with
+// its content size, level in cd_values[0].
+void register_zstd_filter();
+
+// HDF5's shuffle: byte b of element i goes to position b * n + i (n = size / element_size);
+// trailing bytes that do not fill an element are copied unchanged. `dst` and `src` must not
+// overlap.
+void shuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size, std::size_t element_size);
+void unshuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
+                     std::size_t element_size);
+
+}  // namespace dynaprobe::formats

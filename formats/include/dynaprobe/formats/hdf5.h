@@ -1,0 +1,73 @@
+// Checked, RAII access to the HDF5 C API. Every call that can fail goes through check(), which
+// turns the HDF5 error stack into an exception naming the file or object. The HDF5 library is
+// thread-safe only behind one global lock, so every use of it holds hdf5_mutex().
+#pragma once
+
+#include <hdf5.h>
+
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "dynaprobe/formats/error.h"
+
+namespace dynaprobe::formats::h5 {
+
+// Held around every sequence of HDF5 calls. Recursive so helpers can nest.
+std::recursive_mutex& hdf5_mutex();
+using Lock = std::lock_guard<std::recursive_mutex>;
+
+// Silences HDF5's own printing of error stacks (we report them in exceptions) and registers the
+// zstd filter. Idempotent and thread-safe; every entry point of formats calls it.
+void init();
+
+// The current HDF5 error stack as text, one frame per line ("H5Dcreate2(): unable to ...").
+std::string error_stack();
+
+// Throws E with "<what> (<where>): <HDF5 error stack>" when `status` is negative.
+template <typename E = IoError, typename T>
+T check(T status, std::string_view what, std::string_view where) {
+  if (status < 0) {
+    throw E(std::string(what) + " (" + std::string(where) + "): " + error_stack());
+  }
+  return status;
+}
+
+// Owns one HDF5 identifier and closes it with the matching H5?close function.
+class Handle {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Handle() = default;
+  Handle(hid_t id, Closer closer) : id_(id), closer_(closer) {}
+  Handle(Handle&& other) noexcept : id_(other.id_), closer_(other.closer_) { other.id_ = -1; }
+  Handle& operator=(Handle&& other) noexcept;
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() { reset(); }
+
+  hid_t get() const { return id_; }
+  bool valid() const { return id_ >= 0; }
+  void reset();
+  // Closes now and reports a failure (closing a file flushes it, which can fail on a full disk).
+  void close(std::string_view where);
+
+ private:
+  hid_t id_ = -1;
+  Closer closer_ = nullptr;
+};
+
+Handle file_handle(hid_t id, std::string_view what, std::string_view where);
+Handle group_handle(hid_t id, std::string_view what, std::string_view where);
+Handle dataset_handle(hid_t id, std::string_view what, std::string_view where);
+Handle space_handle(hid_t id, std::string_view what, std::string_view where);
+Handle type_handle(hid_t id, std::string_view what, std::string_view where);
+Handle plist_handle(hid_t id, std::string_view what, std::string_view where);
+Handle attribute_handle(hid_t id, std::string_view what, std::string_view where);
+
+// Scalar string attributes (variable-length UTF-8), the form h5py reads as str.
+void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
+                            std::string_view where);
+std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where);
+bool has_attribute(hid_t object, std::string_view name);
+
+}  // namespace dynaprobe::formats::h5

@@ -1,0 +1,112 @@
+// Reads dumps: the index of a step file without touching tensor data, and tensors streamed chunk
+// by chunk with parallel decompression.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dynaprobe/formats/record.h"
+
+namespace dynaprobe::formats {
+
+struct RecordInfo {
+  RecordKey key;
+  std::string label;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  std::uint64_t stored_bytes = 0;  // bytes on disk after compression
+
+  std::uint64_t numel() const;
+  std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }
+};
+
+std::string dataset_path(const RecordKey& key);  // "/tensors/layers.0/fwd_output.eager.0.1"
+std::string shape_string(const std::vector<std::int64_t>& shape);  // "(2, 128, 4096)", "()"
+
+// A run of elements of a tensor in flat C order.
+struct ChunkExtent {
+  std::uint64_t first_element = 0;
+  std::uint64_t element_count = 0;
+};
+
+// A chunk as stored: its bytes and HDF5's filter mask (bit i set: filter i was skipped).
+struct RawChunk {
+  std::vector<std::byte> bytes;
+  std::uint32_t filter_mask = 0;
+};
+
+// One stored tensor, read chunk by chunk. fetch() reads a chunk's stored bytes and takes the
+// HDF5 lock; decode() needs no lock and may run on many threads at once. Datasets that do not
+// use dynaprobe's chunk layout (other tools' files, other filters) are one "chunk" read whole
+// through HDF5's own pipeline.
+class TensorStream {
+ public:
+  DType dtype() const;
+  const std::vector<std::int64_t>& shape() const;
+  std::size_t chunk_count() const;
+  ChunkExtent extent(std::size_t chunk) const;
+
+  void fetch(std::size_t chunk, RawChunk& raw) const;
+  // Returns extent(chunk).element_count decoded elements, in `raw` (nothing to decode) or `out`.
+  // `scratch` is a reusable work buffer. Throws FormatError for corrupt chunk data.
+  const std::byte* decode(std::size_t chunk, RawChunk& raw, std::vector<std::byte>& out,
+                          std::vector<std::byte>& scratch) const;
+
+  struct State;
+  explicit TensorStream(std::shared_ptr<const State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<const State> state_;
+};
+
+// Called in element order, from one thread at a time; `data` is valid during the call only.
+using ChunkConsumer = std::function<void(ChunkExtent extent, const std::byte* data)>;
+
+// Streams a whole tensor through `consumer`, fetching serially and decoding ahead in parallel;
+// memory stays O(threads × chunk).
+void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer);
+
+class StepReader {
+ public:
+  // Opens a step file and reads its attributes and index. Throws IoError if it cannot be opened,
+  // FormatError if it is not a dynaprobe step file or its format version is newer.
+  explicit StepReader(const std::filesystem::path& file);
+  ~StepReader();
+  StepReader(StepReader&&) noexcept;
+  StepReader& operator=(StepReader&&) noexcept;
+
+  const std::filesystem::path& path() const;
+  std::int64_t step() const;
+  const std::string& format_version() const;
+  const Provenance& provenance() const;
+  const std::vector<RecordInfo>& records() const;
+  // nullptr when the file has no such record.
+  const RecordInfo* find(const RecordKey& key) const;
+  std::vector<Graph> graphs() const;
+
+  // Throws FormatError when the dataset is missing or disagrees with the index or its dtype.
+  TensorStream open(const RecordInfo& record) const;
+  std::vector<std::byte> read(const RecordInfo& record) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Opens any HDF5 dataset as a tensor: the dtype comes from its "dtype" attribute if present,
+// else from its HDF5 type. For files written by other tools.
+TensorStream open_dataset(const std::filesystem::path& file, const std::string& dataset);
+
+// The step files of one dump (one run and rank): `dump` is a rank folder or a single step file.
+struct DumpFiles {
+  std::vector<std::filesystem::path> steps;       // committed, in step order
+  std::vector<std::filesystem::path> unfinished;  // .partial files: steps in progress at a crash
+};
+DumpFiles list_dump(const std::filesystem::path& dump);
+
+}  // namespace dynaprobe::formats

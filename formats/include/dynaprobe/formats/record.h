@@ -1,0 +1,73 @@
+// Record keys and tensor views: what a dump stores, independent of HDF5.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dynaprobe/formats/dtype.h"
+
+namespace dynaprobe::formats {
+
+// What a tensor is, relative to its module (the spec's check types, plus param_grad and loss).
+enum class Kind : std::uint8_t { kFwdInput, kFwdOutput, kGradInput, kGradOutput, kParamGrad, kLoss };
+// Which execution produced it.
+enum class Side : std::uint8_t { kEager, kCompiled, kReference };
+
+std::string_view kind_name(Kind kind);  // "fwd_input", ...
+std::optional<Kind> parse_kind(std::string_view name);
+std::string_view side_name(Side side);  // "eager", ...
+std::optional<Side> parse_side(std::string_view name);
+
+// Module path of the whole-network loss records (module paths are the user's names otherwise).
+inline constexpr std::string_view kLossModule = "LOSS";
+
+// A record is keyed by (step, module path, call index, kind, tensor index, side). The step is the
+// step file the record lives in.
+struct RecordKey {
+  std::int64_t step = 0;
+  std::string module;  // "layers.0.mlp"; never "_orig_mod"; no '/'
+  std::uint32_t call = 0;  // n-th call of the module within the step
+  Kind kind = Kind::kFwdOutput;
+  std::uint32_t tensor_index = 0;
+  Side side = Side::kEager;
+
+  auto operator<=>(const RecordKey&) const = default;
+};
+
+std::string to_string(const RecordKey& key);  // "step 3 layers.0 call 0 fwd_output[1] (eager)"
+
+// Throws UsageError unless `module` can name an HDF5 group (non-empty, no '/', not "." or "..").
+void validate_module_path(std::string_view module);
+
+// A contiguous, C-ordered host tensor owned by the caller. `data` may be null when numel is 0.
+struct TensorView {
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;  // empty: a 0-d tensor
+  const void* data = nullptr;
+
+  std::uint64_t numel() const;
+  std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }
+};
+
+struct Record {
+  RecordKey key;
+  std::string label;  // free text: a parameter name, an output's pytree path; may be empty
+  TensorView tensor;
+};
+
+// Provenance of a step file: torch version, backend, mode, rank, world size, scenario, host, ...
+using Provenance = std::map<std::string, std::string>;
+
+// A Dynamo/AOTAutograd graph, as source text.
+struct Graph {
+  std::string name;  // "__compiled_fn_1.Forward_Graph.1a2b3c4d"
+  std::string kind;  // "captured", "forward", "backward"
+  std::string text;
+  std::map<std::string, std::string> attributes;  // e.g. the modules it was compiled for
+};
+
+}  // namespace dynaprobe::formats

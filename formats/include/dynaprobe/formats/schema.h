@@ -1,0 +1,49 @@
+// The on-disk names of a dynaprobe dump, defined once. docs/dump-format.md specifies the layout;
+// keep both in sync with the readers in other languages that users may write from it.
+//
+//   <run>/rank<R>/step_<NNNNNNNN>.h5            one file per step and rank (crash safety: a step
+//                                               is written as <name>.partial and renamed on commit)
+//   /                      attrs: dynaprobe_format_version = "<major>.<minor>", step, provenance
+//   /tensors/<module>/<kind>.<side>.<call>.<tensor_index>   one dataset per record, attr dtype
+//   /graphs/<name>         one scalar string dataset per graph, attrs kind and the graph's own
+//   /index                 compound table listing every record (no tensor data needs reading)
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace dynaprobe::formats::schema {
+
+// A reader refuses files whose major version is newer than kFormatMajor.
+inline constexpr int kFormatMajor = 1;
+inline constexpr int kFormatMinor = 0;
+
+inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
+inline constexpr std::string_view kStepAttr = "step";
+inline constexpr std::string_view kTensorsGroup = "tensors";
+inline constexpr std::string_view kGraphsGroup = "graphs";
+inline constexpr std::string_view kIndexDataset = "index";
+inline constexpr std::string_view kDtypeAttr = "dtype";
+inline constexpr std::string_view kGraphKindAttr = "kind";
+
+// Fields of the /index compound table.
+inline constexpr std::string_view kIndexModule = "module";
+inline constexpr std::string_view kIndexCall = "call";
+inline constexpr std::string_view kIndexKind = "kind";
+inline constexpr std::string_view kIndexTensorIndex = "tensor_index";
+inline constexpr std::string_view kIndexSide = "side";
+inline constexpr std::string_view kIndexLabel = "label";
+inline constexpr std::string_view kIndexDtype = "dtype";
+inline constexpr std::string_view kIndexShape = "shape";
+inline constexpr std::string_view kIndexStoredBytes = "stored_bytes";
+
+inline constexpr std::string_view kRankDirPrefix = "rank";
+inline constexpr std::string_view kStepFilePrefix = "step_";
+inline constexpr std::string_view kStepFileSuffix = ".h5";
+inline constexpr std::string_view kPartialSuffix = ".partial";
+
+// Registered HDF5 filter ids (https://github.com/HDFGroup/hdf5_plugins/blob/master/docs/RegisteredFilterPlugins.md).
+inline constexpr int kShuffleFilterId = 2;   // H5Z_FILTER_SHUFFLE
+inline constexpr int kZstdFilterId = 32015;  // cd_values[0] = level (two's complement if negative)
+
+}  // namespace dynaprobe::formats::schema

@@ -1,0 +1,55 @@
+// Writes one step of a dump: the records of one (run, rank, step) in one HDF5 file.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+
+#include "dynaprobe/formats/record.h"
+
+namespace dynaprobe::formats {
+
+struct WriterOptions {
+  int zstd_level = 1;                  // negative levels are zstd's fast modes
+  std::size_t chunk_bytes = 1 << 20;   // target uncompressed bytes per chunk (HDF5 chunk size)
+  int threads = 0;                     // compression threads; 0: TBB's default (all cores)
+};
+
+// Crash safety: the step is written to "<dir>/step_<N>.h5.partial" and only commit() flushes,
+// fsyncs and renames it to "step_<N>.h5". A process killed mid-step leaves the committed steps
+// untouched and at most one .partial file, which readers list as unfinished and skip.
+//
+// Not thread-safe: one thread drives a writer (compression inside write() is parallel).
+class StepWriter {
+ public:
+  // Creates `dump_dir` if needed. Throws IoError when the file cannot be created.
+  StepWriter(const std::filesystem::path& dump_dir, std::int64_t step, Provenance provenance,
+             WriterOptions options = {});
+  ~StepWriter();  // without commit(): closes and removes the partial file
+  StepWriter(const StepWriter&) = delete;
+  StepWriter& operator=(const StepWriter&) = delete;
+
+  // Compresses (in parallel) and writes the records; the caller may free their data afterwards.
+  // Throws UsageError for a bad key (duplicate, other step, bad module path) and IoError when
+  // writing fails (disk full); after an error the writer is broken and commit() throws.
+  void write(std::span<const Record> records);
+  void write(const Record& record) { write(std::span<const Record>(&record, 1)); }
+  void write_graph(const Graph& graph);
+
+  // Writes the index, closes, fsyncs and atomically renames the file. Returns the final path.
+  std::filesystem::path commit();
+
+  std::int64_t step() const;
+  const std::filesystem::path& partial_path() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// "step_00000042.h5"
+std::filesystem::path step_file_name(std::int64_t step);
+
+}  // namespace dynaprobe::formats

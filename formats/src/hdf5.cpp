@@ -1,0 +1,146 @@
+#include "dynaprobe/formats/hdf5.h"
+
+#include "dynaprobe/formats/filters.h"
+
+namespace dynaprobe::formats::h5 {
+
+std::recursive_mutex& hdf5_mutex() {
+  static std::recursive_mutex mutex;
+  return mutex;
+}
+
+void init() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Lock lock(hdf5_mutex());
+    H5open();
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    register_zstd_filter();
+  });
+}
+
+std::string error_stack() {
+  std::string text;
+  auto walk = [](unsigned, const H5E_error2_t* error, void* data) -> herr_t {
+    auto& out = *static_cast<std::string*>(data);
+    char minor[256] = "";
+    H5Eget_msg(error->min_num, nullptr, minor, sizeof(minor));
+    if (!out.empty()) out += "; ";
+    out += std::string(error->func_name) + "(): " + (error->desc ? error->desc : "") +
+           (minor[0] ? std::string(" [") + minor + "]" : std::string());
+    return 0;
+  };
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, walk, &text);
+  return text.empty() ? "no HDF5 error stack" : text;
+}
+
+Handle& Handle::operator=(Handle&& other) noexcept {
+  if (this != &other) {
+    reset();
+    id_ = other.id_;
+    closer_ = other.closer_;
+    other.id_ = -1;
+  }
+  return *this;
+}
+
+void Handle::reset() {
+  if (id_ >= 0) {
+    Lock lock(hdf5_mutex());
+    closer_(id_);
+    id_ = -1;
+  }
+}
+
+void Handle::close(std::string_view where) {
+  if (id_ < 0) return;
+  Lock lock(hdf5_mutex());
+  const hid_t id = id_;
+  id_ = -1;
+  check(closer_(id), "closing", where);
+}
+
+Handle file_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Fclose);
+}
+Handle group_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Gclose);
+}
+Handle dataset_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Dclose);
+}
+Handle space_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Sclose);
+}
+Handle type_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Tclose);
+}
+Handle plist_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Pclose);
+}
+Handle attribute_handle(hid_t id, std::string_view what, std::string_view where) {
+  return Handle(check(id, what, where), H5Aclose);
+}
+
+namespace {
+Handle string_type(std::string_view where) {
+  Handle type = type_handle(H5Tcopy(H5T_C_S1), "creating a string type", where);
+  check(H5Tset_size(type.get(), H5T_VARIABLE), "creating a string type", where);
+  check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "creating a string type", where);
+  return type;
+}
+}  // namespace
+
+void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
+                            std::string_view where) {
+  Lock lock(hdf5_mutex());
+  const std::string attribute_name(name);
+  const std::string context = std::string(where) + " attribute " + attribute_name;
+  Handle type = string_type(context);
+  Handle space = space_handle(H5Screate(H5S_SCALAR), "creating a dataspace", context);
+  Handle attribute =
+      attribute_handle(H5Acreate2(object, attribute_name.c_str(), type.get(), space.get(),
+                                  H5P_DEFAULT, H5P_DEFAULT),
+                       "creating attribute", context);
+  const std::string text(value);
+  const char* pointer = text.c_str();
+  check(H5Awrite(attribute.get(), type.get(), &pointer), "writing attribute", context);
+}
+
+bool has_attribute(hid_t object, std::string_view name) {
+  Lock lock(hdf5_mutex());
+  return H5Aexists(object, std::string(name).c_str()) > 0;
+}
+
+std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where) {
+  Lock lock(hdf5_mutex());
+  const std::string attribute_name(name);
+  const std::string context = std::string(where) + " attribute " + attribute_name;
+  if (!has_attribute(object, name)) {
+    throw FormatError("missing attribute '" + attribute_name + "' on " + std::string(where));
+  }
+  Handle attribute = attribute_handle(H5Aopen(object, attribute_name.c_str(), H5P_DEFAULT),
+                                      "opening attribute", context);
+  Handle stored = type_handle(H5Aget_type(attribute.get()), "reading attribute type", context);
+  if (H5Tget_class(stored.get()) != H5T_STRING) {
+    throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
+                      ": expected a string, but received another HDF5 type");
+  }
+  if (H5Tis_variable_str(stored.get()) > 0) {
+    Handle type = string_type(context);
+    char* pointer = nullptr;
+    check<FormatError>(H5Aread(attribute.get(), type.get(), &pointer), "reading attribute",
+                       context);
+    std::string value = pointer ? pointer : "";
+    H5free_memory(pointer);
+    return value;
+  }
+  const std::size_t size = H5Tget_size(stored.get());
+  std::string value(size, '\0');
+  check<FormatError>(H5Aread(attribute.get(), stored.get(), value.data()), "reading attribute",
+                     context);
+  value.resize(value.find('\0') == std::string::npos ? size : value.find('\0'));
+  return value;
+}
+
+}  // namespace dynaprobe::formats::h5

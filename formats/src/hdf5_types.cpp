@@ -1,0 +1,124 @@
+#include "hdf5_types.h"
+
+#include <cstddef>
+
+#include "dynaprobe/formats/schema.h"
+
+namespace dynaprobe::formats {
+namespace {
+constexpr std::string_view kWhere = "HDF5 datatype";
+
+h5::Handle copy_type(hid_t type) { return h5::type_handle(H5Tcopy(type), "copying", kWhere); }
+
+h5::Handle bfloat16_type() {
+  // bfloat16 is the upper half of an IEEE float32: sign bit 15, 8 exponent bits, 7 mantissa bits.
+  h5::Handle type = copy_type(H5T_IEEE_F32LE);
+  const hid_t id = type.get();
+  h5::check(H5Tset_fields(id, 15, 7, 8, 0, 7), "defining bfloat16", kWhere);
+  h5::check(H5Tset_offset(id, 0), "defining bfloat16", kWhere);
+  h5::check(H5Tset_precision(id, 16), "defining bfloat16", kWhere);
+  h5::check(H5Tset_size(id, 2), "defining bfloat16", kWhere);
+  h5::check(H5Tset_ebias(id, 127), "defining bfloat16", kWhere);
+  return type;
+}
+
+h5::Handle bool_type() {
+  h5::Handle type = h5::type_handle(H5Tenum_create(H5T_NATIVE_INT8), "defining bool", kWhere);
+  const std::int8_t no = 0, yes = 1;
+  h5::check(H5Tenum_insert(type.get(), "FALSE", &no), "defining bool", kWhere);
+  h5::check(H5Tenum_insert(type.get(), "TRUE", &yes), "defining bool", kWhere);
+  return type;
+}
+
+h5::Handle vlen_string() {
+  h5::Handle type = copy_type(H5T_C_S1);
+  h5::check(H5Tset_size(type.get(), H5T_VARIABLE), "defining a string", kWhere);
+  h5::check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "defining a string", kWhere);
+  return type;
+}
+}  // namespace
+
+h5::Handle stored_type(DType dtype) {
+  h5::Lock lock(h5::hdf5_mutex());
+  switch (dtype) {
+    case DType::kFloat64: return copy_type(H5T_IEEE_F64LE);
+    case DType::kFloat32: return copy_type(H5T_IEEE_F32LE);
+    case DType::kFloat16: {
+      h5::Handle type = copy_type(H5T_IEEE_F32LE);  // IEEE half: 1 + 5 + 10 bits, bias 15
+      h5::check(H5Tset_fields(type.get(), 15, 10, 5, 0, 10), "defining float16", kWhere);
+      h5::check(H5Tset_offset(type.get(), 0), "defining float16", kWhere);
+      h5::check(H5Tset_precision(type.get(), 16), "defining float16", kWhere);
+      h5::check(H5Tset_size(type.get(), 2), "defining float16", kWhere);
+      h5::check(H5Tset_ebias(type.get(), 15), "defining float16", kWhere);
+      return type;
+    }
+    case DType::kBFloat16: return bfloat16_type();
+    case DType::kInt8: return copy_type(H5T_STD_I8LE);
+    case DType::kInt16: return copy_type(H5T_STD_I16LE);
+    case DType::kInt32: return copy_type(H5T_STD_I32LE);
+    case DType::kInt64: return copy_type(H5T_STD_I64LE);
+    case DType::kUInt16: return copy_type(H5T_STD_U16LE);
+    case DType::kUInt32: return copy_type(H5T_STD_U32LE);
+    case DType::kUInt64: return copy_type(H5T_STD_U64LE);
+    case DType::kBool: return bool_type();
+    case DType::kUInt8:
+    default:  // float8 variants: raw bytes, named by the dtype attribute
+      return copy_type(H5T_STD_U8LE);
+  }
+}
+
+DType dtype_of_hdf5_type(hid_t type, std::string_view where) {
+  h5::Lock lock(h5::hdf5_mutex());
+  const std::size_t size = H5Tget_size(type);
+  switch (H5Tget_class(type)) {
+    case H5T_FLOAT: {
+      if (size == 8) return DType::kFloat64;
+      if (size == 4) return DType::kFloat32;
+      if (size == 2) {
+        std::size_t spos, epos, esize, mpos, msize;
+        H5Tget_fields(type, &spos, &epos, &esize, &mpos, &msize);
+        return esize == 8 ? DType::kBFloat16 : DType::kFloat16;
+      }
+      break;
+    }
+    case H5T_INTEGER: {
+      const bool is_signed = H5Tget_sign(type) == H5T_SGN_2;
+      if (size == 1) return is_signed ? DType::kInt8 : DType::kUInt8;
+      if (size == 2) return is_signed ? DType::kInt16 : DType::kUInt16;
+      if (size == 4) return is_signed ? DType::kInt32 : DType::kUInt32;
+      if (size == 8) return is_signed ? DType::kInt64 : DType::kUInt64;
+      break;
+    }
+    case H5T_ENUM:
+      if (size == 1) return DType::kBool;
+      break;
+    default: break;
+  }
+  throw FormatError(std::string(where) +
+                    ": expected a numeric dataset (float, integer or bool), but received an HDF5 "
+                    "type of class " + std::to_string(H5Tget_class(type)) + " and size " +
+                    std::to_string(size));
+}
+
+h5::Handle index_row_type() {
+  h5::Lock lock(h5::hdf5_mutex());
+  h5::Handle row = h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(IndexRow)), "defining", kWhere);
+  h5::Handle text = vlen_string();
+  h5::Handle shape = h5::type_handle(H5Tvlen_create(H5T_NATIVE_INT64), "defining", kWhere);
+  auto field = [&](std::string_view name, std::size_t offset, hid_t type) {
+    h5::check(H5Tinsert(row.get(), std::string(name).c_str(), offset, type), "defining /index",
+              kWhere);
+  };
+  field(schema::kIndexModule, offsetof(IndexRow, module), text.get());
+  field(schema::kIndexCall, offsetof(IndexRow, call), H5T_NATIVE_UINT32);
+  field(schema::kIndexKind, offsetof(IndexRow, kind), text.get());
+  field(schema::kIndexTensorIndex, offsetof(IndexRow, tensor_index), H5T_NATIVE_UINT32);
+  field(schema::kIndexSide, offsetof(IndexRow, side), text.get());
+  field(schema::kIndexLabel, offsetof(IndexRow, label), text.get());
+  field(schema::kIndexDtype, offsetof(IndexRow, dtype), text.get());
+  field(schema::kIndexShape, offsetof(IndexRow, shape), shape.get());
+  field(schema::kIndexStoredBytes, offsetof(IndexRow, stored_bytes), H5T_NATIVE_UINT64);
+  return row;
+}
+
+}  // namespace dynaprobe::formats

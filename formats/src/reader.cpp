@@ -1,0 +1,538 @@
+#include "dynaprobe/formats/reader.h"
+
+#include <tbb/concurrent_queue.h>
+#include <tbb/parallel_pipeline.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <map>
+#include <optional>
+
+#include "chunk_layout.h"
+#include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/hdf5.h"
+#include "dynaprobe/formats/schema.h"
+#include "hdf5_types.h"
+
+namespace dynaprobe::formats {
+namespace fs = std::filesystem;
+namespace {
+
+ZSTD_DCtx* thread_decompressor() {
+  thread_local std::unique_ptr<ZSTD_DCtx, decltype(&ZSTD_freeDCtx)> context(ZSTD_createDCtx(),
+                                                                             ZSTD_freeDCtx);
+  return context.get();
+}
+
+std::uint64_t product(const std::vector<std::int64_t>& shape) {
+  std::uint64_t n = 1;
+  for (auto d : shape) n *= static_cast<std::uint64_t>(d);
+  return n;
+}
+
+// Opens an HDF5 file read-only, telling "cannot read" (IoError) from "not a valid HDF5 file"
+// (FormatError).
+std::shared_ptr<h5::Handle> open_file(const fs::path& path) {
+  h5::init();
+  const std::string where = path.string();
+  std::error_code error;
+  if (!fs::is_regular_file(path, error)) {
+    throw IoError(where + ": no such file (expected a dynaprobe step file step_<N>.h5)");
+  }
+  if (::access(path.c_str(), R_OK) != 0) {
+    throw IoError(where + ": permission denied; make the file readable");
+  }
+  h5::Lock lock(h5::hdf5_mutex());
+  if (H5Fis_hdf5(where.c_str()) <= 0) {
+    throw FormatError(where + ": not an HDF5 file (no HDF5 signature): expected a dynaprobe "
+                              "step file; was it truncated at the start or overwritten?");
+  }
+  return std::make_shared<h5::Handle>(h5::check<FormatError>(
+                                          H5Fopen(where.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT),
+                                          "cannot open as HDF5 (truncated or corrupt file?)", where),
+                                      H5Fclose);
+}
+
+bool link_exists(hid_t location, const std::string& path) {
+  // H5Lexists needs every intermediate link to exist, so walk the path one name at a time.
+  std::size_t position = 0;
+  while (true) {
+    position = path.find('/', position + 1);
+    const std::string prefix = path.substr(0, position);
+    if (!prefix.empty() && prefix != "/" && H5Lexists(location, prefix.c_str(), H5P_DEFAULT) <= 0) {
+      return false;
+    }
+    if (position == std::string::npos) return true;
+  }
+}
+
+}  // namespace
+
+std::uint64_t RecordInfo::numel() const { return product(shape); }
+
+std::string dataset_path(const RecordKey& key) {
+  return "/" + std::string(schema::kTensorsGroup) + "/" + key.module + "/" +
+         std::string(kind_name(key.kind)) + "." + std::string(side_name(key.side)) + "." +
+         std::to_string(key.call) + "." + std::to_string(key.tensor_index);
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string text = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) text += ",";
+  return text + ")";
+}
+
+struct TensorStream::State {
+  std::shared_ptr<h5::Handle> file;  // keeps the file open while the stream lives
+  h5::Handle dataset;
+  std::string where;
+  DType dtype = DType::kFloat32;
+  std::vector<std::int64_t> shape;
+  std::uint64_t numel = 0;
+  // dynaprobe's chunk layout with at most shuffle then zstd: read with H5Dread_chunk.
+  std::optional<ChunkLayout> layout;
+  int shuffle_bit = -1;  // position of each filter in the pipeline (its filter-mask bit)
+  int zstd_bit = -1;
+};
+
+DType TensorStream::dtype() const { return state_->dtype; }
+const std::vector<std::int64_t>& TensorStream::shape() const { return state_->shape; }
+
+std::size_t TensorStream::chunk_count() const {
+  if (state_->layout) return state_->layout->chunk_count();
+  return state_->numel > 0 ? 1 : 0;
+}
+
+ChunkExtent TensorStream::extent(std::size_t chunk) const {
+  if (state_->layout) return state_->layout->extent(chunk);
+  return {0, state_->numel};
+}
+
+void TensorStream::fetch(std::size_t chunk, RawChunk& raw) const {
+  const State& s = *state_;
+  h5::Lock lock(h5::hdf5_mutex());
+  if (!s.layout) {  // read whole through HDF5's own filter pipeline
+    h5::Handle type = stored_type(s.dtype);
+    raw.bytes.resize(s.numel * dtype_size(s.dtype));
+    raw.filter_mask = 0;
+    h5::check<FormatError>(
+        H5Dread(s.dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.bytes.data()),
+        "reading dataset", s.where);
+    return;
+  }
+  const auto offset = s.layout->offset(chunk);
+  hsize_t size = 0;
+  if (H5Dget_chunk_storage_size(s.dataset.get(), offset.data(), &size) < 0 || size == 0) {
+    throw FormatError(s.where + ": chunk " + std::to_string(chunk) +
+                      " is missing (the file is truncated or was not written completely)");
+  }
+  raw.bytes.resize(size);
+  h5::check<FormatError>(
+      H5Dread_chunk(s.dataset.get(), H5P_DEFAULT, offset.data(), &raw.filter_mask,
+                    raw.bytes.data()),
+      "reading chunk " + std::to_string(chunk), s.where);
+}
+
+const std::byte* TensorStream::decode(std::size_t chunk, RawChunk& raw, std::vector<std::byte>& out,
+                                      std::vector<std::byte>& scratch) const {
+  const State& s = *state_;
+  if (!s.layout) return raw.bytes.data();
+  const std::size_t element_size = dtype_size(s.dtype);
+  const std::size_t chunk_bytes = s.layout->chunk_elements() * element_size;
+  const auto applied = [&](int bit) { return bit >= 0 && !(raw.filter_mask & (1u << bit)); };
+  const bool unshuffle = applied(s.shuffle_bit) && element_size > 1;
+  const std::byte* data = raw.bytes.data();
+  std::size_t size = raw.bytes.size();
+  const auto corrupt = [&](const std::string& what) {
+    return FormatError(s.where + ": chunk " + std::to_string(chunk) + " is corrupt: " + what);
+  };
+  if (applied(s.zstd_bit)) {
+    std::vector<std::byte>& target = unshuffle ? scratch : out;
+    target.resize(chunk_bytes);
+    const unsigned long long content = ZSTD_getFrameContentSize(data, size);
+    if (content != chunk_bytes) {
+      throw corrupt("expected a zstd frame of " + std::to_string(chunk_bytes) +
+                    " bytes, but the frame header says " +
+                    (ZSTD_isError(content) || content == ZSTD_CONTENTSIZE_ERROR
+                         ? std::string("it is not a zstd frame")
+                         : std::to_string(content)));
+    }
+    const std::size_t got =
+        ZSTD_decompressDCtx(thread_decompressor(), target.data(), chunk_bytes, data, size);
+    if (ZSTD_isError(got) || got != chunk_bytes) {
+      throw corrupt(std::string("zstd: ") +
+                    (ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short frame"));
+    }
+    data = target.data();
+    size = chunk_bytes;
+  }
+  if (size != chunk_bytes) {
+    throw corrupt("expected " + std::to_string(chunk_bytes) + " bytes, but received " +
+                  std::to_string(size));
+  }
+  if (unshuffle) {
+    out.resize(chunk_bytes);
+    unshuffle_bytes(data, out.data(), chunk_bytes, element_size);
+    data = out.data();
+  }
+  return data;
+}
+
+void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer) {
+  const std::size_t count = stream.chunk_count();
+  struct Slot {
+    RawChunk raw;
+    std::vector<std::byte> out;
+    std::vector<std::byte> scratch;
+  };
+  if (count == 1) {  // nothing to overlap
+    Slot slot;
+    stream.fetch(0, slot.raw);
+    consumer(stream.extent(0), stream.decode(0, slot.raw, slot.out, slot.scratch));
+    return;
+  }
+  const std::size_t tokens =
+      std::min<std::size_t>(count, 2 * static_cast<std::size_t>(tbb::this_task_arena::max_concurrency()));
+  std::vector<Slot> slots(tokens);
+  tbb::concurrent_bounded_queue<Slot*> free_slots;
+  for (auto& slot : slots) free_slots.push(&slot);
+  struct Item {
+    std::size_t chunk = 0;
+    Slot* slot = nullptr;
+    const std::byte* data = nullptr;
+  };
+  std::size_t next = 0;
+  tbb::parallel_pipeline(
+      tokens,
+      tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order,
+                                   [&](tbb::flow_control& control) -> Item {
+                                     if (next == count) {
+                                       control.stop();
+                                       return {};
+                                     }
+                                     Item item{next++};
+                                     free_slots.pop(item.slot);
+                                     stream.fetch(item.chunk, item.slot->raw);
+                                     return item;
+                                   }) &
+          tbb::make_filter<Item, Item>(tbb::filter_mode::parallel,
+                                       [&](Item item) {
+                                         item.data = stream.decode(item.chunk, item.slot->raw,
+                                                                   item.slot->out,
+                                                                   item.slot->scratch);
+                                         return item;
+                                       }) &
+          tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, [&](Item item) {
+            consumer(stream.extent(item.chunk), item.data);
+            free_slots.push(item.slot);
+          }));
+}
+
+namespace {
+
+TensorStream make_stream(std::shared_ptr<h5::Handle> file, const std::string& dataset_name,
+                         const std::string& file_name, std::optional<DType> expected_dtype) {
+  auto state = std::make_shared<TensorStream::State>();
+  state->file = std::move(file);
+  state->where = file_name + " " + dataset_name;
+  const std::string& where = state->where;
+  h5::Lock lock(h5::hdf5_mutex());
+  if (!link_exists(state->file->get(), dataset_name)) {
+    throw FormatError(where + ": dataset is missing from the file");
+  }
+  state->dataset = h5::dataset_handle(
+      H5Dopen2(state->file->get(), dataset_name.c_str(), H5P_DEFAULT), "opening dataset", where);
+  const hid_t dataset = state->dataset.get();
+  h5::Handle type = h5::type_handle(H5Dget_type(dataset), "reading type", where);
+  const DType stored = dtype_of_hdf5_type(type.get(), where);
+  DType dtype = stored;
+  if (h5::has_attribute(dataset, schema::kDtypeAttr)) {
+    const std::string name = h5::read_string_attribute(dataset, schema::kDtypeAttr, where);
+    const auto parsed = parse_dtype(name);
+    if (!parsed) {
+      throw FormatError(where + ": unknown dtype attribute '" + name +
+                        "'; expected a torch dtype name such as 'float32' or 'bfloat16'");
+    }
+    const DType expected_storage = is_float8(*parsed) ? DType::kUInt8 : *parsed;
+    if (expected_storage != stored) {
+      throw FormatError(where + ": dtype attribute says '" + name + "', but the dataset stores " +
+                        std::string(dtype_name(stored)) + " values");
+    }
+    dtype = *parsed;
+  }
+  if (expected_dtype && *expected_dtype != dtype) {
+    throw FormatError(where + ": the index says dtype " +
+                      std::string(dtype_name(*expected_dtype)) + ", but the dataset holds " +
+                      std::string(dtype_name(dtype)));
+  }
+  state->dtype = dtype;
+  h5::Handle space = h5::space_handle(H5Dget_space(dataset), "reading dataspace", where);
+  const int rank = h5::check<FormatError>(H5Sget_simple_extent_ndims(space.get()),
+                                          "reading dataspace", where);
+  std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
+  H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+  state->shape.assign(dims.begin(), dims.end());
+  state->numel = product(state->shape);
+
+  h5::Handle dcpl = h5::plist_handle(H5Dget_create_plist(dataset), "reading layout", where);
+  if (H5Pget_layout(dcpl.get()) == H5D_CHUNKED && state->numel > 0) {
+    std::vector<hsize_t> chunk(static_cast<std::size_t>(rank));
+    H5Pget_chunk(dcpl.get(), rank, chunk.data());
+    bool known_filters = true;
+    const int filters = H5Pget_nfilters(dcpl.get());
+    for (int i = 0; i < filters; ++i) {
+      unsigned flags = 0;
+      std::size_t n = 0;
+      const H5Z_filter_t id =
+          H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &n, nullptr, 0, nullptr, nullptr);
+      if (id == schema::kShuffleFilterId && state->zstd_bit < 0 && state->shuffle_bit < 0) {
+        state->shuffle_bit = i;
+      } else if (id == schema::kZstdFilterId && state->zstd_bit < 0) {
+        state->zstd_bit = i;
+      } else {
+        known_filters = false;
+      }
+    }
+    if (known_filters) state->layout = ChunkLayout::from_chunk_dims(state->shape, chunk);
+  }
+  return TensorStream(std::move(state));
+}
+
+}  // namespace
+
+struct StepReader::Impl {
+  fs::path path;
+  std::shared_ptr<h5::Handle> file;
+  std::int64_t step = 0;
+  std::string format_version;
+  Provenance provenance;
+  std::vector<RecordInfo> records;
+  std::map<RecordKey, std::size_t> by_key;
+};
+
+StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
+  Impl& impl = *impl_;
+  impl.path = path;
+  impl.file = open_file(path);
+  const std::string where = path.string();
+  h5::Lock lock(h5::hdf5_mutex());
+  const hid_t file = impl.file->get();
+  if (!h5::has_attribute(file, schema::kFormatVersionAttr)) {
+    throw FormatError(where + ": not a dynaprobe step file (no '" +
+                      std::string(schema::kFormatVersionAttr) + "' attribute on /)");
+  }
+  impl.format_version = h5::read_string_attribute(file, schema::kFormatVersionAttr, where);
+  int major = -1;
+  const auto* text = impl.format_version.data();
+  const auto parsed = std::from_chars(text, text + impl.format_version.size(), major);
+  if (parsed.ec != std::errc() || major < 0) {
+    throw FormatError(where + ": format version '" + impl.format_version +
+                      "' is not of the form <major>.<minor>");
+  }
+  if (major > schema::kFormatMajor) {
+    throw FormatError(where + ": written in dump format " + impl.format_version +
+                      ", but this dynaprobe reads format " + std::to_string(schema::kFormatMajor) +
+                      ".x; upgrade dynaprobe to read it");
+  }
+  const std::string step_text = h5::read_string_attribute(file, schema::kStepAttr, where);
+  if (std::from_chars(step_text.data(), step_text.data() + step_text.size(), impl.step).ec !=
+      std::errc()) {
+    throw FormatError(where + ": step attribute '" + step_text + "' is not an integer");
+  }
+  // Provenance: every other string attribute of the root group.
+  auto collect = [](hid_t location, const char* name, const H5A_info_t*, void* data) -> herr_t {
+    auto& target = *static_cast<Impl*>(data);
+    const std::string key = name;
+    if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) return 0;
+    try {
+      target.provenance[key] = h5::read_string_attribute(location, key, target.path.string());
+    } catch (const FormatError&) {  // not a string: not provenance written by dynaprobe
+    }
+    return 0;
+  };
+  H5Aiterate2(file, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect, &impl);
+
+  const std::string index_name = "/" + std::string(schema::kIndexDataset);
+  if (H5Lexists(file, index_name.c_str(), H5P_DEFAULT) <= 0) {
+    throw FormatError(where + ": no " + index_name +
+                      " table: not a complete dynaprobe step file (was it committed?)");
+  }
+  h5::Handle table = h5::dataset_handle(H5Dopen2(file, index_name.c_str(), H5P_DEFAULT),
+                                        "opening the index", where);
+  h5::Handle type = index_row_type();
+  h5::Handle space = h5::space_handle(H5Dget_space(table.get()), "reading the index", where);
+  const hssize_t count = H5Sget_simple_extent_npoints(space.get());
+  std::vector<IndexRow> rows(static_cast<std::size_t>(std::max<hssize_t>(count, 0)));
+  if (!rows.empty()) {
+    h5::check<FormatError>(
+        H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
+        "reading the index", where);
+  }
+  struct Reclaim {
+    hid_t type, space;
+    void* data;
+    ~Reclaim() { H5Dvlen_reclaim(type, space, H5P_DEFAULT, data); }
+  } reclaim{type.get(), space.get(), rows.data()};
+  impl.records.reserve(rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const IndexRow& row = rows[i];
+    const auto bad_row = [&](const std::string& what) {
+      return FormatError(where + ": index row " + std::to_string(i) + ": " + what);
+    };
+    RecordInfo info;
+    info.key.step = impl.step;
+    info.key.module = row.module ? row.module : "";
+    info.key.call = row.call;
+    info.key.tensor_index = row.tensor_index;
+    const auto kind = parse_kind(row.kind ? row.kind : "");
+    const auto side = parse_side(row.side ? row.side : "");
+    const auto dtype = parse_dtype(row.dtype ? row.dtype : "");
+    if (!kind) throw bad_row("unknown kind '" + std::string(row.kind ? row.kind : "") + "'");
+    if (!side) throw bad_row("unknown side '" + std::string(row.side ? row.side : "") + "'");
+    if (!dtype) throw bad_row("unknown dtype '" + std::string(row.dtype ? row.dtype : "") + "'");
+    info.key.kind = *kind;
+    info.key.side = *side;
+    info.dtype = *dtype;
+    info.label = row.label ? row.label : "";
+    const auto* dims = static_cast<const std::int64_t*>(row.shape.p);
+    info.shape.assign(dims, dims + row.shape.len);
+    info.stored_bytes = row.stored_bytes;
+    impl.by_key.emplace(info.key, impl.records.size());
+    impl.records.push_back(std::move(info));
+  }
+}
+
+StepReader::~StepReader() = default;
+StepReader::StepReader(StepReader&&) noexcept = default;
+StepReader& StepReader::operator=(StepReader&&) noexcept = default;
+
+const fs::path& StepReader::path() const { return impl_->path; }
+std::int64_t StepReader::step() const { return impl_->step; }
+const std::string& StepReader::format_version() const { return impl_->format_version; }
+const Provenance& StepReader::provenance() const { return impl_->provenance; }
+const std::vector<RecordInfo>& StepReader::records() const { return impl_->records; }
+
+const RecordInfo* StepReader::find(const RecordKey& key) const {
+  auto found = impl_->by_key.find(key);
+  return found == impl_->by_key.end() ? nullptr : &impl_->records[found->second];
+}
+
+std::vector<Graph> StepReader::graphs() const {
+  const std::string where = impl_->path.string();
+  h5::Lock lock(h5::hdf5_mutex());
+  const hid_t file = impl_->file->get();
+  const std::string group_name = "/" + std::string(schema::kGraphsGroup);
+  std::vector<Graph> graphs;
+  if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return graphs;
+  h5::Handle group = h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT),
+                                      "opening /graphs", where);
+  std::vector<std::string> names;
+  auto list = [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+    static_cast<std::vector<std::string>*>(data)->push_back(name);
+    return 0;
+  };
+  H5Literate(group.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, list, &names);
+  for (const std::string& name : names) {
+    const std::string context = where + " /graphs/" + name;
+    h5::Handle dataset = h5::dataset_handle(H5Dopen2(group.get(), name.c_str(), H5P_DEFAULT),
+                                            "opening graph", context);
+    h5::Handle type = h5::type_handle(H5Tcopy(H5T_C_S1), "string type", context);
+    H5Tset_size(type.get(), H5T_VARIABLE);
+    H5Tset_cset(type.get(), H5T_CSET_UTF8);
+    char* text = nullptr;
+    h5::check<FormatError>(
+        H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
+        "reading graph text", context);
+    Graph graph{name, "", text ? text : "", {}};
+    H5free_memory(text);
+    auto attribute = [](hid_t location, const char* key, const H5A_info_t*, void* data) -> herr_t {
+      auto& g = *static_cast<Graph*>(data);
+      std::string value = h5::read_string_attribute(location, key, g.name);
+      if (key == schema::kGraphKindAttr) {
+        g.kind = std::move(value);
+      } else {
+        g.attributes[key] = std::move(value);
+      }
+      return 0;
+    };
+    H5Aiterate2(dataset.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, attribute, &graph);
+    graphs.push_back(std::move(graph));
+  }
+  return graphs;
+}
+
+TensorStream StepReader::open(const RecordInfo& record) const {
+  const std::string name = dataset_path(record.key);
+  TensorStream stream = [&] {
+    try {
+      return make_stream(impl_->file, name, impl_->path.string(), record.dtype);
+    } catch (const FormatError& error) {
+      throw FormatError("record " + to_string(record.key) + ": " + error.what());
+    }
+  }();
+  if (stream.shape() != record.shape) {
+    throw FormatError(impl_->path.string() + " " + name + ": the index says shape " +
+                      shape_string(record.shape) + ", but the dataset has shape " +
+                      shape_string(stream.shape()));
+  }
+  return stream;
+}
+
+std::vector<std::byte> StepReader::read(const RecordInfo& record) const {
+  TensorStream stream = open(record);
+  std::vector<std::byte> data(record.nbytes());
+  const std::size_t element_size = dtype_size(record.dtype);
+  stream_chunks(stream, [&](ChunkExtent extent, const std::byte* chunk) {
+    std::memcpy(data.data() + extent.first_element * element_size, chunk,
+                extent.element_count * element_size);
+  });
+  return data;
+}
+
+TensorStream open_dataset(const fs::path& file, const std::string& dataset) {
+  return make_stream(open_file(file), dataset, file.string(), std::nullopt);
+}
+
+DumpFiles list_dump(const fs::path& dump) {
+  std::error_code error;
+  const auto status = fs::status(dump, error);
+  if (!fs::exists(status)) {
+    throw IoError(dump.string() + ": no such file or folder (expected a dump folder or a step file)");
+  }
+  DumpFiles files;
+  if (fs::is_regular_file(status)) {
+    files.steps.push_back(dump);
+    return files;
+  }
+  std::vector<std::pair<long long, fs::path>> steps;
+  for (const auto& entry : fs::directory_iterator(dump, error)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(schema::kStepFilePrefix)) continue;
+    if (name.ends_with(schema::kPartialSuffix)) {
+      files.unfinished.push_back(entry.path());
+    } else if (name.ends_with(schema::kStepFileSuffix)) {
+      const auto digits = std::string_view(name).substr(
+          schema::kStepFilePrefix.size(),
+          name.size() - schema::kStepFilePrefix.size() - schema::kStepFileSuffix.size());
+      long long step = 0;
+      if (std::from_chars(digits.data(), digits.data() + digits.size(), step).ec == std::errc()) {
+        steps.emplace_back(step, entry.path());
+      }
+    }
+  }
+  if (error) throw IoError(dump.string() + ": cannot list folder: " + error.message());
+  std::sort(steps.begin(), steps.end());
+  for (auto& [step, path] : steps) files.steps.push_back(std::move(path));
+  std::sort(files.unfinished.begin(), files.unfinished.end());
+  return files;
+}
+
+}  // namespace dynaprobe::formats

@@ -1,0 +1,475 @@
+#include "dynaprobe/formats/writer.h"
+
+#include <fcntl.h>
+#include <tbb/concurrent_queue.h>
+#include <tbb/parallel_pipeline.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "chunk_layout.h"
+#include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/hdf5.h"
+#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/schema.h"
+#include "hdf5_types.h"
+
+namespace dynaprobe::formats {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr unsigned kSkipAllFilters = 0b11;  // shuffle (filter 0) and zstd (filter 1) skipped
+constexpr int kMaxRank = H5S_MAX_RANK;
+
+// Work buffers of one pipeline token, reused from chunk to chunk and step to step.
+struct ChunkBuffers {
+  std::vector<std::byte> padded;      // a partial edge chunk, zero-padded to the chunk size
+  std::vector<std::byte> shuffled;
+  std::vector<std::byte> compressed;
+};
+
+// A compressor for ZSTD_compress2 at `level`. Every frame carries zstd's content checksum: without
+// it a damaged chunk (a bad sector, a bit flip in transit) whose bytes fall in raw literals
+// decompresses without error into silent garbage; with it any zstd decoder (ours, hdf5plugin, the
+// HDF5 reference plugin) reports the corruption. Costs 4 bytes per chunk and one XXH64 pass over
+// the uncompressed chunk when writing and when reading.
+ZSTD_CCtx* thread_compressor(int level) {
+  thread_local std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> context(ZSTD_createCCtx(),
+                                                                             ZSTD_freeCCtx);
+  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_compressionLevel, level);
+  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_checksumFlag, 1);
+  return context.get();
+}
+
+void fsync_path(const fs::path& path, const std::string& where) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const std::string reason = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    throw IoError("fsync of " + path.string() + " failed while committing " + where + ": " +
+                  reason);
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+fs::path step_file_name(std::int64_t step) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "%.*s%08lld%.*s",
+                static_cast<int>(schema::kStepFilePrefix.size()), schema::kStepFilePrefix.data(),
+                static_cast<long long>(step), static_cast<int>(schema::kStepFileSuffix.size()),
+                schema::kStepFileSuffix.data());
+  return name;
+}
+
+struct StepWriter::Impl {
+  fs::path final_path;
+  fs::path partial_path;
+  std::int64_t step = 0;
+  WriterOptions options;
+  h5::Handle file;
+  h5::Handle tensors;
+  h5::Handle graphs;
+  std::map<std::string, h5::Handle, std::less<>> module_groups;
+  std::set<RecordKey> keys;
+  std::vector<RecordInfo> index;
+  std::set<std::string> graph_names;
+  bool broken = false;
+  bool committed = false;
+  tbb::task_arena arena;
+  std::vector<ChunkBuffers> buffers;
+  tbb::concurrent_bounded_queue<ChunkBuffers*> free_buffers;
+
+  // Per record of the current write(): its chunk layout (none for 0-d and empty tensors).
+  struct Plan {
+    const Record* record;
+    std::optional<ChunkLayout> layout;
+  };
+  // The dataset being written by the serial output stage.
+  h5::Handle dataset;
+  std::uint64_t dataset_stored_bytes = 0;
+
+  hid_t module_group(const std::string& module);
+  void create_dataset(const Plan& plan);
+  void finish_dataset(const Plan& plan);
+  void write_all(const std::vector<Plan>& plans);
+  void write_index();
+  void ensure_usable(std::string_view action) const;
+};
+
+void StepWriter::Impl::ensure_usable(std::string_view action) const {
+  if (committed) {
+    throw UsageError("cannot " + std::string(action) + ": step " + std::to_string(step) +
+                     " was already committed to " + final_path.string());
+  }
+  if (broken) {
+    throw IoError("cannot " + std::string(action) + ": an earlier write to " +
+                  partial_path.string() + " failed; the step is lost, earlier steps are intact");
+  }
+}
+
+hid_t StepWriter::Impl::module_group(const std::string& module) {
+  auto found = module_groups.find(module);
+  if (found != module_groups.end()) return found->second.get();
+  h5::Handle group = h5::group_handle(
+      H5Gcreate2(tensors.get(), module.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      "creating group for module " + module, partial_path.string());
+  return module_groups.emplace(module, std::move(group)).first->second.get();
+}
+
+void StepWriter::Impl::create_dataset(const Plan& plan) {
+  const Record& record = *plan.record;
+  const std::string where = partial_path.string() + " " + dataset_path(record.key);
+  const auto& shape = record.tensor.shape;
+  std::vector<hsize_t> dims(shape.begin(), shape.end());
+  h5::Handle space =
+      shape.empty()
+          ? h5::space_handle(H5Screate(H5S_SCALAR), "creating dataspace", where)
+          : h5::space_handle(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+                             "creating dataspace", where);
+  h5::Handle dcpl = h5::plist_handle(H5Pcreate(H5P_DATASET_CREATE), "creating dcpl", where);
+  h5::check(H5Pset_obj_track_times(dcpl.get(), false), "configuring dataset", where);
+  if (plan.layout) {
+    const auto& chunk = plan.layout->chunk_dims();
+    h5::check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()),
+              "setting chunk size", where);
+    h5::check(H5Pset_shuffle(dcpl.get()), "setting shuffle filter", where);
+    const unsigned level = static_cast<unsigned>(options.zstd_level);
+    h5::check(H5Pset_filter(dcpl.get(), schema::kZstdFilterId, H5Z_FLAG_OPTIONAL, 1, &level),
+              "setting zstd filter", where);
+  } else {
+    h5::check(H5Pset_layout(dcpl.get(), H5D_COMPACT), "setting compact layout", where);
+  }
+  h5::Handle type = stored_type(record.tensor.dtype);
+  const std::string name = std::string(kind_name(record.key.kind)) + "." +
+                           std::string(side_name(record.key.side)) + "." +
+                           std::to_string(record.key.call) + "." +
+                           std::to_string(record.key.tensor_index);
+  dataset = h5::dataset_handle(H5Dcreate2(module_group(record.key.module), name.c_str(), type.get(),
+                                          space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+                               "creating dataset", where);
+  h5::write_string_attribute(dataset.get(), schema::kDtypeAttr, dtype_name(record.tensor.dtype),
+                             where);
+  dataset_stored_bytes = 0;
+  if (!plan.layout && record.tensor.numel() > 0) {  // a 0-d tensor: one small compact write
+    h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                       record.tensor.data),
+              "writing", where);
+    dataset_stored_bytes = record.tensor.nbytes();
+  }
+}
+
+void StepWriter::Impl::finish_dataset(const Plan& plan) {
+  const Record& record = *plan.record;
+  dataset.close(partial_path.string() + " " + dataset_path(record.key));
+  index.push_back(RecordInfo{record.key, record.label, record.tensor.dtype, record.tensor.shape,
+                             dataset_stored_bytes});
+}
+
+void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
+  // One item per chunk, or one per record without chunks (0-d and empty tensors).
+  struct Item {
+    const Plan* plan = nullptr;
+    std::size_t chunk = 0;
+    bool has_chunk = false;
+    bool first = false;
+    bool last = false;
+    ChunkBuffers* buffers = nullptr;
+    const std::byte* payload = nullptr;
+    std::size_t payload_size = 0;
+    unsigned filter_mask = 0;
+  };
+  std::size_t next_plan = 0;
+  std::size_t next_chunk = 0;
+  const auto produce = [&](tbb::flow_control& control) -> Item {
+    if (next_plan == plans.size()) {
+      control.stop();
+      return {};
+    }
+    const Plan& plan = plans[next_plan];
+    const std::size_t count = plan.layout ? plan.layout->chunk_count() : 0;
+    Item item{&plan, next_chunk, count > 0, next_chunk == 0, next_chunk + 1 >= count};
+    if (item.has_chunk) free_buffers.pop(item.buffers);
+    if (item.last) {
+      ++next_plan;
+      next_chunk = 0;
+    } else {
+      ++next_chunk;
+    }
+    return item;
+  };
+  const auto compress = [&](Item item) -> Item {
+    if (!item.has_chunk) return item;
+    const ChunkLayout& layout = *item.plan->layout;
+    const TensorView& tensor = item.plan->record->tensor;
+    const std::size_t element_size = dtype_size(tensor.dtype);
+    const ChunkExtent extent = layout.extent(item.chunk);
+    const std::size_t chunk_bytes = layout.chunk_elements() * element_size;
+    const std::size_t valid_bytes = extent.element_count * element_size;
+    ChunkBuffers& work = *item.buffers;
+    const std::byte* raw =
+        static_cast<const std::byte*>(tensor.data) + extent.first_element * element_size;
+    if (valid_bytes < chunk_bytes) {  // HDF5 stores edge chunks at full size
+      work.padded.resize(chunk_bytes);
+      std::memcpy(work.padded.data(), raw, valid_bytes);
+      std::memset(work.padded.data() + valid_bytes, 0, chunk_bytes - valid_bytes);
+      raw = work.padded.data();
+    }
+    const std::byte* input = raw;
+    if (element_size > 1) {
+      work.shuffled.resize(chunk_bytes);
+      shuffle_bytes(raw, work.shuffled.data(), chunk_bytes, element_size);
+      input = work.shuffled.data();
+    }
+    work.compressed.resize(ZSTD_compressBound(chunk_bytes));
+    const std::size_t size =
+        ZSTD_compress2(thread_compressor(options.zstd_level), work.compressed.data(),
+                       work.compressed.size(), input, chunk_bytes);
+    if (ZSTD_isError(size) || size >= chunk_bytes) {  // incompressible: store the bytes as they are
+      item.payload = raw;
+      item.payload_size = chunk_bytes;
+      item.filter_mask = kSkipAllFilters;
+    } else {
+      item.payload = work.compressed.data();
+      item.payload_size = size;
+    }
+    return item;
+  };
+  const auto store = [&](Item item) {
+    struct ReturnBuffers {
+      Impl& impl;
+      ChunkBuffers* buffers;
+      ~ReturnBuffers() {
+        if (buffers) impl.free_buffers.push(buffers);
+      }
+    } give_back{*this, item.buffers};
+    h5::Lock lock(h5::hdf5_mutex());
+    if (item.first) create_dataset(*item.plan);
+    if (item.has_chunk) {
+      const auto offset = item.plan->layout->offset(item.chunk);
+      h5::check(H5Dwrite_chunk(dataset.get(), H5P_DEFAULT, item.filter_mask, offset.data(),
+                               item.payload_size, item.payload),
+                "writing chunk " + std::to_string(item.chunk),
+                partial_path.string() + " " + dataset_path(item.plan->record->key));
+      dataset_stored_bytes += item.payload_size;
+    }
+    if (item.last) finish_dataset(*item.plan);
+  };
+  arena.execute([&] {
+    tbb::parallel_pipeline(
+        buffers.size(),
+        tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, produce) &
+            tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compress) &
+            tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, store));
+  });
+}
+
+void StepWriter::Impl::write_index() {
+  std::vector<std::string> kinds, sides, dtypes;
+  std::vector<IndexRow> rows;
+  rows.reserve(index.size());
+  for (const RecordInfo& info : index) {
+    rows.push_back(IndexRow{
+        info.key.module.c_str(), info.key.call, kind_name(info.key.kind).data(),
+        info.key.tensor_index, side_name(info.key.side).data(), info.label.c_str(),
+        dtype_name(info.dtype).data(),
+        hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())}, info.stored_bytes});
+  }
+  const std::string where = partial_path.string() + " /" + std::string(schema::kIndexDataset);
+  h5::Lock lock(h5::hdf5_mutex());
+  h5::Handle type = index_row_type();
+  const hsize_t count = rows.size();
+  h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
+  h5::Handle table = h5::dataset_handle(
+      H5Dcreate2(file.get(), std::string(schema::kIndexDataset).c_str(), type.get(), space.get(),
+                 H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+      "creating the index", where);
+  if (!rows.empty()) {
+    h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
+              "writing the index", where);
+  }
+  table.close(where);
+}
+
+StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance provenance,
+                       WriterOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  h5::init();
+  Impl& impl = *impl_;
+  impl.step = step;
+  impl.options = options;
+  impl.final_path = dump_dir / step_file_name(step);
+  impl.partial_path = impl.final_path;
+  impl.partial_path += schema::kPartialSuffix;
+  if (options.chunk_bytes == 0) throw UsageError("WriterOptions.chunk_bytes must be positive");
+  if (options.threads > 0) impl.arena.initialize(options.threads);
+  for (const auto& reserved : {schema::kFormatVersionAttr, schema::kStepAttr}) {
+    if (provenance.count(std::string(reserved))) {
+      throw UsageError("provenance key '" + std::string(reserved) +
+                       "' is reserved by the dump format; choose another name");
+    }
+  }
+  std::error_code error;
+  fs::create_directories(dump_dir, error);
+  if (error) {
+    throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
+  }
+  if (fs::exists(impl.final_path)) {
+    throw UsageError("step " + std::to_string(step) + " already exists in " +
+                     impl.final_path.string() +
+                     "; dynaprobe never overwrites a committed step: write to a new folder");
+  }
+  const std::string where = impl.partial_path.string();
+  h5::Lock lock(h5::hdf5_mutex());
+  h5::Handle fapl = h5::plist_handle(H5Pcreate(H5P_FILE_ACCESS), "creating fapl", where);
+  h5::check(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110),
+            "setting file format bounds", where);
+  impl.file = h5::file_handle(H5Fcreate(where.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()),
+                              "cannot create step file", where);
+  h5::write_string_attribute(
+      impl.file.get(), schema::kFormatVersionAttr,
+      std::to_string(schema::kFormatMajor) + "." + std::to_string(schema::kFormatMinor), where);
+  h5::write_string_attribute(impl.file.get(), schema::kStepAttr, std::to_string(step), where);
+  for (const auto& [key, value] : provenance) {
+    h5::write_string_attribute(impl.file.get(), key, value, where);
+  }
+  impl.tensors = h5::group_handle(H5Gcreate2(impl.file.get(),
+                                             std::string(schema::kTensorsGroup).c_str(),
+                                             H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                                  "creating /tensors", where);
+  impl.graphs = h5::group_handle(H5Gcreate2(impl.file.get(),
+                                            std::string(schema::kGraphsGroup).c_str(),
+                                            H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                                 "creating /graphs", where);
+  const std::size_t tokens = 2 * static_cast<std::size_t>(impl.arena.max_concurrency());
+  impl.buffers.resize(tokens);
+  for (auto& buffers : impl.buffers) impl.free_buffers.push(&buffers);
+}
+
+StepWriter::~StepWriter() {
+  if (!impl_ || impl_->committed) return;
+  impl_->dataset.reset();
+  impl_->module_groups.clear();
+  impl_->tensors.reset();
+  impl_->graphs.reset();
+  impl_->file.reset();
+  std::error_code ignored;
+  fs::remove(impl_->partial_path, ignored);
+}
+
+void StepWriter::write(std::span<const Record> records) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("write records");
+  std::vector<Impl::Plan> plans;
+  plans.reserve(records.size());
+  std::set<RecordKey> batch_keys;
+  for (const Record& record : records) {
+    const RecordKey& key = record.key;
+    validate_module_path(key.module);
+    if (key.step != impl.step) {
+      throw UsageError("record " + to_string(key) + " belongs to step " + std::to_string(key.step) +
+                       ", but this writer writes step " + std::to_string(impl.step));
+    }
+    if (impl.keys.count(key) || !batch_keys.insert(key).second) {
+      throw UsageError("record " + to_string(key) + " was already written in this step");
+    }
+    const auto& shape = record.tensor.shape;
+    if (shape.size() > static_cast<std::size_t>(kMaxRank)) {
+      throw UsageError("record " + to_string(key) + " has " + std::to_string(shape.size()) +
+                       " dimensions; HDF5 stores at most " + std::to_string(kMaxRank));
+    }
+    for (auto d : shape) {
+      if (d < 0) throw UsageError("record " + to_string(key) + " has a negative dimension");
+    }
+    if (record.tensor.numel() > 0 && record.tensor.data == nullptr) {
+      throw UsageError("record " + to_string(key) + " has elements but no data pointer");
+    }
+    Impl::Plan plan{&record, std::nullopt};
+    if (!shape.empty() && record.tensor.numel() > 0) {
+      plan.layout = ChunkLayout::plan(shape, dtype_size(record.tensor.dtype), impl.options.chunk_bytes);
+    }
+    plans.push_back(std::move(plan));
+  }
+  try {
+    impl.write_all(plans);
+  } catch (...) {
+    impl.broken = true;
+    throw;
+  }
+  impl.keys.insert(batch_keys.begin(), batch_keys.end());
+}
+
+void StepWriter::write_graph(const Graph& graph) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("write graph " + graph.name);
+  validate_module_path(graph.name);
+  if (!impl.graph_names.insert(graph.name).second) {
+    throw UsageError("graph " + graph.name + " was already written in step " +
+                     std::to_string(impl.step));
+  }
+  const std::string where = impl.partial_path.string() + " /graphs/" + graph.name;
+  h5::Lock lock(h5::hdf5_mutex());
+  try {
+    h5::Handle type = h5::type_handle(H5Tcopy(H5T_C_S1), "creating string type", where);
+    h5::check(H5Tset_size(type.get(), H5T_VARIABLE), "creating string type", where);
+    h5::check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "creating string type", where);
+    h5::Handle space = h5::space_handle(H5Screate(H5S_SCALAR), "creating dataspace", where);
+    h5::Handle dataset =
+        h5::dataset_handle(H5Dcreate2(impl.graphs.get(), graph.name.c_str(), type.get(),
+                                      space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                           "creating graph dataset", where);
+    const char* text = graph.text.c_str();
+    h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
+              "writing graph", where);
+    h5::write_string_attribute(dataset.get(), schema::kGraphKindAttr, graph.kind, where);
+    for (const auto& [key, value] : graph.attributes) {
+      if (key == schema::kGraphKindAttr) {
+        throw UsageError("graph attribute 'kind' is reserved; set Graph::kind instead");
+      }
+      h5::write_string_attribute(dataset.get(), key, value, where);
+    }
+  } catch (const IoError&) {
+    impl.broken = true;
+    throw;
+  }
+}
+
+fs::path StepWriter::commit() {
+  Impl& impl = *impl_;
+  impl.ensure_usable("commit");
+  const std::string where = impl.partial_path.string();
+  try {
+    impl.write_index();
+    h5::Lock lock(h5::hdf5_mutex());
+    impl.module_groups.clear();
+    impl.tensors.close(where);
+    impl.graphs.close(where);
+    impl.file.close(where);
+  } catch (...) {
+    impl.broken = true;
+    throw;
+  }
+  fsync_path(impl.partial_path, where);
+  std::error_code error;
+  fs::rename(impl.partial_path, impl.final_path, error);
+  if (error) {
+    throw IoError("cannot rename " + where + " to " + impl.final_path.string() + ": " +
+                  error.message());
+  }
+  fsync_path(impl.final_path.parent_path(), where);
+  impl.committed = true;
+  return impl.final_path;
+}
+
+std::int64_t StepWriter::step() const { return impl_->step; }
+const fs::path& StepWriter::partial_path() const { return impl_->partial_path; }
+
+}  // namespace dynaprobe::formats

@@ -1,0 +1,205 @@
+// Every dtype and shape case written by StepWriter reads back bit for bit through StepReader.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/writer.h"
+#include "test_util.h"
+
+namespace dynaprobe::formats {
+namespace {
+
+using testing::make_record;
+using testing::random_bytes;
+using testing::TempDir;
+
+struct Written {
+  Record record;
+  std::vector<std::byte> data;
+};
+
+// Writes `tensors` as step 0 of a fresh dump, reads every record back and compares bytes.
+void expect_round_trip(std::vector<Written>& tensors, WriterOptions options = {}) {
+  TempDir dir;
+  std::vector<Record> records;
+  for (auto& t : tensors) {
+    t.record.tensor.data = t.data.empty() ? nullptr : t.data.data();
+    records.push_back(t.record);
+  }
+  StepWriter writer(dir.path(), 0, {{"torch_version", "2.13.0"}}, options);
+  writer.write(records);
+  const auto path = writer.commit();
+  EXPECT_EQ(path, dir.path() / "step_00000000.h5");
+  EXPECT_FALSE(std::filesystem::exists(writer.partial_path()));
+
+  StepReader reader(path);
+  EXPECT_EQ(reader.step(), 0);
+  EXPECT_EQ(reader.provenance().at("torch_version"), "2.13.0");
+  ASSERT_EQ(reader.records().size(), tensors.size());
+  for (const auto& t : tensors) {
+    const RecordInfo* info = reader.find(t.record.key);
+    ASSERT_NE(info, nullptr) << to_string(t.record.key);
+    EXPECT_EQ(info->dtype, t.record.tensor.dtype);
+    EXPECT_EQ(info->shape, t.record.tensor.shape);
+    EXPECT_EQ(info->label, t.record.label);
+    const auto data = reader.read(*info);
+    ASSERT_EQ(data.size(), t.data.size()) << to_string(t.record.key);
+    EXPECT_EQ(std::memcmp(data.data(), t.data.data(), data.size()), 0) << to_string(t.record.key);
+  }
+}
+
+Written make(std::string module, DType dtype, std::vector<std::int64_t> shape, std::uint32_t seed,
+             bool compressible = true) {
+  std::uint64_t n = 1;
+  for (auto d : shape) n *= static_cast<std::uint64_t>(d);
+  Written w{make_record(0, std::move(module), Kind::kFwdOutput, 0, Side::kEager, dtype, shape, {}),
+            random_bytes(n * dtype_size(dtype), seed, compressible)};
+  if (dtype == DType::kBool) {
+    for (auto& b : w.data) b = static_cast<std::byte>(static_cast<unsigned>(b) & 1);
+  }
+  return w;
+}
+
+TEST(RoundTrip, EveryDTypeBitForBit) {
+  std::vector<Written> tensors;
+  std::uint32_t seed = 1;
+  for (DType dtype : kAllDTypes) {
+    tensors.push_back(make("m_" + std::string(dtype_name(dtype)), dtype, {37, 129}, seed++));
+  }
+  expect_round_trip(tensors);
+}
+
+TEST(RoundTrip, ZeroDimEmptyAndOddShapes) {
+  std::vector<Written> tensors;
+  tensors.push_back(make("scalar", DType::kFloat32, {}, 1));
+  tensors.push_back(make("scalar_bf16", DType::kBFloat16, {}, 2));
+  tensors.push_back(make("empty", DType::kFloat32, {0}, 3));
+  tensors.push_back(make("empty_2d", DType::kInt64, {4, 0, 3}, 4));
+  tensors.push_back(make("vector", DType::kFloat16, {1}, 5));
+  tensors.push_back(make("rank5", DType::kFloat32, {2, 3, 5, 7, 11}, 6));
+  expect_round_trip(tensors);
+}
+
+TEST(RoundTrip, SizesThatAreNotAMultipleOfTheChunkSize) {
+  // 4 KiB chunks: rows split across chunks with a partial edge chunk, a last dimension longer than
+  // a chunk, and the split falling in a middle dimension.
+  WriterOptions options;
+  options.chunk_bytes = 4096;
+  std::vector<Written> tensors;
+  tensors.push_back(make("rows", DType::kFloat32, {1001, 7}, 1));
+  tensors.push_back(make("long_last_dim", DType::kFloat32, {3, 100003}, 2));
+  tensors.push_back(make("middle_split", DType::kBFloat16, {5, 333, 9}, 3));
+  tensors.push_back(make("one_element_per_row", DType::kFloat64, {9999}, 4));
+  tensors.push_back(make("bytes", DType::kUInt8, {65537}, 5));
+  expect_round_trip(tensors, options);
+}
+
+TEST(RoundTrip, IncompressibleChunksAreStoredAsTheyAre) {
+  std::vector<Written> tensors;
+  tensors.push_back(make("noise", DType::kFloat32, {3, 300000}, 7, /*compressible=*/false));
+  tensors.push_back(make("text", DType::kFloat32, {3, 300000}, 8, /*compressible=*/true));
+  expect_round_trip(tensors);
+}
+
+TEST(RoundTrip, NegativeAndHighZstdLevels) {
+  for (int level : {-5, 1, 19}) {
+    WriterOptions options;
+    options.zstd_level = level;
+    std::vector<Written> tensors;
+    tensors.push_back(make("x", DType::kFloat32, {2048, 33}, 11));
+    expect_round_trip(tensors, options);
+  }
+}
+
+TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
+  TempDir dir;
+  const auto data = random_bytes(64, 3);
+  std::vector<Record> records;
+  for (std::uint32_t call = 0; call < 2; ++call) {
+    for (Side side : {Side::kEager, Side::kCompiled}) {
+      Record r = make_record(4, "layers.0.mlp", Kind::kGradInput, 1, side, DType::kFloat32, {16}, data);
+      r.key.call = call;
+      r.label = "grad of x";
+      records.push_back(r);
+    }
+  }
+  records.push_back(make_record(4, std::string(kLossModule), Kind::kLoss, 0, Side::kCompiled,
+                                DType::kFloat32, {}, data));
+  StepWriter writer(dir.path(), 4, {{"backend", "aot_eager"}, {"rank", "1"}});
+  writer.write(records);
+  writer.write_graph({"__compiled_fn_3.Forward_Graph.0a1b2c3d", "forward", "def forward(x):\n  return x\n",
+                      {{"modules", "layers.0.mlp"}}});
+  const auto path = writer.commit();
+
+  StepReader reader(path);
+  EXPECT_EQ(reader.step(), 4);
+  EXPECT_EQ(reader.format_version(), "1.0");
+  EXPECT_EQ(reader.provenance(), (Provenance{{"backend", "aot_eager"}, {"rank", "1"}}));
+  EXPECT_EQ(reader.records().size(), 5u);
+  for (const Record& r : records) {
+    const RecordInfo* info = reader.find(r.key);
+    ASSERT_NE(info, nullptr) << to_string(r.key);
+    EXPECT_EQ(info->label, r.label);
+  }
+  const auto graphs = reader.graphs();
+  ASSERT_EQ(graphs.size(), 1u);
+  EXPECT_EQ(graphs[0].name, "__compiled_fn_3.Forward_Graph.0a1b2c3d");
+  EXPECT_EQ(graphs[0].kind, "forward");
+  EXPECT_EQ(graphs[0].text, "def forward(x):\n  return x\n");
+  EXPECT_EQ(graphs[0].attributes.at("modules"), "layers.0.mlp");
+}
+
+TEST(RoundTrip, StreamingDeliversChunksInElementOrder) {
+  TempDir dir;
+  const auto data = random_bytes(4 << 20, 9, true);
+  WriterOptions options;
+  options.chunk_bytes = 64 << 10;
+  StepWriter writer(dir.path(), 0, {}, options);
+  writer.write(make_record(0, "x", Kind::kFwdInput, 0, Side::kEager, DType::kFloat32, {1 << 20}, data));
+  StepReader reader(writer.commit());
+  const TensorStream stream = reader.open(reader.records().at(0));
+  EXPECT_EQ(stream.chunk_count(), 64u);
+  std::uint64_t expected_first = 0;
+  stream_chunks(stream, [&](ChunkExtent extent, const std::byte* chunk) {
+    EXPECT_EQ(extent.first_element, expected_first);
+    EXPECT_EQ(std::memcmp(chunk, data.data() + extent.first_element * 4, extent.element_count * 4), 0);
+    expected_first += extent.element_count;
+  });
+  EXPECT_EQ(expected_first, 1u << 20);
+}
+
+TEST(RoundTrip, TensorLargerThanTwoGiB) {
+  TempDir dir;
+  const std::uint64_t bytes = (std::uint64_t{2} << 30) + 12345;
+  std::vector<std::byte> data(bytes);
+  for (std::uint64_t i = 0; i < bytes; ++i) data[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  {
+    StepWriter writer(dir.path(), 0, {});
+    writer.write(make_record(0, "big", Kind::kFwdOutput, 0, Side::kCompiled, DType::kUInt8,
+                             {static_cast<std::int64_t>(bytes)}, data));
+    writer.commit();
+  }
+  StepReader reader(dir.path() / step_file_name(0));
+  const auto back = reader.read(reader.records().at(0));
+  ASSERT_EQ(back.size(), bytes);
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), bytes), 0);
+}
+
+TEST(RoundTrip, RejectsBadKeys) {
+  TempDir dir;
+  const auto data = random_bytes(16, 1);
+  StepWriter writer(dir.path(), 0, {});
+  auto record = make_record(0, "a/b", Kind::kFwdInput, 0, Side::kEager, DType::kFloat32, {4}, data);
+  EXPECT_THROW(writer.write(record), UsageError);
+  record.key.module = "a";
+  record.key.step = 1;
+  EXPECT_THROW(writer.write(record), UsageError);
+  record.key.step = 0;
+  writer.write(record);
+  EXPECT_THROW(writer.write(record), UsageError);  // duplicate key
+}
+
+}  // namespace
+}  // namespace dynaprobe::formats
