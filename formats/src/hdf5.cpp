@@ -13,6 +13,14 @@ void init() {
   static std::once_flag once;
   std::call_once(once, [] {
     Lock lock(hdf5_mutex());
+    // No H5close at exit. In HDF5 < 1.14.1 a file whose H5Fclose fails (its final flush hits a
+    // full disk or a file-size limit) is freed but stays in the ID table, and the exit-time
+    // H5_term_library then closes it again and crashes
+    // (https://github.com/HDFGroup/hdf5/issues/2257, fixed by #2291): a training process whose
+    // capture failed would still segfault at exit. Every file dynaprobe opens is closed by its
+    // RAII handle, so the exit-time cleanup has nothing to do. Effective only when this is the
+    // process's first HDF5 call; otherwise a no-op.
+    H5dont_atexit();
     H5open();
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
     register_zstd_filter();
@@ -141,6 +149,31 @@ std::string read_string_attribute(hid_t object, std::string_view name, std::stri
                      context);
   value.resize(value.find('\0') == std::string::npos ? size : value.find('\0'));
   return value;
+}
+
+std::vector<std::string> attribute_names(hid_t object, std::string_view where) {
+  Lock lock(hdf5_mutex());
+  std::vector<std::string> names;
+  auto collect = [](hid_t, const char* name, const H5A_info_t*, void* data) -> herr_t {
+    static_cast<std::vector<std::string>*>(data)->emplace_back(name);
+    return 0;
+  };
+  check<FormatError>(H5Aiterate2(object, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect, &names),
+                     "listing attributes", where);
+  return names;
+}
+
+std::vector<std::string> link_names(hid_t group, bool creation_order, std::string_view where) {
+  Lock lock(hdf5_mutex());
+  std::vector<std::string> names;
+  auto collect = [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+    static_cast<std::vector<std::string>*>(data)->emplace_back(name);
+    return 0;
+  };
+  check<FormatError>(H5Literate(group, creation_order ? H5_INDEX_CRT_ORDER : H5_INDEX_NAME,
+                                H5_ITER_INC, nullptr, collect, &names),
+                     "listing group", where);
+  return names;
 }
 
 }  // namespace dynaprobe::formats::h5

@@ -10,7 +10,9 @@
 #include <charconv>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "chunk_layout.h"
 #include "dynaprobe/formats/filters.h"
@@ -51,10 +53,19 @@ std::shared_ptr<h5::Handle> open_file(const fs::path& path) {
     throw FormatError(where + ": not an HDF5 file (no HDF5 signature): expected a dynaprobe "
                               "step file; was it truncated at the start or overwritten?");
   }
-  return std::make_shared<h5::Handle>(h5::check<FormatError>(
-                                          H5Fopen(where.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT),
-                                          "cannot open as HDF5 (truncated or corrupt file?)", where),
-                                      H5Fclose);
+  const hid_t file = H5Fopen(where.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (file < 0 && where.ends_with(schema::kPartialSuffix)) {
+    // HDF5's own reason ("file is already open for write (may use <h5clear file> ...)") would
+    // send the user to h5clear, but the step was never committed: its index was not written.
+    throw FormatError(where +
+                      ": an unfinished step (its writer is still running, or stopped "
+                      "before commit, e.g. killed mid-step): its records are lost; read "
+                      "the committed step_<N>.h5 files of the dump instead (HDF5: " +
+                      h5::error_stack() + ")");
+  }
+  return std::make_shared<h5::Handle>(
+      h5::check<FormatError>(file, "cannot open as HDF5 (truncated or corrupt file?)", where),
+      H5Fclose);
 }
 
 bool link_exists(hid_t location, const std::string& path) {
@@ -186,24 +197,80 @@ const std::byte* TensorStream::decode(std::size_t chunk, RawChunk& raw, std::vec
   return data;
 }
 
+namespace {
+
+// The buffers one chunk is decoded in.
+struct Slot {
+  RawChunk raw;
+  std::vector<std::byte> out;
+  std::vector<std::byte> scratch;
+
+  std::size_t capacity() const {
+    return raw.bytes.capacity() + out.capacity() + scratch.capacity();
+  }
+};
+
+// Slots kept from one stream_chunks call to the next. Fresh 1 MiB buffers per call are mapped,
+// page-faulted and handed back to the OS by glibc every time: about 2,000 page faults per
+// 256 MiB tensor, 5% of its read time, and more for the analyzer's many medium-sized tensors.
+// Holds at most a few slots per core, and none larger than a few chunks (a dataset of another
+// tool is read whole, and its buffer must not stay behind).
+class SlotPool {
+ public:
+  std::unique_ptr<Slot> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.empty()) return std::make_unique<Slot>();
+    std::unique_ptr<Slot> slot = std::move(free_.back());
+    free_.pop_back();
+    return slot;
+  }
+  void give_back(std::unique_ptr<Slot> slot) {
+    constexpr std::size_t kMaxSlotBytes = 16 << 20;
+    if (slot->capacity() > kMaxSlotBytes) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.size() <
+        4 * static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()))) {
+      free_.push_back(std::move(slot));
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Slot>> free_;
+};
+
+SlotPool& slot_pool() {
+  static SlotPool pool;
+  return pool;
+}
+
+// The slots of one stream_chunks call, returned to the pool however the call ends.
+struct SlotLease {
+  std::vector<std::unique_ptr<Slot>> slots;
+  explicit SlotLease(std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) slots.push_back(slot_pool().take());
+  }
+  ~SlotLease() {
+    for (auto& slot : slots) slot_pool().give_back(std::move(slot));
+  }
+};
+
+}  // namespace
+
 void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer) {
   const std::size_t count = stream.chunk_count();
-  struct Slot {
-    RawChunk raw;
-    std::vector<std::byte> out;
-    std::vector<std::byte> scratch;
-  };
   if (count == 1) {  // nothing to overlap
-    Slot slot;
+    SlotLease lease(1);
+    Slot& slot = *lease.slots[0];
     stream.fetch(0, slot.raw);
     consumer(stream.extent(0), stream.decode(0, slot.raw, slot.out, slot.scratch));
     return;
   }
-  const std::size_t tokens =
-      std::min<std::size_t>(count, 2 * static_cast<std::size_t>(tbb::this_task_arena::max_concurrency()));
-  std::vector<Slot> slots(tokens);
+  const std::size_t tokens = std::min<std::size_t>(
+      count, 2 * static_cast<std::size_t>(tbb::this_task_arena::max_concurrency()));
+  SlotLease lease(tokens);
   tbb::concurrent_bounded_queue<Slot*> free_slots;
-  for (auto& slot : slots) free_slots.push(&slot);
+  for (auto& slot : lease.slots) free_slots.push(slot.get());
   struct Item {
     std::size_t chunk = 0;
     Slot* slot = nullptr;
@@ -348,17 +415,13 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     throw FormatError(where + ": step attribute '" + step_text + "' is not an integer");
   }
   // Provenance: every other string attribute of the root group.
-  auto collect = [](hid_t location, const char* name, const H5A_info_t*, void* data) -> herr_t {
-    auto& target = *static_cast<Impl*>(data);
-    const std::string key = name;
-    if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) return 0;
+  for (const std::string& key : h5::attribute_names(file, where)) {
+    if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) continue;
     try {
-      target.provenance[key] = h5::read_string_attribute(location, key, target.path.string());
+      impl.provenance[key] = h5::read_string_attribute(file, key, where);
     } catch (const FormatError&) {  // not a string: not provenance written by dynaprobe
     }
-    return 0;
-  };
-  H5Aiterate2(file, H5_INDEX_NAME, H5_ITER_INC, nullptr, collect, &impl);
+  }
 
   const std::string index_name = "/" + std::string(schema::kIndexDataset);
   if (H5Lexists(file, index_name.c_str(), H5P_DEFAULT) <= 0) {
@@ -434,12 +497,7 @@ std::vector<Graph> StepReader::graphs() const {
   if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return graphs;
   h5::Handle group = h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT),
                                       "opening /graphs", where);
-  std::vector<std::string> names;
-  auto list = [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
-    static_cast<std::vector<std::string>*>(data)->push_back(name);
-    return 0;
-  };
-  H5Literate(group.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, list, &names);
+  const auto names = h5::link_names(group.get(), false, where);
   for (const std::string& name : names) {
     const std::string context = where + " /graphs/" + name;
     h5::Handle dataset = h5::dataset_handle(H5Dopen2(group.get(), name.c_str(), H5P_DEFAULT),
@@ -453,20 +511,40 @@ std::vector<Graph> StepReader::graphs() const {
         "reading graph text", context);
     Graph graph{name, "", text ? text : "", {}};
     H5free_memory(text);
-    auto attribute = [](hid_t location, const char* key, const H5A_info_t*, void* data) -> herr_t {
-      auto& g = *static_cast<Graph*>(data);
-      std::string value = h5::read_string_attribute(location, key, g.name);
+    for (const std::string& key : h5::attribute_names(dataset.get(), context)) {
+      std::string value = h5::read_string_attribute(dataset.get(), key, context);
       if (key == schema::kGraphKindAttr) {
-        g.kind = std::move(value);
+        graph.kind = std::move(value);
       } else {
-        g.attributes[key] = std::move(value);
+        graph.attributes[key] = std::move(value);
       }
-      return 0;
-    };
-    H5Aiterate2(dataset.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr, attribute, &graph);
+    }
     graphs.push_back(std::move(graph));
   }
   return graphs;
+}
+
+std::vector<ModuleInfo> StepReader::modules() const {
+  const std::string where = impl_->path.string();
+  h5::Lock lock(h5::hdf5_mutex());
+  const hid_t file = impl_->file->get();
+  const std::string group_name = "/" + std::string(schema::kModulesGroup);
+  std::vector<ModuleInfo> modules;
+  if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return modules;
+  h5::Handle group = h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT),
+                                      "opening /modules", where);
+  const auto names = h5::link_names(group.get(), true, where);
+  for (const std::string& name : names) {
+    const std::string context = where + " /modules/" + name;
+    h5::Handle module = h5::group_handle(H5Gopen2(group.get(), name.c_str(), H5P_DEFAULT),
+                                         "opening module", context);
+    ModuleInfo info{name, {}};
+    for (const std::string& key : h5::attribute_names(module.get(), context)) {
+      info.attributes[key] = h5::read_string_attribute(module.get(), key, context);
+    }
+    modules.push_back(std::move(info));
+  }
+  return modules;
 }
 
 TensorStream StepReader::open(const RecordInfo& record) const {

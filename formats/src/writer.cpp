@@ -78,10 +78,12 @@ struct StepWriter::Impl {
   h5::Handle file;
   h5::Handle tensors;
   h5::Handle graphs;
+  h5::Handle modules;
   std::map<std::string, h5::Handle, std::less<>> module_groups;
   std::set<RecordKey> keys;
   std::vector<RecordInfo> index;
   std::set<std::string> graph_names;
+  std::set<std::string> module_names;
   bool broken = false;
   bool committed = false;
   tbb::task_arena arena;
@@ -349,6 +351,16 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
                                             std::string(schema::kGraphsGroup).c_str(),
                                             H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                                  "creating /graphs", where);
+  {
+    // Creation order is tracked so that readers list modules in model order.
+    h5::Handle gcpl = h5::plist_handle(H5Pcreate(H5P_GROUP_CREATE), "creating gcpl", where);
+    h5::check(H5Pset_link_creation_order(gcpl.get(), H5P_CRT_ORDER_TRACKED | H5P_CRT_ORDER_INDEXED),
+              "tracking creation order", where);
+    impl.modules = h5::group_handle(H5Gcreate2(impl.file.get(),
+                                               std::string(schema::kModulesGroup).c_str(),
+                                               H5P_DEFAULT, gcpl.get(), H5P_DEFAULT),
+                                    "creating /modules", where);
+  }
   const std::size_t tokens = 2 * static_cast<std::size_t>(impl.arena.max_concurrency());
   impl.buffers.resize(tokens);
   for (auto& buffers : impl.buffers) impl.free_buffers.push(&buffers);
@@ -360,6 +372,7 @@ StepWriter::~StepWriter() {
   impl_->module_groups.clear();
   impl_->tensors.reset();
   impl_->graphs.reset();
+  impl_->modules.reset();
   impl_->file.reset();
   std::error_code ignored;
   fs::remove(impl_->partial_path, ignored);
@@ -442,6 +455,29 @@ void StepWriter::write_graph(const Graph& graph) {
   }
 }
 
+void StepWriter::write_module(const ModuleInfo& module) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("write module " + module.module);
+  validate_module_path(module.module);
+  if (!impl.module_names.insert(module.module).second) {
+    throw UsageError("module " + module.module + " was already described in step " +
+                     std::to_string(impl.step));
+  }
+  const std::string where = impl.partial_path.string() + " /modules/" + module.module;
+  h5::Lock lock(h5::hdf5_mutex());
+  try {
+    h5::Handle group = h5::group_handle(H5Gcreate2(impl.modules.get(), module.module.c_str(),
+                                                   H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                                        "creating module group", where);
+    for (const auto& [key, value] : module.attributes) {
+      h5::write_string_attribute(group.get(), key, value, where);
+    }
+  } catch (const IoError&) {
+    impl.broken = true;
+    throw;
+  }
+}
+
 fs::path StepWriter::commit() {
   Impl& impl = *impl_;
   impl.ensure_usable("commit");
@@ -452,6 +488,7 @@ fs::path StepWriter::commit() {
     impl.module_groups.clear();
     impl.tensors.close(where);
     impl.graphs.close(where);
+    impl.modules.close(where);
     impl.file.close(where);
   } catch (...) {
     impl.broken = true;

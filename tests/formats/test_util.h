@@ -19,7 +19,8 @@ namespace dynaprobe::formats::testing {
 class TempDir {
  public:
   TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "dynaprobe-test-XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "dynaprobe-test-XXXXXX").string();
     path_ = ::mkdtemp(pattern.data());
   }
   ~TempDir() {

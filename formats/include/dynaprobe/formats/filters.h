@@ -8,7 +8,7 @@ namespace dynaprobe::formats {
 
 // Registers the zstd filter with the HDF5 library in this process (idempotent). Compatible with
 // the reference plugin of hdf5_plugins and with hdf5plugin.Zstd: one zstd frame per chunk with
-// its content size, level in cd_values[0].
+// its content size (dynaprobe's writer adds zstd's content checksum), level in cd_values[0].
 void register_zstd_filter();
 
 // HDF5's shuffle: byte b of element i goes to position b * n + i (n = size / element_size);

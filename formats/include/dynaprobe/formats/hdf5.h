@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dynaprobe/formats/error.h"
 
@@ -69,5 +70,11 @@ void write_string_attribute(hid_t object, std::string_view name, std::string_vie
                             std::string_view where);
 std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where);
 bool has_attribute(hid_t object, std::string_view name);
+
+// Names of an object's attributes (by name), and of a group's links (by name, or by creation order
+// where the group tracks it). Listing first and reading afterwards keeps C++ exceptions out of
+// HDF5's C callbacks.
+std::vector<std::string> attribute_names(hid_t object, std::string_view where);
+std::vector<std::string> link_names(hid_t group, bool creation_order, std::string_view where);
 
 }  // namespace dynaprobe::formats::h5

@@ -88,6 +88,8 @@ class StepReader {
   // nullptr when the file has no such record.
   const RecordInfo* find(const RecordKey& key) const;
   std::vector<Graph> graphs() const;
+  // In the order they were written.
+  std::vector<ModuleInfo> modules() const;
 
   // Throws FormatError when the dataset is missing or disagrees with the index or its dtype.
   TensorStream open(const RecordInfo& record) const;

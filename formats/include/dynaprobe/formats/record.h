@@ -62,6 +62,14 @@ struct Record {
 // Provenance of a step file: torch version, backend, mode, rank, world size, scenario, host, ...
 using Provenance = std::map<std::string, std::string>;
 
+// What the capture knew about a module in this step, as string attributes: its role ("wrapped",
+// "ignored"), a note when it could not be compared (e.g. "NOT_COMPILED"), its compiled
+// functions, graph breaks, ... Modules are listed in the order they were written (model order).
+struct ModuleInfo {
+  std::string module;
+  std::map<std::string, std::string> attributes;
+};
+
 // A Dynamo/AOTAutograd graph, as source text.
 struct Graph {
   std::string name;  // "__compiled_fn_1.Forward_Graph.1a2b3c4d"

@@ -6,6 +6,7 @@
 //   /                      attrs: dynaprobe_format_version = "<major>.<minor>", step, provenance
 //   /tensors/<module>/<kind>.<side>.<call>.<tensor_index>   one dataset per record, attr dtype
 //   /graphs/<name>         one scalar string dataset per graph, attrs kind and the graph's own
+//   /modules/<module>      one empty group per module the capture knew of, string attributes
 //   /index                 compound table listing every record (no tensor data needs reading)
 #pragma once
 
@@ -22,6 +23,7 @@ inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version
 inline constexpr std::string_view kStepAttr = "step";
 inline constexpr std::string_view kTensorsGroup = "tensors";
 inline constexpr std::string_view kGraphsGroup = "graphs";
+inline constexpr std::string_view kModulesGroup = "modules";
 inline constexpr std::string_view kIndexDataset = "index";
 inline constexpr std::string_view kDtypeAttr = "dtype";
 inline constexpr std::string_view kGraphKindAttr = "kind";

@@ -37,6 +37,7 @@ class StepWriter {
   void write(std::span<const Record> records);
   void write(const Record& record) { write(std::span<const Record>(&record, 1)); }
   void write_graph(const Graph& graph);
+  void write_module(const ModuleInfo& module);
 
   // Writes the index, closes, fsyncs and atomically renames the file. Returns the final path.
   std::filesystem::path commit();

@@ -1,0 +1,350 @@
+// The dynaprobe command line: compare dumps, list them, extract their graphs.
+// Exit codes: 0 all pass, 1 mismatches found, 2 usage error, 3 I/O or format error.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/report.h"
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/reader.h"
+
+namespace fs = std::filesystem;
+namespace analyze = dynaprobe::analyze;
+namespace formats = dynaprobe::formats;
+
+namespace {
+
+constexpr int kExitPass = 0;
+constexpr int kExitMismatch = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitIo = 3;
+
+void write_text_file(const fs::path& path, const std::string& text) {
+  if (path.has_parent_path()) {
+    std::error_code error;
+    fs::create_directories(path.parent_path(), error);
+  }
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  out.close();
+  if (!out) throw dynaprobe::IoError("cannot write " + path.string());
+}
+
+// "report.csv" -> "report_rank1.csv", for per-rank CSVs of a run folder.
+fs::path with_rank(const fs::path& path, int rank) {
+  fs::path result = path;
+  result.replace_filename(path.stem().string() + "_rank" + std::to_string(rank) +
+                          path.extension().string());
+  return result;
+}
+
+// A progress bar on stderr, drawn only when stderr is a terminal and the work takes a while.
+std::function<void(std::uint64_t, std::uint64_t)> progress_bar() {
+  if (!::isatty(STDERR_FILENO)) return nullptr;
+  const auto start = std::chrono::steady_clock::now();
+  return [start, drawn = false](std::uint64_t done, std::uint64_t total) mutable {
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (total == 0 || (elapsed < 0.5 && !drawn)) return;
+    const double fraction = std::min(1.0, static_cast<double>(done) / static_cast<double>(total));
+    const int width = 40;
+    const int filled = static_cast<int>(fraction * width);
+    std::fprintf(stderr, "\r  comparing [%s%s] %3.0f%%  %.2f / %.2f GB  ",
+                 std::string(filled, '#').c_str(), std::string(width - filled, ' ').c_str(),
+                 fraction * 100, static_cast<double>(done) / 1e9,
+                 static_cast<double>(total) / 1e9);
+    if (done >= total) std::fprintf(stderr, "\r%80s\r", "");
+    std::fflush(stderr);
+    drawn = true;
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+struct CompareCommand {
+  std::vector<std::string> dumps;
+  std::string csv, merged_csv, json;
+  std::optional<double> atol, rtol;
+  std::optional<std::int64_t> step;
+  std::string module;
+  int threads = 0;
+};
+
+void setup_compare(CLI::App& app, CompareCommand& cmd) {
+  auto* sub = app.add_subcommand(
+      "compare",
+      "Compare the eager side of a dump with its compiled side and print the report.\n"
+      "DUMP is a run folder (rank<R>/ folders), a dump folder (step_<N>.h5 files) or one step\n"
+      "file. With DUMP2, the eager side comes from DUMP and the compiled side from DUMP2\n"
+      "(captures made in different processes or on different machines); run folders pair rank\n"
+      "by rank.");
+  sub->add_option("DUMP", cmd.dumps, "Dump (both sides), or the eager side when DUMP2 is given")
+      ->required()
+      ->expected(1, 2)
+      ->type_name("DUMP [DUMP2]");
+  sub->add_option("--csv", cmd.csv,
+                  "Write the spec's 9-column CSV report here (one file per rank for run folders: "
+                  "NAME_rank<R>.csv)");
+  sub->add_option("--merged-csv", cmd.merged_csv,
+                  "Write one CSV for all ranks: rank,scenario followed by the 9 columns");
+  sub->add_option("--json", cmd.json, "Write every row with every metric and the provenance as JSON");
+  sub->add_option("--atol", cmd.atol, "Absolute tolerance (default: the dump's, else 1e-4)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--rtol", cmd.rtol, "Relative tolerance (default: the dump's, else 1e-3)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--step", cmd.step, "Compare only this step");
+  sub->add_option("--module", cmd.module, "Compare only modules matching this glob, e.g. 'layers.*'");
+  sub->add_option("--threads", cmd.threads, "Threads to use (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+int run_compare(const CompareCommand& cmd) {
+  analyze::CompareOptions options;
+  if (cmd.atol || cmd.rtol) {
+    options.tolerances = analyze::Tolerances{cmd.atol.value_or(1e-4), cmd.rtol.value_or(1e-3)};
+  }
+  options.step = cmd.step;
+  options.module_glob = cmd.module;
+  options.threads = cmd.threads;
+  options.progress = progress_bar();
+
+  const auto eager_ranks = analyze::find_rank_dumps(cmd.dumps[0]);
+  auto compiled_ranks = eager_ranks;
+  if (cmd.dumps.size() == 2) {
+    compiled_ranks = analyze::find_rank_dumps(cmd.dumps[1]);
+    if (compiled_ranks.size() != eager_ranks.size()) {
+      throw dynaprobe::UsageError(cmd.dumps[0] + " has " + std::to_string(eager_ranks.size()) +
+                                  " rank(s) but " + cmd.dumps[1] + " has " +
+                                  std::to_string(compiled_ranks.size()) +
+                                  "; compare runs with the same ranks, or name one rank folder each");
+    }
+  }
+  std::vector<analyze::RankComparison> results;
+  const bool many_ranks = eager_ranks.size() > 1;
+  for (std::size_t i = 0; i < eager_ranks.size(); ++i) {
+    analyze::RankComparison result;
+    result.rank = eager_ranks[i].rank;
+    result.comparison = analyze::compare(eager_ranks[i].path, compiled_ranks[i].path, options);
+    const auto& provenance = result.comparison.compiled_provenance;
+    auto scenario = provenance.find("scenario");
+    result.scenario = scenario == provenance.end() ? "" : scenario->second;
+
+    for (const auto& warning : result.comparison.warnings) {
+      std::cerr << "dynaprobe: warning: " << warning << "\n";
+    }
+    if (many_ranks) {
+      std::cout << "Rank " << result.rank
+                << (result.scenario.empty() ? "" : " (scenario " + result.scenario + ")") << ": "
+                << eager_ranks[i].path.string() << "\n";
+    }
+    std::cout << analyze::render_provenance_differences(result.comparison);
+    const auto& steps = result.comparison.steps;
+    for (const auto& step : steps) {
+      if (steps.size() > 1) std::cout << "Step " << step.step << "\n";
+      std::cout << analyze::render_text(step);
+    }
+    if (!cmd.csv.empty()) {
+      const fs::path path = many_ranks ? with_rank(cmd.csv, result.rank) : fs::path(cmd.csv);
+      write_text_file(path, analyze::render_csv(steps));
+      std::cout << "CSV report saved to: " << path.string() << "\n";
+    }
+    results.push_back(std::move(result));
+  }
+  if (!cmd.merged_csv.empty()) {
+    write_text_file(cmd.merged_csv, analyze::render_merged_csv(results));
+    std::cout << "Merged CSV report saved to: " << cmd.merged_csv << "\n";
+  }
+  if (!cmd.json.empty()) {
+    write_text_file(cmd.json, analyze::render_json(results));
+    std::cout << "JSON report saved to: " << cmd.json << "\n";
+  }
+  const bool all_pass = std::all_of(results.begin(), results.end(),
+                                    [](const auto& r) { return r.comparison.all_pass(); });
+  return all_pass ? kExitPass : kExitMismatch;
+}
+
+// ---------------------------------------------------------------------------------------------
+struct LsCommand {
+  std::string dump;
+};
+
+void setup_ls(CLI::App& app, LsCommand& cmd) {
+  auto* sub = app.add_subcommand(
+      "ls",
+      "List the steps, provenance, modules, records (dtype, shape, sizes) and graphs of a dump.\n"
+      "Reads only the index of each step file, no tensor data.");
+  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")->required();
+}
+
+std::string human_bytes(std::uint64_t bytes) {
+  char buffer[32];
+  if (bytes < 1024) {
+    std::snprintf(buffer, sizeof(buffer), "%llu B", static_cast<unsigned long long>(bytes));
+  } else if (bytes < (1u << 20)) {
+    std::snprintf(buffer, sizeof(buffer), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
+  } else if (bytes < (1u << 30)) {
+    std::snprintf(buffer, sizeof(buffer), "%.1f MiB", static_cast<double>(bytes) / 1048576.0);
+  } else {
+    std::snprintf(buffer, sizeof(buffer), "%.2f GiB", static_cast<double>(bytes) / 1073741824.0);
+  }
+  return buffer;
+}
+
+int run_ls(const LsCommand& cmd) {
+  for (const auto& rank : analyze::find_rank_dumps(cmd.dump)) {
+    const auto files = formats::list_dump(rank.path);
+    for (const auto& file : files.steps) {
+      formats::StepReader reader(file);
+      std::printf("%s  (step %lld, format %s)\n", file.c_str(),
+                  static_cast<long long>(reader.step()), reader.format_version().c_str());
+      for (const auto& [key, value] : reader.provenance()) {
+        std::printf("  %-16s %s\n", (key + ":").c_str(), value.c_str());
+      }
+      const auto modules = reader.modules();
+      if (!modules.empty()) {
+        std::printf("  modules:\n");
+        for (const auto& module : modules) {
+          std::string attributes;
+          for (const auto& [key, value] : module.attributes) {
+            attributes += (attributes.empty() ? "" : ", ") + key + "=" + value;
+          }
+          std::printf("    %-40s %s\n", module.module.c_str(), attributes.c_str());
+        }
+      }
+      std::printf("  %-32s %4s %-11s %5s %-9s %-15s %-20s %10s %10s %6s\n", "module", "call",
+                  "kind", "index", "side", "dtype", "shape", "bytes", "stored", "ratio");
+      std::uint64_t total = 0, stored = 0;
+      for (const auto& record : reader.records()) {
+        total += record.nbytes();
+        stored += record.stored_bytes;
+        std::printf("  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n",
+                    record.key.module.c_str(), record.key.call,
+                    std::string(formats::kind_name(record.key.kind)).c_str(),
+                    record.key.tensor_index,
+                    std::string(formats::side_name(record.key.side)).c_str(),
+                    std::string(formats::dtype_name(record.dtype)).c_str(),
+                    formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
+                    human_bytes(record.stored_bytes).c_str(),
+                    record.stored_bytes ? static_cast<double>(record.nbytes()) /
+                                                  static_cast<double>(record.stored_bytes)
+                                            : 0.0);
+      }
+      std::printf("  %zu records, %s of tensors stored in %s\n", reader.records().size(),
+                  human_bytes(total).c_str(), human_bytes(stored).c_str());
+      for (const auto& graph : reader.graphs()) {
+        std::printf("  graph %s (%s, %zu bytes)\n", graph.name.c_str(), graph.kind.c_str(),
+                    graph.text.size());
+      }
+    }
+    for (const auto& file : files.unfinished) {
+      std::printf("%s  (unfinished: the writer stopped during this step; it is skipped)\n",
+                  file.c_str());
+    }
+  }
+  return kExitPass;
+}
+
+// ---------------------------------------------------------------------------------------------
+struct GraphsCommand {
+  std::string dump;
+  std::string output;
+};
+
+void setup_graphs(CLI::App& app, GraphsCommand& cmd) {
+  auto* sub = app.add_subcommand(
+      "graphs",
+      "Write the Dynamo/AOTAutograd graphs stored in a dump as .py files, named as PyTorch\n"
+      "names them (__compiled_fn_<n>.Forward_Graph.<hash>.py). Run folders get one folder per\n"
+      "rank.");
+  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")->required();
+  sub->add_option("-o,--output", cmd.output, "Folder to write the graphs to")->required();
+}
+
+// Graph names come from the file: keep them to a safe alphabet so nothing is written outside
+// the output folder.
+std::string safe_file_name(const std::string& name) {
+  std::string safe;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-' || c == '.';
+    safe += ok ? c : '_';
+  }
+  if (safe.empty() || safe.front() == '.') safe = "_" + safe;
+  return safe;
+}
+
+int run_graphs(const GraphsCommand& cmd) {
+  const auto ranks = analyze::find_rank_dumps(cmd.dump);
+  std::size_t written = 0;
+  for (const auto& rank : ranks) {
+    const fs::path folder = ranks.size() > 1 ? fs::path(cmd.output) / ("rank" + std::to_string(rank.rank))
+                                             : fs::path(cmd.output);
+    std::map<std::string, std::string> texts;
+    for (const auto& file : formats::list_dump(rank.path).steps) {
+      formats::StepReader reader(file);
+      for (const auto& graph : reader.graphs()) {
+        std::string name = safe_file_name(graph.name);
+        auto existing = texts.find(name);
+        if (existing != texts.end() && existing->second == graph.text) continue;
+        if (existing != texts.end()) name += ".step" + std::to_string(reader.step());
+        texts[name] = graph.text;
+        const fs::path path = folder / (name + ".py");
+        write_text_file(path, graph.text);
+        std::printf("%s\n", path.c_str());
+        ++written;
+      }
+    }
+  }
+  if (written == 0) {
+    std::fprintf(stderr, "dynaprobe: no graphs in %s (capture with dump_graphs=True to store them)\n",
+                 cmd.dump.c_str());
+  }
+  return kExitPass;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app(
+      "dynaprobe: find where torch.compile changes a PyTorch model's numbers.\n"
+      "Compares the eager and compiled sides of dumps captured by dynaprobe.PrecisionChecker.\n"
+      "Exit codes: 0 all pass, 1 mismatches found, 2 usage error, 3 I/O or format error.",
+      "dynaprobe");
+  app.require_subcommand(1);
+  CompareCommand compare;
+  LsCommand ls;
+  GraphsCommand graphs;
+  setup_compare(app, compare);
+  setup_ls(app, ls);
+  setup_graphs(app, graphs);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return kExitUsage;
+  }
+  try {
+    if (app.got_subcommand("compare")) return run_compare(compare);
+    if (app.got_subcommand("ls")) return run_ls(ls);
+    return run_graphs(graphs);
+  } catch (const dynaprobe::UsageError& e) {
+    std::cerr << "dynaprobe: error: " << e.what() << "\n";
+    return kExitUsage;
+  } catch (const dynaprobe::Error& e) {
+    std::cerr << "dynaprobe: error: " << e.what() << "\n";
+    return kExitIo;
+  } catch (const std::exception& e) {
+    std::cerr << "dynaprobe: error: " << e.what() << "\n";
+    return kExitIo;
+  }
+}

@@ -1,0 +1,121 @@
+// The comparison engine: aligns the records of an eager and a compiled side by (step, module, call,
+// kind, tensor index) and computes the spec's metrics, in parallel over records and over chunks of
+// large tensors, streaming chunk pairs from the dump reader (memory O(threads x chunk)).
+// The CLI and the Python API both use it, so their results cannot differ.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dynaprobe/analyze/metrics.h"
+#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/record.h"
+
+namespace dynaprobe::analyze {
+
+enum class Status { kPass, kFail, kSkip, kWarn };
+std::string_view status_name(Status status);  // "PASS", "FAIL", "SKIP", "WARN"
+
+// Notes of the spec's report (常见标记说明) and the ones dynaprobe adds.
+namespace notes {
+inline constexpr std::string_view kIgnored = "IGNORED";
+inline constexpr std::string_view kCompiledWrapper = "SKIP_compiled_wrapper";
+inline constexpr std::string_view kInsideCompiled = "SKIP_inside_compiled";
+inline constexpr std::string_view kMissingFwdInCompiled = "MISSING_fwd_in_compiled";
+inline constexpr std::string_view kMissingFwdInEager = "MISSING_fwd_in_eager";
+inline constexpr std::string_view kMissingBwdInCompiled = "MISSING_bwd_in_compiled";
+inline constexpr std::string_view kMissingBwdInEager = "MISSING_bwd_in_eager";
+}  // namespace notes
+
+// Attributes of /modules/<module> that the engine reads (written by the capture).
+namespace module_attributes {
+inline constexpr std::string_view kRole = "role";  // "wrapped", "ignored"
+inline constexpr std::string_view kNote = "note";  // e.g. "NOT_COMPILED": the module is a WARN
+inline constexpr std::string_view kReason = "reason";
+}  // namespace module_attributes
+
+struct TensorSide {
+  formats::DType dtype = formats::DType::kFloat32;
+  std::vector<std::int64_t> shape;
+};
+
+// One line of the report: a compared tensor, a tensor present on one side only, or (no kind) a
+// note about a whole module.
+struct Row {
+  std::string module;
+  std::uint32_t call = 0;
+  std::optional<formats::Kind> kind;
+  std::uint32_t tensor_index = 0;
+  std::string label;
+  Status status = Status::kPass;
+  std::string note;    // one of notes::*, or a capture note such as NOT_COMPILED
+  std::string reason;  // why, in words (failures and notes)
+  std::optional<TensorSide> eager;
+  std::optional<TensorSide> compiled;
+  std::optional<TensorMetrics> metrics;  // both sides present with equal shapes
+
+  bool shape_mismatch() const { return eager && compiled && eager->shape != compiled->shape; }
+};
+
+struct StepReport {
+  std::int64_t step = 0;
+  std::optional<double> loss_eager;
+  std::optional<double> loss_compiled;
+  bool single_pass = false;  // loss_eager is NaN by design
+  bool capture_input = true;
+  std::string cast_dtype;  // "torch.bfloat16" when the capture used autocast, else empty
+  Tolerances tolerances;
+  std::vector<Row> rows;  // modules in model order, then call, kind, tensor index
+
+  // True when the loss check and every row pass (skipped and ignored rows do not count), as the
+  // RESULT line says.
+  bool all_pass() const;
+  // The LOSS check: two-pass compares the two losses with the tolerances; single-pass has only
+  // the compiled loss and PASSes when it is finite; without a recorded loss there is no check.
+  Status loss_status() const;
+};
+
+struct ProvenanceDifference {
+  std::string key;
+  std::string eager;
+  std::string compiled;
+};
+
+struct Comparison {
+  std::vector<StepReport> steps;
+  formats::Provenance eager_provenance;
+  formats::Provenance compiled_provenance;
+  std::vector<ProvenanceDifference> provenance_differences;  // only when two dumps are compared
+  std::vector<std::string> warnings;  // unfinished steps, steps found on one side only, ...
+
+  bool all_pass() const;
+};
+
+struct CompareOptions {
+  std::optional<Tolerances> tolerances;  // default: the dump's own (atol/rtol), else 1e-4/1e-3
+  std::optional<std::int64_t> step;      // only this step
+  std::string module_glob;               // only modules matching (fnmatch), empty: all
+  int threads = 0;                       // 0: all cores
+  // Called now and then with uncompressed bytes compared so far and in total.
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+};
+
+// Compares the eager side of `eager_dump` with the compiled side of `compiled_dump` (the same path
+// for a single-pass dump holding both). A dump is a rank folder of step files or one step file.
+// Throws IoError / FormatError for unreadable or invalid dumps; mismatches are results.
+Comparison compare(const std::filesystem::path& eager_dump,
+                   const std::filesystem::path& compiled_dump, const CompareOptions& options);
+
+// The rank dumps of a run folder ("rank<R>/" sub-folders), or the path itself when it is a dump.
+struct RankDump {
+  int rank = 0;
+  std::filesystem::path path;
+};
+std::vector<RankDump> find_rank_dumps(const std::filesystem::path& path);
+
+}  // namespace dynaprobe::analyze

@@ -1,0 +1,38 @@
+// The reports of a comparison: the spec's stdout report and CSV (报告说明, CSV 报告格式), the
+// multi-rank CSV (多卡 CSV 报告格式), and JSON with every metric for scripts and CI.
+// docs/report-format.md explains the choices where the spec's examples disagree.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dynaprobe/analyze/engine.h"
+
+namespace dynaprobe::analyze {
+
+// The stdout report of one step, byte for byte in the spec's layout.
+std::string render_text(const StepReport& report);
+
+// The spec's 9-column CSV of one or more steps (a header, then each step's LOSS row and rows).
+std::string render_csv(const std::vector<StepReport>& steps);
+
+// One comparison per rank and scenario, for the merged multi-rank CSV.
+struct RankComparison {
+  int rank = 0;
+  std::string scenario;
+  Comparison comparison;
+};
+// "rank,scenario" followed by the 9 columns, every rank's rows in rank order.
+std::string render_merged_csv(const std::vector<RankComparison>& ranks);
+
+// Every row with every metric, the provenance of both sides and a summary.
+std::string render_json(const std::vector<RankComparison>& ranks);
+
+// Lines saying how two dumps differ in provenance (torch version, backend, ...); empty if alike.
+std::string render_provenance_differences(const Comparison& comparison);
+
+// Python's formatting of floats in the spec's reports: "%.3e"/"%.6e"/"%.6f", with "nan", "inf"
+// and "-inf" spelled as Python spells them.
+std::string format_float(double value, const char* printf_format);
+
+}  // namespace dynaprobe::analyze

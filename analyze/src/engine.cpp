@@ -1,0 +1,487 @@
+#include "dynaprobe/analyze/engine.h"
+
+#include <fnmatch.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/schema.h"
+#include "tensor_pair.h"
+
+namespace dynaprobe::analyze {
+namespace fs = std::filesystem;
+using formats::Kind;
+using formats::RecordInfo;
+using formats::Side;
+using formats::StepReader;
+
+namespace {
+
+constexpr Kind kTensorKinds[] = {Kind::kFwdInput, Kind::kFwdOutput, Kind::kGradInput,
+                                 Kind::kGradOutput, Kind::kParamGrad};
+
+bool is_forward(Kind kind) { return kind == Kind::kFwdInput || kind == Kind::kFwdOutput; }
+
+// The committed steps of one dump, opened (which reads each file's index, no tensor data).
+struct OpenDump {
+  std::map<std::int64_t, std::shared_ptr<StepReader>> steps;
+  std::vector<fs::path> unfinished;
+};
+
+OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) {
+  const formats::DumpFiles files = formats::list_dump(path);
+  if (files.steps.empty() && files.unfinished.empty()) {
+    throw FormatError(path.string() +
+                      ": no step files (step_<N>.h5): expected a dump folder, a step file or a "
+                      "run folder with rank<R>/ folders");
+  }
+  OpenDump dump;
+  dump.unfinished = files.unfinished;
+  for (const fs::path& file : files.steps) {
+    auto reader = std::make_shared<StepReader>(file);
+    if (only_step && reader->step() != *only_step) continue;
+    const std::int64_t step = reader->step();
+    if (!dump.steps.emplace(step, std::move(reader)).second) {
+      throw FormatError(file.string() + ": step " + std::to_string(step) +
+                        " appears twice in " + path.string());
+    }
+  }
+  return dump;
+}
+
+std::optional<double> parse_double(const formats::Provenance& provenance, const std::string& key) {
+  auto found = provenance.find(key);
+  if (found == provenance.end()) return std::nullopt;
+  try {
+    return std::stod(found->second);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::string provenance_value(const formats::Provenance& provenance, const std::string& key) {
+  auto found = provenance.find(key);
+  return found == provenance.end() ? std::string() : found->second;
+}
+
+// The loss of one side, as a double.
+std::optional<double> read_loss(const StepReader* reader, Side side) {
+  if (!reader) return std::nullopt;
+  const RecordInfo* info =
+      reader->find(formats::RecordKey{reader->step(), std::string(formats::kLossModule), 0,
+                                      Kind::kLoss, 0, side});
+  if (!info || info->numel() != 1) return std::nullopt;
+  const auto bytes = reader->read(*info);
+  if (info->dtype == formats::DType::kFloat64) {
+    double value;
+    std::memcpy(&value, bytes.data(), sizeof(value));
+    return value;
+  }
+  float value;
+  formats::convert_to_float32(info->dtype, bytes.data(), 1, &value);
+  return value;
+}
+
+struct TensorKey {
+  std::string module;
+  std::uint32_t call;
+  Kind kind;
+  std::uint32_t tensor_index;
+  auto operator<=>(const TensorKey&) const = default;
+};
+
+struct Pair {
+  const RecordInfo* eager = nullptr;
+  const RecordInfo* compiled = nullptr;
+};
+
+// A row whose metrics still have to be computed.
+struct Task {
+  StepReport* report;
+  std::size_t row;
+  const StepReader* eager_reader;
+  const RecordInfo* eager;
+  const StepReader* compiled_reader;
+  const RecordInfo* compiled;
+};
+
+bool under(const std::string& module, const std::string& prefix) {
+  return module.size() > prefix.size() && module.compare(0, prefix.size(), prefix) == 0 &&
+         module[prefix.size()] == '.';
+}
+
+class StepBuilder {
+ public:
+  StepBuilder(const CompareOptions& options, Tolerances tolerances)
+      : options_(options), tolerances_(tolerances) {}
+
+  StepReport build(std::int64_t step, const StepReader* eager, const StepReader* compiled,
+                   std::vector<Task>& tasks_out);
+
+ private:
+  void add_module_order(const std::string& module) {
+    if (seen_.insert(module).second) order_.push_back(module);
+  }
+  bool wanted(const std::string& module) const {
+    return options_.module_glob.empty() ||
+           fnmatch(options_.module_glob.c_str(), module.c_str(), 0) == 0;
+  }
+
+  const CompareOptions& options_;
+  Tolerances tolerances_;
+  std::vector<std::string> order_;
+  std::set<std::string> seen_;
+};
+
+StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
+                              const StepReader* compiled, std::vector<Task>& tasks) {
+  order_.clear();
+  seen_.clear();
+  StepReport report;
+  report.step = step;
+  report.tolerances = tolerances_;
+  const StepReader* any = eager ? eager : compiled;
+  const formats::Provenance& provenance = any->provenance();
+  report.single_pass = provenance_value(provenance, "mode") == "single_pass";
+  report.capture_input = provenance_value(provenance, "capture_input") != "false";
+  const std::string cast = provenance_value(provenance, "cast_dtype");
+  report.cast_dtype = cast == "None" ? "" : cast;
+  report.loss_eager = read_loss(eager, Side::kEager);
+  report.loss_compiled = read_loss(compiled, Side::kCompiled);
+
+  // Module order and roles: the capture's module list (model order), then modules seen in records.
+  std::map<std::string, std::map<std::string, std::string>> module_attributes;
+  for (const StepReader* reader : {eager, compiled}) {
+    if (!reader) continue;
+    for (const auto& info : reader->modules()) {
+      add_module_order(info.module);
+      auto& attributes = module_attributes[info.module];
+      for (const auto& [key, value] : info.attributes) attributes.emplace(key, value);
+    }
+  }
+  std::map<TensorKey, Pair> pairs;
+  const auto collect = [&](const StepReader* reader, Side side) {
+    if (!reader) return;
+    for (const RecordInfo& info : reader->records()) {
+      if (info.key.side != side || info.key.kind == Kind::kLoss) continue;
+      add_module_order(info.key.module);
+      Pair& pair = pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}];
+      (side == Side::kEager ? pair.eager : pair.compiled) = &info;
+    }
+  };
+  collect(eager, Side::kEager);
+  collect(compiled, Side::kCompiled);
+
+  std::vector<std::string> wrapped, ignored;
+  for (const auto& [module, attributes] : module_attributes) {
+    auto role = attributes.find(std::string(module_attributes::kRole));
+    if (role == attributes.end()) continue;
+    if (role->second == "wrapped") wrapped.push_back(module);
+    if (role->second == "ignored") ignored.push_back(module);
+  }
+  const auto is_ignored = [&](const std::string& module) {
+    return std::any_of(ignored.begin(), ignored.end(), [&](const std::string& prefix) {
+      return module == prefix || under(module, prefix);
+    });
+  };
+  const auto inside_wrapped = [&](const std::string& module) {
+    return std::any_of(wrapped.begin(), wrapped.end(),
+                       [&](const std::string& w) { return under(module, w); });
+  };
+  const auto is_wrapped = [&](const std::string& module) {
+    return std::find(wrapped.begin(), wrapped.end(), module) != wrapped.end();
+  };
+
+  for (const std::string& module : order_) {
+    if (!wanted(module)) continue;
+    const auto attributes = module_attributes.find(module);
+    if (is_ignored(module)) {
+      // Only the ignored modules themselves get a row; their submodules are covered by it.
+      const bool listed = attributes != module_attributes.end() &&
+                          attributes->second.count(std::string(module_attributes::kRole)) &&
+                          attributes->second.at(std::string(module_attributes::kRole)) == "ignored";
+      if (listed) {
+        Row row;
+        row.module = module;
+        row.status = Status::kSkip;
+        row.note = notes::kIgnored;
+        report.rows.push_back(std::move(row));
+      }
+      continue;
+    }
+    if (attributes != module_attributes.end()) {
+      auto note = attributes->second.find(std::string(module_attributes::kNote));
+      if (note != attributes->second.end() && !note->second.empty()) {
+        Row row;
+        row.module = module;
+        row.note = note->second;
+        row.status = note->second.starts_with("SKIP") ? Status::kSkip : Status::kWarn;
+        auto reason = attributes->second.find(std::string(module_attributes::kReason));
+        if (reason != attributes->second.end()) row.reason = reason->second;
+        report.rows.push_back(std::move(row));
+      }
+    }
+    for (auto it = pairs.lower_bound({module, 0, Kind::kFwdInput, 0});
+         it != pairs.end() && it->first.module == module; ++it) {
+      const TensorKey& key = it->first;
+      Pair pair = it->second;
+      Row row;
+      row.module = module;
+      row.call = key.call;
+      row.kind = key.kind;
+      row.tensor_index = key.tensor_index;
+      // Single-pass re-runs the eager module on the very inputs of the compiled one: an input
+      // recorded once stands for both sides.
+      if (report.single_pass && key.kind == Kind::kFwdInput) {
+        if (!pair.eager) pair.eager = pair.compiled;
+        if (!pair.compiled) pair.compiled = pair.eager;
+      }
+      if (pair.eager) {
+        row.eager = TensorSide{pair.eager->dtype, pair.eager->shape};
+        row.label = pair.eager->label;
+      }
+      if (pair.compiled) {
+        row.compiled = TensorSide{pair.compiled->dtype, pair.compiled->shape};
+        if (row.label.empty()) row.label = pair.compiled->label;
+      }
+      if (pair.eager && pair.compiled) {
+        if (row.shape_mismatch()) {
+          row.status = Status::kFail;
+          row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
+                       ", compiled " + formats::shape_string(pair.compiled->shape);
+        } else {
+          tasks.push_back(Task{nullptr, report.rows.size(), eager, pair.eager, compiled,
+                               pair.compiled});
+        }
+      } else if (pair.eager) {
+        if (is_forward(key.kind)) {
+          row.status = inside_wrapped(module) ? Status::kSkip : Status::kWarn;
+          row.note = inside_wrapped(module) ? notes::kInsideCompiled : notes::kMissingFwdInCompiled;
+        } else if (is_wrapped(module)) {
+          row.status = Status::kSkip;
+          row.note = notes::kCompiledWrapper;
+        } else {
+          row.status = inside_wrapped(module) ? Status::kSkip : Status::kWarn;
+          row.note = inside_wrapped(module) ? notes::kInsideCompiled : notes::kMissingBwdInCompiled;
+        }
+      } else {
+        row.status = Status::kWarn;
+        row.note = is_forward(key.kind) ? notes::kMissingFwdInEager : notes::kMissingBwdInEager;
+      }
+      report.rows.push_back(std::move(row));
+    }
+  }
+  return report;
+}
+
+// Prints nothing itself: calls options.progress from a helper thread every 100 ms while the
+// comparison runs.
+class ProgressTicker {
+ public:
+  ProgressTicker(const CompareOptions& options, std::atomic<std::uint64_t>& done,
+                 std::uint64_t total)
+      : options_(options), done_(done), total_(total) {
+    if (options_.progress) thread_ = std::thread([this] { run(); });
+  }
+  ~ProgressTicker() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+    options_.progress(done_.load(), total_);
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stop_; })) {
+      options_.progress(done_.load(), total_);
+    }
+  }
+  const CompareOptions& options_;
+  std::atomic<std::uint64_t>& done_;
+  std::uint64_t total_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
+  std::uint64_t total = 0;
+  for (const Task& task : tasks) total += task.eager->nbytes() + task.compiled->nbytes();
+  std::atomic<std::uint64_t> done{0};
+  ProgressTicker ticker(options, done, total);
+  tbb::task_arena arena(options.threads > 0 ? options.threads : tbb::task_arena::automatic);
+  arena.execute([&] {
+    tbb::parallel_for(std::size_t{0}, tasks.size(), [&](std::size_t i) {
+      Task& task = tasks[i];
+      const formats::TensorStream eager = task.eager_reader->open(*task.eager);
+      const formats::TensorStream compiled = task.compiled_reader->open(*task.compiled);
+      Row& row = task.report->rows[task.row];
+      row.metrics = compare_tensors(eager, compiled, task.report->tolerances, done);
+      const TensorMetrics& m = *row.metrics;
+      row.status = m.allclose ? Status::kPass : Status::kFail;
+      if (!m.allclose && m.nonfinite_only_compiled > 0) {
+        row.reason = std::to_string(m.nonfinite_only_compiled) + " NaN/Inf only in compiled";
+      }
+    });
+  });
+}
+
+}  // namespace
+
+std::string_view status_name(Status status) {
+  switch (status) {
+    case Status::kPass: return "PASS";
+    case Status::kFail: return "FAIL";
+    case Status::kSkip: return "SKIP";
+    case Status::kWarn: return "WARN";
+  }
+  return "?";
+}
+
+bool StepReport::all_pass() const {
+  return loss_status() == Status::kPass &&
+         std::none_of(rows.begin(), rows.end(), [](const Row& row) {
+           return row.status == Status::kFail || row.status == Status::kWarn;
+         });
+}
+
+Status StepReport::loss_status() const {
+  if (!loss_compiled) return Status::kPass;  // no loss recorded: nothing to check
+  const double compiled = *loss_compiled;
+  if (single_pass || !loss_eager) return std::isfinite(compiled) ? Status::kPass : Status::kFail;
+  const double eager = *loss_eager;
+  // torch.isclose on the two scalars (eager = a, compiled = b).
+  const bool close =
+      eager == compiled || (std::isfinite(std::fabs(eager - compiled)) &&
+                            std::fabs(eager - compiled) <= tolerances.atol + tolerances.rtol * std::fabs(compiled));
+  return close ? Status::kPass : Status::kFail;
+}
+
+bool Comparison::all_pass() const {
+  return std::all_of(steps.begin(), steps.end(), [](const StepReport& s) { return s.all_pass(); });
+}
+
+Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
+                   const CompareOptions& options) {
+  std::error_code error;
+  const bool same = fs::equivalent(eager_dump, compiled_dump, error);
+  const OpenDump eager = open_dump(eager_dump, options.step);
+  const OpenDump compiled = same ? OpenDump{} : open_dump(compiled_dump, options.step);
+  const OpenDump& compiled_side = same ? eager : compiled;
+
+  Comparison result;
+  for (const auto& path : eager.unfinished) {
+    result.warnings.push_back(path.string() +
+                              ": unfinished step (the writer stopped while writing it); skipped");
+  }
+  if (!same) {
+    for (const auto& path : compiled.unfinished) {
+      result.warnings.push_back(path.string() +
+                                ": unfinished step (the writer stopped while writing it); skipped");
+    }
+  }
+  if (!eager.steps.empty()) result.eager_provenance = eager.steps.begin()->second->provenance();
+  if (!compiled_side.steps.empty()) {
+    result.compiled_provenance = compiled_side.steps.begin()->second->provenance();
+  }
+  if (!same) {
+    std::set<std::string> keys;
+    for (const auto& [key, value] : result.eager_provenance) keys.insert(key);
+    for (const auto& [key, value] : result.compiled_provenance) keys.insert(key);
+    for (const std::string& key : keys) {
+      if (key == "created") continue;  // always differs
+      const std::string a = provenance_value(result.eager_provenance, key);
+      const std::string b = provenance_value(result.compiled_provenance, key);
+      if (a != b) result.provenance_differences.push_back({key, a, b});
+    }
+  }
+  Tolerances tolerances;
+  if (options.tolerances) {
+    tolerances = *options.tolerances;
+  } else {
+    tolerances.atol = parse_double(result.compiled_provenance, "atol").value_or(tolerances.atol);
+    tolerances.rtol = parse_double(result.compiled_provenance, "rtol").value_or(tolerances.rtol);
+  }
+
+  std::set<std::int64_t> steps;
+  for (const auto& [step, reader] : eager.steps) steps.insert(step);
+  for (const auto& [step, reader] : compiled_side.steps) steps.insert(step);
+  if (options.step && steps.empty()) {
+    throw UsageError("step " + std::to_string(*options.step) + " is not in " +
+                     eager_dump.string() + (same ? "" : " nor in " + compiled_dump.string()));
+  }
+  std::vector<Task> tasks;
+  StepBuilder builder(options, tolerances);
+  result.steps.reserve(steps.size());
+  for (std::int64_t step : steps) {
+    auto e = eager.steps.find(step);
+    auto c = compiled_side.steps.find(step);
+    const StepReader* eager_reader = e == eager.steps.end() ? nullptr : e->second.get();
+    const StepReader* compiled_reader = c == compiled_side.steps.end() ? nullptr : c->second.get();
+    if (!eager_reader || !compiled_reader) {
+      result.warnings.push_back("step " + std::to_string(step) + " is only in the " +
+                                (eager_reader ? "eager" : "compiled") + " dump");
+    }
+    const std::size_t first_task = tasks.size();
+    result.steps.push_back(builder.build(step, eager_reader, compiled_reader, tasks));
+    for (std::size_t i = first_task; i < tasks.size(); ++i) tasks[i].report = &result.steps.back();
+  }
+  run_tasks(tasks, options);
+  return result;
+}
+
+std::vector<RankDump> find_rank_dumps(const fs::path& path) {
+  std::error_code error;
+  if (!fs::exists(path, error)) {
+    throw IoError(path.string() +
+                  ": no such file or folder (expected a run folder, a dump folder or a step file)");
+  }
+  std::vector<RankDump> ranks;
+  if (fs::is_directory(path, error)) {
+    const std::string prefix(formats::schema::kRankDirPrefix);
+    for (const auto& entry : fs::directory_iterator(path, error)) {
+      const std::string name = entry.path().filename().string();
+      int rank = 0;
+      if (entry.is_directory() && name.starts_with(prefix) &&
+          std::from_chars(name.data() + prefix.size(), name.data() + name.size(), rank).ec ==
+              std::errc()) {
+        ranks.push_back({rank, entry.path()});
+      }
+    }
+  }
+  if (ranks.empty()) {
+    // A dump itself: its rank comes from the provenance of its files.
+    int rank = 0;
+    const auto files = formats::list_dump(path);
+    if (!files.steps.empty()) {
+      StepReader reader(files.steps.front());
+      auto value = reader.provenance().find("rank");
+      if (value != reader.provenance().end()) rank = std::atoi(value->second.c_str());
+    }
+    ranks.push_back({rank, path});
+  }
+  std::sort(ranks.begin(), ranks.end(),
+            [](const RankDump& a, const RankDump& b) { return a.rank < b.rank; });
+  return ranks;
+}
+
+}  // namespace dynaprobe::analyze
