@@ -1,0 +1,141 @@
+// The engine pairs tensors whatever their dtypes and chunking, and its results do not depend on
+// how many threads compute them.
+#include "dynaprobe/analyze/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "dynaprobe/formats/writer.h"
+#include "formats/test_util.h"
+
+namespace dynaprobe::analyze {
+namespace {
+
+using formats::DType;
+using formats::Kind;
+using formats::Side;
+using formats::testing::TempDir;
+
+std::vector<float> bf16_rounded_noise(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> values(n);
+  for (auto& v : values) {
+    std::uint32_t bits;
+    float x = normal(rng);
+    std::memcpy(&bits, &x, 4);
+    bits &= 0xffff0000u;
+    std::memcpy(&v, &bits, 4);
+  }
+  return values;
+}
+
+std::vector<std::uint16_t> to_bf16(const std::vector<float>& values) {
+  std::vector<std::uint16_t> out(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &values[i], 4);
+    out[i] = static_cast<std::uint16_t>(bits >> 16);
+  }
+  return out;
+}
+
+formats::Record record(Side side, DType dtype, std::vector<std::int64_t> shape, const void* data) {
+  formats::Record r;
+  r.key = {0, "layers.0", 0, Kind::kFwdOutput, 0, side};
+  r.tensor = {dtype, std::move(shape), data};
+  return r;
+}
+
+void write_dump(const std::filesystem::path& dir, const formats::Record& r, std::size_t chunk_bytes) {
+  formats::WriterOptions options;
+  options.chunk_bytes = chunk_bytes;
+  formats::StepWriter writer(dir, 0, {{"mode", "two_pass"}}, options);
+  writer.write(r);
+  writer.commit();
+}
+
+TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
+  const std::size_t n = 300007;
+  const auto eager = bf16_rounded_noise(n, 1);
+  auto compiled = eager;
+  for (std::size_t i = 0; i < n; i += 1013) compiled[i] *= 1.0078125f;  // one bf16 ulp
+  const auto compiled_bf16 = to_bf16(compiled);
+  for (std::size_t i = 0; i < n; ++i) {  // what the bfloat16 copy holds
+    const std::uint32_t bits = static_cast<std::uint32_t>(compiled_bf16[i]) << 16;
+    std::memcpy(&compiled[i], &bits, 4);
+  }
+
+  MetricsAccumulator direct;
+  direct.accumulate(eager.data(), compiled.data(), n, 0, {});
+  const TensorMetrics expected = direct.result();
+  ASSERT_FALSE(expected.allclose);
+
+  TempDir dir;
+  // Eager float32 in 40 KB chunks, compiled bfloat16 in 12 KB chunks: boundaries never align.
+  write_dump(dir.path() / "eager", record(Side::kEager, DType::kFloat32, {static_cast<std::int64_t>(n)}, eager.data()), 40000);
+  write_dump(dir.path() / "compiled", record(Side::kCompiled, DType::kBFloat16, {static_cast<std::int64_t>(n)}, compiled_bf16.data()), 12000);
+  const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", {});
+  ASSERT_EQ(result.steps.size(), 1u);
+  ASSERT_EQ(result.steps[0].rows.size(), 1u);
+  const Row& row = result.steps[0].rows[0];
+  ASSERT_TRUE(row.metrics);
+  EXPECT_EQ(row.status, Status::kFail);
+  EXPECT_EQ(row.metrics->max_abs, expected.max_abs);
+  EXPECT_EQ(row.metrics->max_rel, expected.max_rel);
+  EXPECT_NEAR(row.metrics->mean_abs, expected.mean_abs, 1e-12);
+  EXPECT_EQ(row.metrics->mismatches, expected.mismatches);
+  EXPECT_EQ(row.metrics->worst_index, expected.worst_index);
+  EXPECT_EQ(row.compiled->dtype, DType::kBFloat16);
+}
+
+TEST(Engine, ResultsDoNotDependOnTheThreadCount) {
+  const std::size_t n = 1 << 20;
+  const auto eager = bf16_rounded_noise(n, 2);
+  auto compiled = eager;
+  for (std::size_t i = 0; i < n; i += 77) compiled[i] += 1e-5f * static_cast<float>(i % 13);
+  TempDir dir;
+  formats::WriterOptions options;
+  options.chunk_bytes = 64 << 10;
+  {
+    formats::StepWriter writer(dir.path(), 0, {{"mode", "single_pass"}}, options);
+    writer.write(record(Side::kEager, DType::kFloat32, {1024, 1024}, eager.data()));
+    writer.write(record(Side::kCompiled, DType::kFloat32, {1024, 1024}, compiled.data()));
+    writer.commit();
+  }
+  CompareOptions one;
+  one.threads = 1;
+  const auto serial = compare(dir.path(), dir.path(), one).steps.at(0).rows.at(0).metrics;
+  const auto parallel = compare(dir.path(), dir.path(), {}).steps.at(0).rows.at(0).metrics;
+  ASSERT_TRUE(serial && parallel);
+  EXPECT_EQ(serial->max_abs, parallel->max_abs);
+  EXPECT_EQ(serial->mean_abs, parallel->mean_abs);  // bit for bit: partials merge in order
+  EXPECT_EQ(serial->rmse, parallel->rmse);
+  EXPECT_EQ(serial->cosine, parallel->cosine);
+  EXPECT_EQ(serial->worst_index, parallel->worst_index);
+}
+
+TEST(Engine, ProgressReachesTheTotal) {
+  const auto values = bf16_rounded_noise(100000, 3);
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path(), 0, {});
+    writer.write(record(Side::kEager, DType::kFloat32, {100000}, values.data()));
+    writer.write(record(Side::kCompiled, DType::kFloat32, {100000}, values.data()));
+    writer.commit();
+  }
+  std::uint64_t last_done = 0, last_total = 0;
+  CompareOptions options;
+  options.progress = [&](std::uint64_t done, std::uint64_t total) {
+    last_done = done;
+    last_total = total;
+  };
+  EXPECT_TRUE(compare(dir.path(), dir.path(), options).all_pass());
+  EXPECT_EQ(last_total, 800000u);
+  EXPECT_EQ(last_done, last_total);
+}
+
+}  // namespace
+}  // namespace dynaprobe::analyze

@@ -1,0 +1,120 @@
+// Metric semantics that a user relies on: torch's NaN/Inf rules, tolerance edges, determinism.
+#include "dynaprobe/analyze/metrics.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace dynaprobe::analyze {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+TensorMetrics compare(const std::vector<float>& a, const std::vector<float>& b,
+                      Tolerances tolerances = {}) {
+  MetricsAccumulator accumulator;
+  accumulator.accumulate(a.data(), b.data(), a.size(), 0, tolerances);
+  return accumulator.result();
+}
+
+TEST(Metrics, SpecDefinitions) {
+  const auto m = compare({1.0f, -2.0f, 0.0f, 4.0f}, {1.0f, -2.5f, 0.25f, 4.0f});
+  EXPECT_EQ(m.max_abs, 0.5);
+  EXPECT_EQ(m.mean_abs, 0.1875);
+  EXPECT_EQ(m.max_rel, static_cast<double>(0.25f / 1e-8f));  // |a| = 0: divided by 1e-8
+  EXPECT_FALSE(m.allclose);
+  EXPECT_EQ(m.mismatches, 2u);
+  EXPECT_EQ(m.worst_index, 1);
+  EXPECT_EQ(m.worst_eager, -2.0);
+  EXPECT_EQ(m.worst_compiled, -2.5);
+}
+
+TEST(Metrics, AllcloseEdgeIsInclusiveAndRelativeToCompiled) {
+  // |a - b| <= atol + rtol * |b|, as torch.allclose(a, b).
+  EXPECT_TRUE(compare({0.0f}, {0.0f}, {0.5, 0.0}).allclose);
+  EXPECT_TRUE(compare({0.0f}, {0.5f}, {0.5, 0.0}).allclose);
+  EXPECT_FALSE(compare({0.0f}, {0.5f}, {0.25, 0.0}).allclose);
+  EXPECT_TRUE(compare({100.0f}, {101.0f}, {0.0, 0.01}).allclose);  // 1 <= 0.01 * 101
+  EXPECT_FALSE(compare({101.0f}, {100.0f}, {0.0, 0.0099}).allclose);
+}
+
+TEST(Metrics, NanFollowsTorch) {
+  const auto m = compare({1.0f, kNaN, 3.0f}, {1.5f, kNaN, 3.0f});
+  EXPECT_TRUE(std::isnan(m.max_abs));
+  EXPECT_TRUE(std::isnan(m.mean_abs));
+  EXPECT_TRUE(std::isnan(m.max_rel));
+  EXPECT_FALSE(m.allclose);  // NaN is never close, even to NaN
+  EXPECT_EQ(m.worst_index, 1);  // the first NaN difference is the worst element
+  EXPECT_EQ(m.nan_eager, 1u);
+  EXPECT_EQ(m.nan_compiled, 1u);
+  EXPECT_EQ(m.nonfinite_only_compiled, 0u);
+}
+
+TEST(Metrics, EqualInfinitiesAreCloseButTheirDifferenceIsNan) {
+  const auto m = compare({kInf, 1.0f}, {kInf, 1.0f});
+  EXPECT_TRUE(m.allclose);
+  EXPECT_TRUE(std::isnan(m.max_abs));  // torch: inf - inf = nan
+  const auto n = compare({1.0f}, {kInf});
+  EXPECT_FALSE(n.allclose);
+  EXPECT_EQ(n.nonfinite_only_compiled, 1u);
+  EXPECT_EQ(n.max_abs, kInf);
+}
+
+TEST(Metrics, EmptyTensorsPass) {
+  const auto m = compare({}, {});
+  EXPECT_EQ(m.elements, 0u);
+  EXPECT_EQ(m.max_abs, 0.0);
+  EXPECT_EQ(m.mean_abs, 0.0);
+  EXPECT_TRUE(m.allclose);
+  EXPECT_EQ(m.worst_index, -1);
+}
+
+TEST(Metrics, CosineAndRmse) {
+  const auto m = compare({3.0f, 4.0f}, {3.0f, 4.0f});
+  EXPECT_DOUBLE_EQ(m.cosine, 1.0);
+  EXPECT_DOUBLE_EQ(m.rmse, 0.0);
+  const auto n = compare({1.0f, 0.0f}, {0.0f, 1.0f});
+  EXPECT_DOUBLE_EQ(n.cosine, 0.0);
+  EXPECT_DOUBLE_EQ(n.rmse, 1.0);
+}
+
+TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> a(10000), b(10000);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = normal(rng);
+    b[i] = a[i] + (i % 97 == 0 ? 1e-3f * normal(rng) : 0.0f);
+  }
+  // A tie in |a - b| = 0.5 exactly: the smaller index wins whatever the merge order.
+  a[5000] = 1.0f;
+  b[5000] = 1.5f;
+  a[7000] = 1.0f;
+  b[7000] = 0.5f;
+  const auto whole = compare(a, b);
+  MetricsAccumulator forward, backward;
+  for (std::size_t start = 0; start < a.size(); start += 1000) {
+    MetricsAccumulator part;
+    part.accumulate(a.data() + start, b.data() + start, 1000, start, {});
+    forward.merge(part);
+  }
+  for (std::size_t start = a.size(); start > 0; start -= 1000) {
+    MetricsAccumulator part;
+    part.accumulate(a.data() + start - 1000, b.data() + start - 1000, 1000, start - 1000, {});
+    backward.merge(part);
+  }
+  for (const auto& merged : {forward.result(), backward.result()}) {
+    EXPECT_EQ(merged.max_abs, whole.max_abs);
+    EXPECT_EQ(merged.max_rel, whole.max_rel);
+    EXPECT_NEAR(merged.mean_abs, whole.mean_abs, 1e-12);
+    EXPECT_EQ(merged.mismatches, whole.mismatches);
+    EXPECT_EQ(merged.worst_index, 5000);
+  }
+}
+
+}  // namespace
+}  // namespace dynaprobe::analyze
