@@ -106,9 +106,8 @@ void setup_compare(CLI::App& app, CompareCommand& cmd) {
 
 int run_compare(const CompareCommand& cmd) {
   analyze::CompareOptions options;
-  if (cmd.atol || cmd.rtol) {
-    options.tolerances = analyze::Tolerances{cmd.atol.value_or(1e-4), cmd.rtol.value_or(1e-3)};
-  }
+  options.atol = cmd.atol;
+  options.rtol = cmd.rtol;
   options.step = cmd.step;
   options.module_glob = cmd.module;
   options.threads = cmd.threads;

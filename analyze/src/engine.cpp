@@ -243,9 +243,10 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       row.call = key.call;
       row.kind = key.kind;
       row.tensor_index = key.tensor_index;
-      // Single-pass re-runs the eager module on the very inputs of the compiled one: an input
-      // recorded once stands for both sides.
-      if (report.single_pass && key.kind == Kind::kFwdInput) {
+      // Single-pass re-runs the eager module on the very inputs of the compiled one and seeds
+      // its backward with the compiled module's grad_output: a tensor recorded once stands for
+      // both sides.
+      if (report.single_pass && (key.kind == Kind::kFwdInput || key.kind == Kind::kGradOutput)) {
         if (!pair.eager) pair.eager = pair.compiled;
         if (!pair.compiled) pair.compiled = pair.eager;
       }
@@ -328,19 +329,36 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
   for (const Task& task : tasks) total += task.eager->nbytes() + task.compiled->nbytes();
   std::atomic<std::uint64_t> done{0};
   ProgressTicker ticker(options, done, total);
+  const auto set_result = [](Task& task, const TensorMetrics& metrics) {
+    Row& row = task.report->rows[task.row];
+    row.metrics = metrics;
+    row.status = metrics.allclose ? Status::kPass : Status::kFail;
+    if (!metrics.allclose && metrics.nonfinite_only_compiled > 0) {
+      row.reason = std::to_string(metrics.nonfinite_only_compiled) + " NaN/Inf only in compiled";
+    }
+  };
+  // Most records of a model are small, and opening their datasets costs more than comparing
+  // them: those go through one pipeline (see compare_small_pairs). Large ones stream chunk pairs.
+  std::vector<Task*> small, large;
+  for (Task& task : tasks) {
+    const bool is_small = task.eager->nbytes() + task.compiled->nbytes() <= kSmallPairBytes;
+    (is_small ? small : large).push_back(&task);
+  }
   tbb::task_arena arena(options.threads > 0 ? options.threads : tbb::task_arena::automatic);
   arena.execute([&] {
-    tbb::parallel_for(std::size_t{0}, tasks.size(), [&](std::size_t i) {
-      Task& task = tasks[i];
+    compare_small_pairs(
+        small.size(),
+        [&](std::size_t i) {
+          const Task& task = *small[i];
+          return PairStreams{task.eager_reader->open(*task.eager),
+                             task.compiled_reader->open(*task.compiled), task.report->tolerances};
+        },
+        [&](std::size_t i, const TensorMetrics& metrics) { set_result(*small[i], metrics); }, done);
+    tbb::parallel_for(std::size_t{0}, large.size(), [&](std::size_t i) {
+      Task& task = *large[i];
       const formats::TensorStream eager = task.eager_reader->open(*task.eager);
       const formats::TensorStream compiled = task.compiled_reader->open(*task.compiled);
-      Row& row = task.report->rows[task.row];
-      row.metrics = compare_tensors(eager, compiled, task.report->tolerances, done);
-      const TensorMetrics& m = *row.metrics;
-      row.status = m.allclose ? Status::kPass : Status::kFail;
-      if (!m.allclose && m.nonfinite_only_compiled > 0) {
-        row.reason = std::to_string(m.nonfinite_only_compiled) + " NaN/Inf only in compiled";
-      }
+      set_result(task, compare_tensors(eager, compiled, task.report->tolerances, done));
     });
   });
 }
@@ -415,12 +433,10 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     }
   }
   Tolerances tolerances;
-  if (options.tolerances) {
-    tolerances = *options.tolerances;
-  } else {
-    tolerances.atol = parse_double(result.compiled_provenance, "atol").value_or(tolerances.atol);
-    tolerances.rtol = parse_double(result.compiled_provenance, "rtol").value_or(tolerances.rtol);
-  }
+  tolerances.atol = options.atol.value_or(
+      parse_double(result.compiled_provenance, "atol").value_or(tolerances.atol));
+  tolerances.rtol = options.rtol.value_or(
+      parse_double(result.compiled_provenance, "rtol").value_or(tolerances.rtol));
 
   std::set<std::int64_t> steps;
   for (const auto& [step, reader] : eager.steps) steps.insert(step);

@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
+
+#include "dynaprobe/formats/hdf5.h"
 
 namespace dynaprobe::analyze {
 namespace {
@@ -14,13 +17,6 @@ namespace {
 using formats::ChunkExtent;
 using formats::RawChunk;
 using formats::TensorStream;
-
-// Where each chunk of a stream starts, for finding the chunks that overlap an element range.
-std::vector<std::uint64_t> chunk_starts(const TensorStream& stream) {
-  std::vector<std::uint64_t> starts(stream.chunk_count());
-  for (std::size_t i = 0; i < starts.size(); ++i) starts[i] = stream.extent(i).first_element;
-  return starts;
-}
 
 // A unit of work: one chunk of the driving stream and the chunks of the other stream that
 // overlap its elements.
@@ -30,14 +26,11 @@ struct Unit {
   std::size_t follower_count = 0;
 };
 
-// Work buffers of one pipeline token, reused from unit to unit.
-struct Slot {
-  RawChunk driver_raw;
-  std::vector<RawChunk> follower_raw;
-  std::vector<std::byte> driver_out, follower_out, scratch;  // decoding
+// Decoding buffers, reused from unit to unit.
+struct DecodeBuffers {
+  std::vector<std::byte> driver_out, follower_out, scratch;
   std::vector<std::byte> follower_bytes;  // the follower's elements of a unit spanning chunks
   std::vector<float> driver_f32, follower_f32;
-  MetricsAccumulator metrics;
 };
 
 // The unit's elements of `stream` as float32: a pointer into `bytes` when they already are.
@@ -49,26 +42,148 @@ const float* as_float32(formats::DType dtype, const std::byte* bytes, std::uint6
   return buffer.data();
 }
 
+// How the chunks of two streams pair up. The stream with fewer (larger) chunks drives; each of its
+// chunks pairs with the overlapping chunks of the other, which are fetched once, or twice where
+// chunk boundaries do not align. Refers to the streams: must not outlive them.
+class PairPlan {
+ public:
+  PairPlan(const TensorStream& eager, const TensorStream& compiled)
+      : eager_drives_(eager.chunk_count() <= compiled.chunk_count()),
+        driver_(eager_drives_ ? eager : compiled),
+        follower_(eager_drives_ ? compiled : eager),
+        driver_size_(formats::dtype_size(driver_.dtype())),
+        follower_size_(formats::dtype_size(follower_.dtype())),
+        follower_starts_(follower_.chunk_count()) {
+    for (std::size_t i = 0; i < follower_starts_.size(); ++i) {
+      follower_starts_[i] = follower_.extent(i).first_element;
+    }
+  }
+
+  bool eager_drives() const { return eager_drives_; }
+  const TensorStream& driver() const { return driver_; }
+  const TensorStream& follower() const { return follower_; }
+  std::size_t unit_count() const { return driver_.chunk_count(); }
+
+  Unit unit(std::size_t driver_chunk) const {
+    Unit unit;
+    unit.driver_chunk = driver_chunk;
+    const ChunkExtent extent = driver_.extent(driver_chunk);
+    const auto first = std::upper_bound(follower_starts_.begin(), follower_starts_.end(),
+                                        extent.first_element) - follower_starts_.begin() - 1;
+    std::size_t last = static_cast<std::size_t>(first);
+    while (last + 1 < follower_starts_.size() &&
+           follower_starts_[last + 1] < extent.first_element + extent.element_count) {
+      ++last;
+    }
+    unit.follower_first = static_cast<std::size_t>(first);
+    unit.follower_count = last - static_cast<std::size_t>(first) + 1;
+    return unit;
+  }
+
+  // Uncompressed bytes of both sides in the unit, for progress.
+  std::uint64_t bytes(const Unit& unit) const {
+    return driver_.extent(unit.driver_chunk).element_count * (driver_size_ + follower_size_);
+  }
+
+  // Decodes the unit's chunks (`follower_raw` holds its follower chunks, in order) and returns the
+  // metrics of its elements. Needs no HDF5 lock.
+  MetricsAccumulator compare(const Unit& unit, RawChunk& driver_raw, RawChunk* follower_raw,
+                             DecodeBuffers& buffers, const Tolerances& tolerances) const {
+    const ChunkExtent extent = driver_.extent(unit.driver_chunk);
+    const std::byte* driver_bytes =
+        driver_.decode(unit.driver_chunk, driver_raw, buffers.driver_out, buffers.scratch);
+    const float* driver_values =
+        as_float32(driver_.dtype(), driver_bytes, extent.element_count, buffers.driver_f32);
+    // Gather the follower's elements of this unit (usually one whole chunk: no copy).
+    const std::byte* follower_bytes = nullptr;
+    for (std::size_t i = 0; i < unit.follower_count; ++i) {
+      const std::size_t chunk = unit.follower_first + i;
+      const ChunkExtent part = follower_.extent(chunk);
+      const std::byte* data =
+          follower_.decode(chunk, follower_raw[i], buffers.follower_out, buffers.scratch);
+      const std::uint64_t begin = std::max(part.first_element, extent.first_element);
+      const std::uint64_t end = std::min(part.first_element + part.element_count,
+                                         extent.first_element + extent.element_count);
+      const std::byte* source = data + (begin - part.first_element) * follower_size_;
+      if (unit.follower_count == 1) {  // the usual case: aligned chunks, no copy
+        follower_bytes = source;
+        break;
+      }
+      buffers.follower_bytes.resize(extent.element_count * follower_size_);
+      std::memcpy(buffers.follower_bytes.data() + (begin - extent.first_element) * follower_size_,
+                  source, (end - begin) * follower_size_);
+      follower_bytes = buffers.follower_bytes.data();
+    }
+    const float* follower_values =
+        as_float32(follower_.dtype(), follower_bytes, extent.element_count, buffers.follower_f32);
+    MetricsAccumulator metrics;
+    const float* eager_values = eager_drives_ ? driver_values : follower_values;
+    const float* compiled_values = eager_drives_ ? follower_values : driver_values;
+    metrics.accumulate(eager_values, compiled_values, extent.element_count, extent.first_element,
+                       tolerances);
+    return metrics;
+  }
+
+ private:
+  bool eager_drives_;
+  const TensorStream& driver_;
+  const TensorStream& follower_;
+  std::size_t driver_size_;
+  std::size_t follower_size_;
+  std::vector<std::uint64_t> follower_starts_;  // where each follower chunk starts
+};
+
+// Pipeline tokens: enough to keep every thread busy while the serial stage fetches.
+std::size_t token_count(std::size_t items) {
+  return std::max<std::size_t>(
+      1, std::min<std::size_t>(
+             items, 2 * static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())));
+}
+
+// Work buffers of pipeline tokens, taken by the first stage and given back by the last one, also
+// when a stage throws: the first stage waits for a free one, and must not wait forever.
+template <typename Slot>
+class SlotQueue {
+ public:
+  explicit SlotQueue(std::vector<Slot>& slots) {
+    for (auto& slot : slots) free_.push(&slot);
+  }
+  Slot* take() {
+    Slot* slot = nullptr;
+    free_.pop(slot);
+    return slot;
+  }
+  void give_back(Slot* slot) { free_.push(slot); }
+
+  // Gives the slot back when it goes out of scope.
+  struct Return {
+    SlotQueue& queue;
+    Slot* slot;
+    ~Return() {
+      if (slot) queue.give_back(slot);
+    }
+  };
+
+ private:
+  tbb::concurrent_bounded_queue<Slot*> free_;
+};
+
 }  // namespace
 
 TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& compiled,
-                        const Tolerances& tolerances, std::atomic<std::uint64_t>& progress_bytes) {
-  // The stream with fewer (larger) chunks drives; each of its chunks pairs with the overlapping
-  // chunks of the other, which are fetched once, or twice where chunk boundaries do not align.
-  const bool eager_drives = eager.chunk_count() <= compiled.chunk_count();
-  const TensorStream& driver = eager_drives ? eager : compiled;
-  const TensorStream& follower = eager_drives ? compiled : eager;
-  const std::size_t driver_size = formats::dtype_size(driver.dtype());
-  const std::size_t follower_size = formats::dtype_size(follower.dtype());
-  const auto follower_starts = chunk_starts(follower);
-
-  const std::size_t count = driver.chunk_count();
-  const std::size_t tokens = std::max<std::size_t>(
-      1, std::min<std::size_t>(count, 2 * static_cast<std::size_t>(
-                                              tbb::this_task_arena::max_concurrency())));
-  std::vector<Slot> slots(tokens);
-  tbb::concurrent_bounded_queue<Slot*> free_slots;
-  for (auto& slot : slots) free_slots.push(&slot);
+                              const Tolerances& tolerances,
+                              std::atomic<std::uint64_t>& progress_bytes) {
+  const PairPlan plan(eager, compiled);
+  const std::size_t count = plan.unit_count();
+  // Work buffers of one pipeline token, reused from unit to unit.
+  struct Slot {
+    RawChunk driver_raw;
+    std::vector<RawChunk> follower_raw;
+    DecodeBuffers buffers;
+    MetricsAccumulator metrics;
+  };
+  std::vector<Slot> slots(token_count(count));
+  SlotQueue<Slot> free_slots(slots);
   MetricsAccumulator total;
 
   struct Item {
@@ -82,72 +197,107 @@ TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& com
       return {};
     }
     Item item;
-    item.unit.driver_chunk = next++;
-    const ChunkExtent extent = driver.extent(item.unit.driver_chunk);
-    const auto first = std::upper_bound(follower_starts.begin(), follower_starts.end(),
-                                        extent.first_element) - follower_starts.begin() - 1;
-    std::size_t last = static_cast<std::size_t>(first);
-    while (last + 1 < follower_starts.size() &&
-           follower_starts[last + 1] < extent.first_element + extent.element_count) {
-      ++last;
-    }
-    item.unit.follower_first = static_cast<std::size_t>(first);
-    item.unit.follower_count = last - static_cast<std::size_t>(first) + 1;
-    free_slots.pop(item.slot);
+    item.unit = plan.unit(next++);
+    item.slot = free_slots.take();
+    typename SlotQueue<Slot>::Return on_error{free_slots, item.slot};
     Slot& slot = *item.slot;
-    driver.fetch(item.unit.driver_chunk, slot.driver_raw);
+    plan.driver().fetch(item.unit.driver_chunk, slot.driver_raw);
     slot.follower_raw.resize(std::max(slot.follower_raw.size(), item.unit.follower_count));
     for (std::size_t i = 0; i < item.unit.follower_count; ++i) {
-      follower.fetch(item.unit.follower_first + i, slot.follower_raw[i]);
+      plan.follower().fetch(item.unit.follower_first + i, slot.follower_raw[i]);
     }
+    on_error.slot = nullptr;  // fetched: the slot travels on with the item
     return item;
   };
   const auto compare = [&](Item item) -> Item {
     Slot& slot = *item.slot;
-    const ChunkExtent extent = driver.extent(item.unit.driver_chunk);
-    const std::byte* driver_bytes =
-        driver.decode(item.unit.driver_chunk, slot.driver_raw, slot.driver_out, slot.scratch);
-    const float* driver_values =
-        as_float32(driver.dtype(), driver_bytes, extent.element_count, slot.driver_f32);
-    // Gather the follower's elements of this unit (usually one whole chunk: no copy).
-    const std::byte* follower_bytes = nullptr;
-    for (std::size_t i = 0; i < item.unit.follower_count; ++i) {
-      const std::size_t chunk = item.unit.follower_first + i;
-      const ChunkExtent part = follower.extent(chunk);
-      const std::byte* data =
-          follower.decode(chunk, slot.follower_raw[i], slot.follower_out, slot.scratch);
-      const std::uint64_t begin = std::max(part.first_element, extent.first_element);
-      const std::uint64_t end = std::min(part.first_element + part.element_count,
-                                         extent.first_element + extent.element_count);
-      const std::byte* source = data + (begin - part.first_element) * follower_size;
-      if (item.unit.follower_count == 1) {  // the usual case: aligned chunks, no copy
-        follower_bytes = source;
-        break;
-      }
-      slot.follower_bytes.resize(extent.element_count * follower_size);
-      std::memcpy(slot.follower_bytes.data() + (begin - extent.first_element) * follower_size,
-                  source, (end - begin) * follower_size);
-      follower_bytes = slot.follower_bytes.data();
+    try {
+      slot.metrics = plan.compare(item.unit, slot.driver_raw, slot.follower_raw.data(),
+                                  slot.buffers, tolerances);
+    } catch (...) {
+      free_slots.give_back(item.slot);
+      throw;
     }
-    const float* follower_values =
-        as_float32(follower.dtype(), follower_bytes, extent.element_count, slot.follower_f32);
-    slot.metrics = MetricsAccumulator();
-    const float* eager_values = eager_drives ? driver_values : follower_values;
-    const float* compiled_values = eager_drives ? follower_values : driver_values;
-    slot.metrics.accumulate(eager_values, compiled_values, extent.element_count,
-                            extent.first_element, tolerances);
-    progress_bytes += extent.element_count * (driver_size + follower_size);
+    progress_bytes += plan.bytes(item.unit);
     return item;
   };
   const auto merge = [&](Item item) {
     total.merge(item.slot->metrics);
-    free_slots.push(item.slot);
+    free_slots.give_back(item.slot);
   };
-  tbb::parallel_pipeline(tokens,
+  tbb::parallel_pipeline(slots.size(),
                          tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, fetch) &
                              tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compare) &
                              tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, merge));
   return total.result();
+}
+
+void compare_small_pairs(std::size_t count, const std::function<PairStreams(std::size_t)>& open,
+                         const std::function<void(std::size_t, const TensorMetrics&)>& done,
+                         std::atomic<std::uint64_t>& progress_bytes) {
+  if (count == 0) return;
+  // One pair, held whole: its streams (open datasets), every stored chunk of both tensors, and
+  // decoding buffers. Kept from pair to pair, so buffers are reused and the datasets of a pair
+  // are closed by the fetch stage (which holds the HDF5 lock) when the slot is taken again.
+  struct Slot {
+    std::optional<TensorStream> eager, compiled;
+    Tolerances tolerances;
+    std::vector<RawChunk> eager_raw, compiled_raw;
+    DecodeBuffers buffers;
+  };
+  std::vector<Slot> slots(token_count(count));
+  SlotQueue<Slot> free_slots(slots);
+  const auto fetch_all = [](const TensorStream& stream, std::vector<RawChunk>& raw) {
+    if (raw.size() < stream.chunk_count()) raw.resize(stream.chunk_count());
+    for (std::size_t i = 0; i < stream.chunk_count(); ++i) stream.fetch(i, raw[i]);
+  };
+
+  struct Item {
+    std::size_t index = 0;
+    Slot* slot = nullptr;
+  };
+  std::size_t next = 0;
+  const auto fetch = [&](tbb::flow_control& control) -> Item {
+    if (next == count) {
+      control.stop();
+      return {};
+    }
+    Item item{next++, free_slots.take()};
+    typename SlotQueue<Slot>::Return on_error{free_slots, item.slot};
+    Slot& slot = *item.slot;
+    // One lock for all the HDF5 calls of a pair (the lock is recursive).
+    formats::h5::Lock lock(formats::h5::hdf5_mutex());
+    slot.eager.reset();
+    slot.compiled.reset();
+    PairStreams pair = open(item.index);
+    slot.eager.emplace(std::move(pair.eager));
+    slot.compiled.emplace(std::move(pair.compiled));
+    slot.tolerances = pair.tolerances;
+    fetch_all(*slot.eager, slot.eager_raw);
+    fetch_all(*slot.compiled, slot.compiled_raw);
+    on_error.slot = nullptr;  // fetched: the slot travels on with the item
+    return item;
+  };
+  const auto compare = [&](Item item) {
+    typename SlotQueue<Slot>::Return give_back{free_slots, item.slot};
+    Slot& slot = *item.slot;
+    const PairPlan plan(*slot.eager, *slot.compiled);
+    std::vector<RawChunk>& driver_raw = plan.eager_drives() ? slot.eager_raw : slot.compiled_raw;
+    std::vector<RawChunk>& follower_raw =
+        plan.eager_drives() ? slot.compiled_raw : slot.eager_raw;
+    // Units in element order, merged like compare_tensors() merges them: the same bits.
+    MetricsAccumulator total;
+    for (std::size_t chunk = 0; chunk < plan.unit_count(); ++chunk) {
+      const Unit unit = plan.unit(chunk);
+      total.merge(plan.compare(unit, driver_raw[chunk], follower_raw.data() + unit.follower_first,
+                               slot.buffers, slot.tolerances));
+      progress_bytes += plan.bytes(unit);
+    }
+    done(item.index, total.result());
+  };
+  tbb::parallel_pipeline(slots.size(),
+                         tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, fetch) &
+                             tbb::make_filter<Item, void>(tbb::filter_mode::parallel, compare));
 }
 
 }  // namespace dynaprobe::analyze

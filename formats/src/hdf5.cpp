@@ -9,18 +9,30 @@ std::recursive_mutex& hdf5_mutex() {
   return mutex;
 }
 
+Lock::Lock(std::recursive_mutex& mutex) : guard_(mutex) {
+  // No H5close at exit. In HDF5 < 1.14.1 a file whose H5Fclose fails (its final flush hits a
+  // full disk or a file-size limit) is freed but stays in the ID table, and the exit-time
+  // H5_term_library then closes it again and crashes
+  // (https://github.com/HDFGroup/hdf5/issues/2257, fixed by #2291): a training process whose
+  // capture failed would still segfault at exit. Every file dynaprobe opens is closed by its RAII
+  // handle, so the exit-time cleanup has nothing to do. Must precede every other HDF5 call, so it
+  // is done by the first Lock (every HDF5 call holds one); otherwise a no-op.
+  static const bool no_atexit = [] {
+    H5dont_atexit();
+    return true;
+  }();
+  (void)no_atexit;
+  thread_local bool silenced = false;
+  if (!silenced) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    silenced = true;
+  }
+}
+
 void init() {
   static std::once_flag once;
   std::call_once(once, [] {
     Lock lock(hdf5_mutex());
-    // No H5close at exit. In HDF5 < 1.14.1 a file whose H5Fclose fails (its final flush hits a
-    // full disk or a file-size limit) is freed but stays in the ID table, and the exit-time
-    // H5_term_library then closes it again and crashes
-    // (https://github.com/HDFGroup/hdf5/issues/2257, fixed by #2291): a training process whose
-    // capture failed would still segfault at exit. Every file dynaprobe opens is closed by its
-    // RAII handle, so the exit-time cleanup has nothing to do. Effective only when this is the
-    // process's first HDF5 call; otherwise a no-op.
-    H5dont_atexit();
     H5open();
     H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
     register_zstd_filter();

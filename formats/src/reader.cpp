@@ -228,13 +228,12 @@ class SlotPool {
     constexpr std::size_t kMaxSlotBytes = 16 << 20;
     if (slot->capacity() > kMaxSlotBytes) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (free_.size() <
-        4 * static_cast<std::size_t>(std::max(1u, std::thread::hardware_concurrency()))) {
-      free_.push_back(std::move(slot));
-    }
+    if (free_.size() < max_slots_) free_.push_back(std::move(slot));
   }
 
  private:
+  // Read once: hardware_concurrency() reads a file in /sys on every call.
+  const std::size_t max_slots_ = 4 * std::max<std::size_t>(1, std::thread::hardware_concurrency());
   std::mutex mutex_;
   std::vector<std::unique_ptr<Slot>> free_;
 };
@@ -442,8 +441,10 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   struct Reclaim {
     hid_t type, space;
     void* data;
-    ~Reclaim() { H5Dvlen_reclaim(type, space, H5P_DEFAULT, data); }
-  } reclaim{type.get(), space.get(), rows.data()};
+    ~Reclaim() {
+      if (data) H5Dvlen_reclaim(type, space, H5P_DEFAULT, data);
+    }
+  } reclaim{type.get(), space.get(), rows.empty() ? nullptr : rows.data()};
   impl.records.reserve(rows.size());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const IndexRow& row = rows[i];

@@ -48,6 +48,28 @@ ZSTD_CCtx* thread_compressor(int level) {
   return context.get();
 }
 
+// Step files are written through HDF5's default (sec2) driver; its file descriptor, or -1.
+int file_descriptor(hid_t file) {
+  h5::Lock lock(h5::hdf5_mutex());
+  const hid_t fapl = H5Fget_access_plist(file);
+  if (fapl < 0) return -1;
+  const bool sec2 = H5Pget_driver(fapl) == H5FD_SEC2;
+  H5Pclose(fapl);
+  void* handle = nullptr;
+  if (!sec2 || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
+  return *static_cast<int*>(handle);
+}
+
+// Starts writing the file's dirty pages to disk and returns without waiting for them. Errors
+// are ignored: commit()'s fsync reports them.
+void start_writeback(int fd) {
+#if defined(__linux__)
+  if (fd >= 0) ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+#else
+  (void)fd;
+#endif
+}
+
 void fsync_path(const fs::path& path, const std::string& where) {
   const int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0 || ::fsync(fd) != 0) {
@@ -89,6 +111,11 @@ struct StepWriter::Impl {
   tbb::task_arena arena;
   std::vector<ChunkBuffers> buffers;
   tbb::concurrent_bounded_queue<ChunkBuffers*> free_buffers;
+  // The disk writes the step while later chunks still compress, so commit()'s fsync waits for
+  // the tail only, not the whole step (here 30 ms per 90 MB: 20% of a 256 MiB step's time).
+  static constexpr std::size_t kWritebackBytes = 16 << 20;
+  std::optional<int> fd;  // the step file's descriptor (-1: none), looked up on the first write
+  std::size_t unsynced_bytes = 0;
 
   // Per record of the current write(): its chunk layout (none for 0-d and empty tensors).
   struct Plan {
@@ -245,6 +272,7 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
     }
     return item;
   };
+  if (!fd) fd = file_descriptor(file.get());
   const auto store = [&](Item item) {
     struct ReturnBuffers {
       Impl& impl;
@@ -262,6 +290,11 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
                 "writing chunk " + std::to_string(item.chunk),
                 partial_path.string() + " " + dataset_path(item.plan->record->key));
       dataset_stored_bytes += item.payload_size;
+      unsynced_bytes += item.payload_size;
+      if (unsynced_bytes >= kWritebackBytes) {
+        start_writeback(*fd);
+        unsynced_bytes = 0;
+      }
     }
     if (item.last) finish_dataset(*item.plan);
   };

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 # Tests import the installed package (scripts/setup.sh installs it into .venv); fail clearly if not.
 try:
     import dynaprobe  # noqa: F401
@@ -10,3 +12,29 @@ except ImportError as error:  # pragma: no cover - set-up problem, not a test re
     sys.exit(f"cannot import dynaprobe ({error}); run `bash scripts/test.sh` to build and install it")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _find_cli():
+    """The `dynaprobe` CLI: $DYNAPROBE_CLI, else the one installed next to this Python, else the
+    one in a build folder."""
+    explicit = os.environ.get("DYNAPROBE_CLI")
+    if explicit:
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
+    candidates = [
+        os.path.join(os.path.dirname(sys.executable), "dynaprobe"),
+        os.path.join(REPO, "build", "analyze", "dynaprobe"),
+        os.path.join(REPO, "build-lead", "analyze", "dynaprobe"),
+    ]
+    return next((path for path in candidates if os.path.isfile(path) and os.access(path, os.X_OK)), None)
+
+
+@pytest.fixture(scope="session")
+def dynaprobe_cli():
+    """Path of the `dynaprobe` command-line program. Fails (never skips) when it is missing."""
+    cli = _find_cli()
+    if cli is None:
+        pytest.fail(
+            "the dynaprobe CLI was not found: set DYNAPROBE_CLI, install it next to "
+            f"{sys.executable}, or build it in {REPO}/build (`bash scripts/setup.sh`)"
+        )
+    return cli

@@ -1,5 +1,7 @@
 """dynaprobe: find where torch.compile changes a PyTorch model's numbers.
 
+    from dynaprobe import PrecisionChecker
+
 The C++ core lives in ``dynaprobe._C``; this package is its thin Python front end.
 """
 
@@ -7,9 +9,21 @@ from __future__ import annotations
 
 import os
 
-from dynaprobe._C import DumpIOError, FormatError, format_version
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
-__all__ = ["DumpIOError", "FormatError", "format_version", "hdf5_plugin_dir"]
+from dynaprobe._C import DumpIOError, FormatError, format_version
+from dynaprobe._checker import PrecisionChecker
+from dynaprobe._result import CompareResult, Row
+
+__all__ = [
+    "CompareResult",
+    "DumpIOError",
+    "FormatError",
+    "PrecisionChecker",
+    "Row",
+    "format_version",
+    "hdf5_plugin_dir",
+]
 
 
 def hdf5_plugin_dir() -> str:

@@ -97,7 +97,9 @@ struct Comparison {
 };
 
 struct CompareOptions {
-  std::optional<Tolerances> tolerances;  // default: the dump's own (atol/rtol), else 1e-4/1e-3
+  // Each tolerance not given is the dump's own (its atol/rtol provenance), else 1e-4 / 1e-3.
+  std::optional<double> atol;
+  std::optional<double> rtol;
   std::optional<std::int64_t> step;      // only this step
   std::string module_glob;               // only modules matching (fnmatch), empty: all
   int threads = 0;                       // 0: all cores

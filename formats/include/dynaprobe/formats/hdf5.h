@@ -16,7 +16,18 @@ namespace dynaprobe::formats::h5 {
 
 // Held around every sequence of HDF5 calls. Recursive so helpers can nest.
 std::recursive_mutex& hdf5_mutex();
-using Lock = std::lock_guard<std::recursive_mutex>;
+
+// Holds hdf5_mutex(). A thread-safe HDF5 keeps its error-printing setting per thread, so the first
+// Lock on each thread also silences HDF5's own printing there (errors go into exceptions).
+class Lock {
+ public:
+  explicit Lock(std::recursive_mutex& mutex);
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+
+ private:
+  std::lock_guard<std::recursive_mutex> guard_;
+};
 
 // Silences HDF5's own printing of error stacks (we report them in exceptions) and registers the
 // zstd filter. Idempotent and thread-safe; every entry point of formats calls it.

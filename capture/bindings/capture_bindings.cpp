@@ -1,0 +1,137 @@
+// Python access to the capture library: dynaprobe._C.Recorder. The one TU of the extension that
+// sees torch's Python headers (torch/csrc/utils/pybind.h gives the at::Tensor <-> torch.Tensor
+// caster; it is the lightest header that does).
+#include <torch/csrc/utils/pybind.h>
+// torch/csrc/utils/pybind.h brings pybind11/pybind11.h and pybind11/stl.h.
+#include <pybind11/stl/filesystem.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "bindings.h"
+#include "dynaprobe/capture/recorder.h"
+#include "dynaprobe/formats/error.h"
+
+namespace py = pybind11;
+namespace fmt = dynaprobe::formats;
+using dynaprobe::capture::Recorder;
+
+namespace {
+
+// Keep in sync with the kind and side names the Python package passes (formats::kind_name,
+// formats::side_name).
+fmt::Kind kind_arg(const std::string& kind) {
+  auto parsed = fmt::parse_kind(kind);
+  if (!parsed) {
+    throw dynaprobe::UsageError("unknown record kind '" + kind +
+                                "'; expected one of fwd_input, fwd_output, grad_input, "
+                                "grad_output, param_grad, loss");
+  }
+  return *parsed;
+}
+
+fmt::Side side_arg(const std::string& side) {
+  auto parsed = fmt::parse_side(side);
+  if (!parsed) {
+    throw dynaprobe::UsageError("unknown side '" + side +
+                                "'; expected one of eager, compiled, reference");
+  }
+  return *parsed;
+}
+
+}  // namespace
+
+void bind_capture(py::module_& m) {
+  py::class_<Recorder>(m, "Recorder", R"doc(
+Records tensors of one dump (one process, one rank) into step files.
+
+record() only snapshots the tensor into host memory and returns; compression and HDF5 writes run
+on a background thread, under a host-memory budget: record() waits (with the GIL released) while
+more than memory_budget_bytes of snapshots are queued. An error of the background thread (disk
+full, ...) is raised by the next record*() call once and by end_step(); that step is lost,
+earlier steps are intact, and the next begin_step() works normally. Calls from several threads
+take turns.
+)doc")
+      .def(py::init([](const std::filesystem::path& dump_dir, fmt::Provenance provenance,
+                       std::size_t memory_budget_bytes, int zstd_level, std::size_t chunk_bytes) {
+             dynaprobe::capture::RecorderOptions options;
+             options.memory_budget_bytes = memory_budget_bytes;
+             options.writer.zstd_level = zstd_level;
+             options.writer.chunk_bytes = chunk_bytes;
+             return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);
+           }),
+           py::arg("dump_dir"), py::arg("provenance"),
+           py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
+           py::arg("chunk_bytes") = std::size_t{1} << 20)
+      // Every method releases the GIL before it touches the recorder: a call waiting for the
+      // recorder (another thread's record() under back-pressure) must not hold the GIL.
+      .def("begin_step", &Recorder::begin_step, py::arg("step"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Starts a step; records until end_step() go into its file.")
+      .def(
+          "record",
+          [](Recorder& self, std::string module, std::uint32_t call, const std::string& kind,
+             std::uint32_t tensor_index, const std::string& side, const at::Tensor& tensor,
+             std::string label) {
+            fmt::RecordKey key;
+            key.module = std::move(module);
+            key.call = call;
+            key.kind = kind_arg(kind);
+            key.tensor_index = tensor_index;
+            key.side = side_arg(side);
+            // Waiting for the budget must not stop other Python threads.
+            py::gil_scoped_release release;
+            self.record(std::move(key), tensor, std::move(label));
+          },
+          py::arg("module"), py::arg("call"), py::arg("kind"), py::arg("tensor_index"),
+          py::arg("side"), py::arg("tensor"), py::arg("label") = "",
+          R"doc(Snapshots `tensor` (any dtype, device, strides; complex as real pairs) and queues it.
+
+Args:
+  module: the module path, e.g. "layers.0.mlp" ("LOSS" for the loss).
+  call: n-th call of the module within the step.
+  kind: fwd_input, fwd_output, grad_input, grad_output, param_grad or loss.
+  tensor_index: position of the tensor among the module's tensors of this kind.
+  side: eager or compiled.
+  tensor: the tensor; it may be changed in place as soon as record() returns.
+  label: free text, e.g. a parameter name.
+)doc")
+      .def(
+          "record_graph",
+          [](Recorder& self, std::string name, std::string kind, std::string text,
+             std::map<std::string, std::string> attributes) {
+            fmt::Graph graph{std::move(name), std::move(kind), std::move(text),
+                             std::move(attributes)};
+            py::gil_scoped_release release;
+            self.record_graph(std::move(graph));
+          },
+          py::arg("name"), py::arg("kind"), py::arg("text"),
+          py::arg("attributes") = std::map<std::string, std::string>{},
+          "Queues a graph (captured, forward or backward) of the current step.")
+      .def(
+          "record_module",
+          [](Recorder& self, std::string module, std::map<std::string, std::string> attributes) {
+            fmt::ModuleInfo info{std::move(module), std::move(attributes)};
+            py::gil_scoped_release release;
+            self.record_module(std::move(info));
+          },
+          py::arg("module"), py::arg("attributes") = std::map<std::string, std::string>{},
+          "Queues what the capture knew about a module in this step (model order).")
+      .def(
+          "end_step",
+          [](Recorder& self) {
+            std::filesystem::path path;
+            {
+              py::gil_scoped_release release;
+              path = self.end_step();
+            }
+            return path.string();
+          },
+          "Waits until the step is written, commits it and returns the step file's path.")
+      .def_property_readonly("dump_dir",
+                             [](const Recorder& self) { return self.dump_dir().string(); })
+      .def_property_readonly("queued_bytes", &Recorder::queued_bytes,
+                             "Bytes of snapshots not yet written.");
+}

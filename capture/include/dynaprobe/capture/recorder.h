@@ -1,0 +1,78 @@
+// The capture library: records at::Tensors into a dump. On the caller's (training) thread it only
+// snapshots each tensor into host memory; compression and HDF5 writes run on a background thread
+// through formats::StepWriter, under a host-memory budget with back-pressure.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "dynaprobe/formats/record.h"
+#include "dynaprobe/formats/writer.h"
+
+namespace dynaprobe::capture {
+
+struct RecorderOptions {
+  // Host bytes of snapshots waiting to be written. record() waits (the caller blocks) while the
+  // queue holds more; nothing is dropped. A single tensor larger than the budget is still taken
+  // once the queue is empty.
+  std::size_t memory_budget_bytes = std::size_t{1} << 30;
+  formats::WriterOptions writer;
+};
+
+// formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
+formats::DType dtype_of(const at::Tensor& tensor);
+
+// One recorder per dump (one process, one rank): steps are begun and ended in order.
+// Thread-safety: the methods may be called from any thread; calls from several threads take turns
+// (each call holds the recorder for its duration, record() also while it waits for the budget).
+// queued_bytes() and dump_dir() never wait.
+//
+// Errors: the background thread stores the first error of a step (IoError for disk full, ...).
+// The next record(), record_graph() or record_module() throws it once and end_step() throws it
+// (again); the step's file is removed and its remaining items are dropped without being copied.
+// Earlier steps are intact and the next begin_step() works normally. An error creating the step
+// file (begin_step) surfaces the same way, as begin_step() itself does not wait for the file.
+class Recorder {
+ public:
+  // `dump_dir` is created if needed; step files go there (formats::StepWriter).
+  Recorder(std::filesystem::path dump_dir, formats::Provenance provenance,
+           RecorderOptions options = {});
+  // Waits for the write in progress; a step begun but not ended is discarded (its queued
+  // snapshots dropped, its partial file removed). Never throws.
+  ~Recorder();
+  Recorder(const Recorder&) = delete;
+  Recorder& operator=(const Recorder&) = delete;
+
+  // Starts a step; records until end_step() go into its file. Throws UsageError while a step is
+  // open (end_step() closes a step even when it throws).
+  void begin_step(std::int64_t step);
+  // Snapshots `tensor` (any dtype, device, layout, view; complex as view_as_real) into
+  // contiguous host memory and queues it; `tensor` may change as soon as record() returns.
+  // key.step is set to the current step. Waits while the queued snapshots plus this one would
+  // exceed memory_budget_bytes. Throws an error the background thread met earlier (disk full,
+  // ...), UsageError outside a step, for a key recorded twice in a step, a bad module path, a
+  // dtype a dump cannot hold or a tensor without host-copyable data (meta, tensor subclasses
+  // with __torch_dispatch__). Once the step is lost, returns without copying.
+  void record(formats::RecordKey key, const at::Tensor& tensor, std::string label = {});
+  // Queue a graph / a module description, written in call order with the records. Names are
+  // checked here (UsageError for a bad or repeated name), the rest by the background thread.
+  void record_graph(formats::Graph graph);
+  void record_module(formats::ModuleInfo module);
+  // Waits until the step is written, commits it and returns its file; rethrows a background
+  // error of this step (the step is then lost, earlier steps intact).
+  std::filesystem::path end_step();
+
+  const std::filesystem::path& dump_dir() const;
+  std::size_t queued_bytes() const;  // snapshots not yet written
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dynaprobe::capture

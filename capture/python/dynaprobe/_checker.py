@@ -1,0 +1,673 @@
+"""PrecisionChecker: the spec's API (wrap / ignore / install / collect / compare / report)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+import socket
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from dynaprobe import _C
+from dynaprobe._capture import (
+    BufferGuard,
+    RngState,
+    _eager_backward,
+    _in_eager_backward,
+    autocast_context,
+    devices_of,
+    input_leaves,
+    map_tensors,
+    tensor_leaves,
+)
+from dynaprobe._result import CompareResult
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
+
+
+def _under(name: str, prefix: str) -> bool:
+    return prefix == "" and name != "" or name.startswith(prefix + ".")
+
+
+def _rank_and_world() -> Tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _is_deepcopy_forbidden(model: nn.Module) -> bool:
+    """FSDP2 (fully_shard) and other DTensor-sharded models cannot be deep-copied."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        FSDPModule = ()
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _Target:
+    """A wrapped module that is a compile target, and how it is run on this side."""
+
+    def __init__(self, name: str, module: nn.Module, run: Callable, eager: Optional[Callable]):
+        self.name = name
+        self.module = module
+        self.run = run  # what the model executes: compiled (or eager on a two-pass eager copy)
+        self.eager = eager  # single-pass: the original forward, re-run eagerly
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.calls = 0
+
+
+class _PendingBackward:
+    """The eager re-run of one call, waiting for the real backward to deliver grad_output."""
+
+    def __init__(self, step: "_Step", target: _Target, call: int, eager_outputs: list,
+                 compiled_outputs: list, leaves: list):
+        self.step = step
+        self.target = target
+        self.call = call
+        self.eager_outputs = eager_outputs  # (index, tensor) pairs that require grad
+        self.compiled_outputs = compiled_outputs
+        self.leaves = leaves  # (input index, eager input leaf)
+        self.grads: Dict[int, torch.Tensor] = {}
+        self.done = False
+
+    def on_output_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.grads[index] = grad.detach()
+
+    def run(self) -> None:
+        """Runs the eager backward with the grad_output the compiled module received."""
+        if self.done or not self.grads:
+            return
+        self.done = True
+        outputs, grad_outputs = [], []
+        for index, tensor in self.eager_outputs:
+            outputs.append(tensor)
+            grad = self.grads.get(index)
+            grad_outputs.append(grad if grad is not None and grad.shape == tensor.shape
+                                else torch.zeros_like(tensor))
+        params = [p for _, p in self.target.params]
+        inputs = [leaf for _, leaf in self.leaves] + params
+        if inputs:
+            with _eager_backward(), torch.enable_grad():
+                grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            for (index, leaf), grad in zip(self.leaves, grads):
+                if grad is not None:
+                    self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
+            for param, grad in zip(params, grads[len(self.leaves):]):
+                if grad is not None:
+                    self.step.add_param_grad("eager", param, grad)
+        self.eager_outputs = self.leaves = self.compiled_outputs = []
+
+
+class _Step:
+    """Everything captured during one step, until collect()."""
+
+    def __init__(self, checker: "PrecisionChecker", index: int):
+        self.checker = checker
+        self.index = index
+        self.pending: List[_PendingBackward] = []
+        self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {"eager": {}, "compiled": {}}
+        self.notes: Dict[str, Tuple[str, str]] = {}
+        self.error: Optional[BaseException] = None
+        # Backward hooks may run on autograd's device threads; the recorder takes one call at a
+        # time.
+        self.lock = threading.Lock()
+
+    def record(self, module: str, call: int, kind: str, index: int, side: str,
+               tensor: torch.Tensor, label: str = "") -> None:
+        if self.error is not None:
+            return
+        try:
+            with self.lock:
+                self.checker._recorder.record(module, call, kind, index, side, tensor.detach(),
+                                              label)
+        except Exception as error:  # disk full, ...: reported by collect(), training goes on
+            self.error = error
+
+    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+        sums = self.param_grads[side]
+        key = id(param)
+        sums[key] = grad.detach().clone() if key not in sums else sums[key] + grad.detach()
+
+    def note(self, module: str, note: str, reason: str) -> None:
+        self.notes.setdefault(module, (note, reason))
+
+
+class PrecisionChecker:
+    """Compares a model's wrapped modules run eagerly and under ``torch.compile``.
+
+    Args:
+        backend: the ``torch.compile`` backend (a name or a callable).
+        threshold: absolute tolerance ``atol`` of the comparison (the spec's ``allclose`` check,
+            ``|eager - compiled| <= atol + rtol * |compiled|``).
+        dump_graphs: save the graphs Dynamo and AOTAutograd produce to ``graph_dir``.
+        graph_dir: where graph dumps go.
+        cast_dtype: run wrapped modules under ``torch.autocast`` with this dtype, both sides.
+        capture_input: record and compare module inputs (FORWARD INPUT).
+        single_pass: compare inside one training run (True) or run an eager and a compiled copy
+            of the model (False).
+        dump_dir: the folder this checker's dump goes to; default
+            ``./dynaprobe_runs/<time>-<pid>/rank<R>``.
+        scenario: a label for this configuration, shown in the multi-rank CSV.
+        rtol: relative tolerance of the comparison.
+        memory_budget_bytes: host memory for snapshots waiting to be written; the training
+            thread waits when it is full (nothing is dropped).
+    """
+
+    def __init__(
+        self,
+        backend="aot_eager",
+        threshold: float = 1e-4,
+        dump_graphs: bool = False,
+        graph_dir: str = "./graph_dump",
+        cast_dtype: Optional[torch.dtype] = None,
+        capture_input: bool = True,
+        single_pass: bool = True,
+        *,
+        dump_dir: Optional[str] = None,
+        scenario: str = "",
+        rtol: float = 1e-3,
+        memory_budget_bytes: int = 1 << 30,
+    ):
+        self.backend = backend
+        self.threshold = threshold
+        self.dump_graphs = dump_graphs
+        self.graph_dir = graph_dir
+        self.cast_dtype = cast_dtype
+        self.capture_input = capture_input
+        self.single_pass = single_pass
+        self.scenario = scenario
+        self.rtol = rtol
+        self.memory_budget_bytes = memory_budget_bytes
+        self._dump_dir = dump_dir
+        self._wrapped: List[nn.Module] = []
+        self._ignored: List[nn.Module] = []
+        self._recorder = None
+        self._step_index = 0
+        self._step: Optional[_Step] = None
+        self._installed: Optional[nn.Module] = None
+        self._targets: List[_Target] = []
+        self._restore: List[Callable[[], None]] = []
+        self._module_notes: List[Tuple[str, Dict[str, str]]] = []
+
+    # ------------------------------------------------------------------ wrap / ignore
+    def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
+        """Marks a module for compilation and comparison (the root model too)."""
+        if not any(m is module for m in self._wrapped):
+            self._wrapped.append(module)
+        return module
+
+    def wrap_by_policy(self, model: nn.Module, module_types) -> nn.Module:
+        """Marks every submodule of the given types, like FSDP's ModuleWrapPolicy."""
+        for _, module in model.named_modules():
+            if isinstance(module, tuple(module_types)):
+                self.wrap(module)
+        return model
+
+    def wrap_all_children(self, model: nn.Module, depth: int = 1) -> nn.Module:
+        """Marks submodules ``depth`` levels below the direct children (depth=0: the direct
+        children). Containers (ModuleList, ModuleDict, Sequential) are looked through without
+        using up depth; modules without children are marked where the recursion reaches them."""
+
+        def visit(module: nn.Module, remaining: int) -> None:
+            for child in module.children():
+                if isinstance(child, _CONTAINERS):
+                    visit(child, remaining)
+                elif remaining <= 0 or not any(True for _ in child.children()):
+                    self.wrap(child)
+                else:
+                    visit(child, remaining - 1)
+
+        visit(model, depth)
+        return model
+
+    def ignore(self, module: nn.Module) -> nn.Module:
+        """Leaves a module out of the verdict: it still runs, its rows read ``skip IGNORED``."""
+        if not any(m is module for m in self._ignored):
+            self._ignored.append(module)
+        return module
+
+    def ignore_by_policy(self, model: nn.Module, module_types) -> nn.Module:
+        for _, module in model.named_modules():
+            if isinstance(module, tuple(module_types)):
+                self.ignore(module)
+        return model
+
+    # ------------------------------------------------------------------ plan
+    def _plan(self, model: nn.Module):
+        """The compile targets (outermost wrapped modules, not ignored), in model order, and the
+        /modules entries describing every wrapped or ignored module."""
+        names = {}
+        for name, module in model.named_modules():
+            names.setdefault(id(module), name)
+        root_name = type(model).__name__
+
+        def display(name: str) -> str:
+            return name if name else root_name
+
+        wrapped = sorted((names[id(m)] for m in self._wrapped if id(m) in names),
+                         key=lambda n: list(names.values()).index(n))
+        ignored = [names[id(m)] for m in self._ignored if id(m) in names]
+        unknown = [m for m in self._wrapped if id(m) not in names]
+        if unknown:
+            raise ValueError(f"{len(unknown)} wrapped module(s) are not part of the model passed "
+                             f"to install()/compare(): wrap modules of this model")
+        if not wrapped:
+            raise ValueError("no module is wrapped: call wrap(), wrap_by_policy() or "
+                             "wrap_all_children() before install() or compare()")
+        targets, entries = [], []
+        for name in wrapped:
+            outer = next((w for w in wrapped if w != name and _under(name, w)), None)
+            ignored_by = next((i for i in ignored if i == name or _under(name, i)), None)
+            if ignored_by is not None:
+                continue
+            if outer is not None:
+                entries.append((display(name), {"role": "wrapped", "note": "SKIP_inside_compiled",
+                                                "reason": f"inside {display(outer)}, which is "
+                                                          "compiled as a whole"}))
+                continue
+            targets.append(name)
+            entries.append((display(name), {"role": "wrapped"}))
+        for name in ignored:
+            entries.append((display(name), {"role": "ignored"}))
+        order = list(names.values())
+        entries.sort(key=lambda e: order.index(e[0]) if e[0] in order else -1)
+        return [(display(n), n) for n in targets], entries
+
+    # ------------------------------------------------------------------ dump
+    def _provenance(self, mode: str) -> Dict[str, str]:
+        rank, world = _rank_and_world()
+        backend = self.backend if isinstance(self.backend, str) else getattr(
+            self.backend, "__name__", type(self.backend).__name__)
+        return {
+            "producer": "dynaprobe.PrecisionChecker",
+            "torch_version": torch.__version__,
+            "backend": backend,
+            "mode": mode,
+            "rank": str(rank),
+            "world_size": str(world),
+            "scenario": self.scenario,
+            "atol": repr(float(self.threshold)),
+            "rtol": repr(float(self.rtol)),
+            "cast_dtype": str(self.cast_dtype) if self.cast_dtype is not None else "None",
+            "capture_input": "true" if self.capture_input else "false",
+            "host": socket.gethostname(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    @property
+    def dump_dir(self) -> str:
+        """The folder of this checker's dump (one step file per collect()/compare())."""
+        if self._dump_dir is None:
+            rank, _ = _rank_and_world()
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            self._dump_dir = os.path.join("dynaprobe_runs", f"{stamp}-{os.getpid()}", f"rank{rank}")
+        return self._dump_dir
+
+    def _begin_step(self, targets: List[_Target]) -> _Step:
+        if self._recorder is None:
+            mode = "single_pass" if self.single_pass else "two_pass"
+            self._recorder = _C.Recorder(self.dump_dir, self._provenance(mode),
+                                         memory_budget_bytes=self.memory_budget_bytes)
+        self._recorder.begin_step(self._step_index)
+        for target in targets:
+            target.calls = 0
+        self._step = _Step(self, self._step_index)
+        return self._step
+
+    def _current_step(self) -> _Step:
+        """Single-pass: the step being checked, begun by the first wrapped call after install()
+        or collect()."""
+        return self._step if self._step is not None else self._begin_step(self._targets)
+
+    def _finish_step(self) -> CompareResult:
+        step = self._step
+        for name, attributes in self._module_notes:
+            attributes = dict(attributes)
+            if name in step.notes and "note" not in attributes:
+                attributes["note"], attributes["reason"] = step.notes[name]
+            self._recorder.record_module(name, attributes)
+        path = self._recorder.end_step()  # raises a background write error (disk full, ...)
+        self._step = None
+        self._step_index += 1
+        if step.error is not None:
+            raise step.error
+        comparison = _C.compare(self.dump_dir, self.dump_dir, step=step.index)
+        return CompareResult(comparison.steps[0], self.dump_dir, path)
+
+    def _record_targets_summary(self, step: _Step, targets: List[_Target]) -> None:
+        """Per-step notes: wrapped modules that never ran; parameter gradients of both sides."""
+        for target in targets:
+            if target.calls == 0:
+                step.note(target.name, "NOT_RUN", "the wrapped module was not called in this step")
+
+    def _record_param_grads(self, step: _Step, pairs) -> None:
+        """pairs: (target name, [(param name, eager param, compiled param)])."""
+        for name, params in pairs:
+            for index, (param_name, eager_param, compiled_param) in enumerate(params):
+                for side, param in (("eager", eager_param), ("compiled", compiled_param)):
+                    grad = step.param_grads[side].get(id(param))
+                    if grad is not None:
+                        step.record(name, 0, "param_grad", index, side, grad, param_name)
+
+    # ------------------------------------------------------------------ single-pass
+    def install(self, model: nn.Module) -> nn.Module:
+        """Single-pass: compiles the wrapped modules of ``model`` in place and starts checking.
+
+        Every call of a wrapped module then runs compiled (the training path) and is re-run
+        eagerly on the same inputs for comparison. Call ``collect(loss)`` after each checked
+        step, and ``uninstall()`` to restore the model.
+        """
+        if not self.single_pass:
+            raise RuntimeError("install() only supports single_pass=True; for two-pass use "
+                               "compare(run_step, model)")
+        if self._installed is not None:
+            raise RuntimeError("this checker is already installed on a model; call uninstall() "
+                               "first")
+        targets, self._module_notes = self._plan(model)
+        self._installed = model
+        modules = dict(model.named_modules())
+        for display, name in targets:
+            module = modules[name]
+            original = module.forward
+            compiled = torch.compile(original, backend=self.backend)
+            target = _Target(display, module, compiled, original)
+            self._targets.append(target)
+            self._patch_forward(module, self._single_pass_forward(target))
+            for index, (_, param) in enumerate(target.params):
+                self._restore.append(param.register_hook(self._param_hook(param)).remove)
+                self._restore.append(param.register_post_accumulate_grad_hook(
+                    self._accumulated_hook(target)).remove)
+        return model
+
+    def uninstall(self) -> None:
+        """Restores the wrapped modules' original forwards and removes every hook."""
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        self._targets.clear()
+        self._installed = None
+        if self._step is not None:  # a step begun but never collected is discarded
+            self._step = None
+            self._recorder = None
+
+    def _patch_forward(self, module: nn.Module, forward: Callable) -> None:
+        had_own = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        # Dynamo must not trace dynaprobe's own code when a caller compiles around it; the
+        # compiled function inside still compiles (recursive=False).
+        module.forward = torch._dynamo.disable(forward, recursive=False)
+
+        def undo() -> None:
+            if had_own:
+                module.forward = previous
+            else:
+                del module.forward
+
+        self._restore.append(undo)
+
+    def _param_hook(self, param: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            if self._step is not None and not _in_eager_backward():
+                self._step.add_param_grad("compiled", param, grad)
+
+        return hook
+
+    def _accumulated_hook(self, target: _Target):
+        def hook(_: torch.Tensor) -> None:
+            # The training backward has passed this module: grad_output is known.
+            if self._step is not None:
+                for pending in self._step.pending:
+                    if pending.target is target:
+                        pending.run()
+
+        return hook
+
+    def _single_pass_forward(self, target: _Target) -> Callable:
+        def forward(*args, **kwargs):
+            return self._checked_call(self._current_step(), target, args, kwargs)
+
+        return forward
+
+    def _checked_call(self, step: _Step, target: _Target, args: tuple, kwargs: dict):
+        call = target.calls
+        target.calls += 1
+        name = target.name
+        inputs = input_leaves(args, kwargs)
+        devices = devices_of([t for _, t in inputs], target.module)
+        grad_mode = torch.is_grad_enabled()
+        try:
+            if self.capture_input:
+                # Single-pass feeds both sides the same inputs: recorded once, for both.
+                for index, (label, tensor) in enumerate(inputs):
+                    step.record(name, call, "fwd_input", index, "compiled", tensor, label)
+            # Clones taken before the training run, which may modify its inputs in place.
+            eager_args, eager_kwargs = map_tensors(args, kwargs, lambda i, t: t.detach().clone())
+            buffers = BufferGuard(target.module)
+            rng_before = RngState(devices)
+        except Exception as error:  # never break training because of the checker
+            step.note(name, "HOOK_ERROR", f"{type(error).__name__}: {error}")
+            return target.run(*args, **kwargs)
+
+        leaves = []
+        if grad_mode:
+            def compiled_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
+                if not tensor.requires_grad:
+                    return tensor
+                view = tensor.view_as(tensor)  # its gradient is this module's grad_input alone
+                view.register_hook(self._compiled_grad_input_hook(step, target, call, index))
+                return view
+
+            args, kwargs = map_tensors(args, kwargs, compiled_input)
+
+        with autocast_context(self.cast_dtype, devices):
+            compiled_out = target.run(*args, **kwargs)
+
+        rng_after = RngState(devices)
+        try:
+            buffers.swap_to_before()
+            rng_before.restore()
+
+            def eager_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
+                original = inputs[index][1]
+                if grad_mode and original.requires_grad and (tensor.is_floating_point()
+                                                             or tensor.is_complex()):
+                    tensor.requires_grad_(True)
+                    leaves.append((index, tensor))
+                return tensor
+
+            eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
+            with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
+                eager_out = target.eager(*eager_args, **eager_kwargs)
+        except Exception as error:
+            step.note(name, "HOOK_ERROR", f"eager re-run failed: {type(error).__name__}: {error}")
+            return compiled_out
+        finally:
+            buffers.restore_after()
+            rng_after.restore()
+
+        compiled_leaves = tensor_leaves(compiled_out)
+        eager_leaves = tensor_leaves(eager_out)
+        for index, (label, tensor) in enumerate(compiled_leaves):
+            step.record(name, call, "fwd_output", index, "compiled", tensor, label)
+        for index, (label, tensor) in enumerate(eager_leaves):
+            step.record(name, call, "fwd_output", index, "eager", tensor, label)
+
+        if grad_mode:
+            eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
+            pending = _PendingBackward(step, target, call, eager_outputs, compiled_leaves, leaves)
+            for index, (_, tensor) in enumerate(compiled_leaves):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._grad_output_hook(step, pending, index))
+            if eager_outputs:
+                step.pending.append(pending)
+        return compiled_out
+
+    def _grad_output_hook(self, step: _Step, pending: _PendingBackward, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            if grad is None:
+                return
+            pending.on_output_grad(index, grad)
+            # Seeds both sides' backward: recorded once, for both.
+            step.record(pending.target.name, pending.call, "grad_output", index, "compiled", grad)
+
+        return hook
+
+    def _compiled_grad_input_hook(self, step: _Step, target: _Target, call: int, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            step.record(target.name, call, "grad_input", index, "compiled", grad)
+            # The compiled backward of this call is done: every grad_output has arrived.
+            for pending in step.pending:
+                if pending.target is target and pending.call == call:
+                    pending.run()
+
+        return hook
+
+    def collect(self, loss: Optional[torch.Tensor] = None) -> CompareResult:
+        """Single-pass: finishes the step that just ran, writes it and returns its comparison.
+
+        Checking continues with the next step until ``uninstall()``.
+        """
+        if self._installed is None:
+            raise RuntimeError("collect() needs install(model) first (single-pass), then a "
+                               "training or inference step")
+        step = self._current_step()
+        for pending in step.pending:
+            pending.run()
+        step.pending.clear()
+        if loss is not None:
+            value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            step.record(LOSS_MODULE, 0, "loss", 0, "compiled", value.reshape(()))
+        self._record_targets_summary(step, self._targets)
+        self._record_param_grads(step, [
+            (t.name, [(n, p, p) for n, p in t.params]) for t in self._targets])
+        return self._finish_step()
+
+    # ------------------------------------------------------------------ compare
+    def compare(self, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module) -> CompareResult:
+        """Runs ``fn(model)`` (one training or inference step returning a scalar) and compares.
+
+        single_pass=True: installs on ``model``, runs the step once, collects, uninstalls.
+        single_pass=False: runs the step on an eager and on a compiled deep copy of ``model``
+        with the same RNG state; ``model`` itself is left untouched.
+        """
+        if self.single_pass:
+            if self._installed is not None:
+                raise RuntimeError("compare() cannot run while install() is active; call "
+                                   "collect() instead, or uninstall() first")
+            self.install(model)
+            try:
+                loss = fn(model)
+                return self.collect(loss)
+            finally:
+                self.uninstall()
+        return self._compare_two_pass(fn, model)
+
+    def _compare_two_pass(self, fn: Callable, model: nn.Module) -> CompareResult:
+        if _is_deepcopy_forbidden(model):
+            raise RuntimeError(
+                "two-pass (single_pass=False) deep-copies the model, which FSDP2/DTensor-sharded "
+                "models forbid; use single-pass: PrecisionChecker(single_pass=True) with "
+                "install(model) and collect(loss)")
+        targets, self._module_notes = self._plan(model)
+        eager_model = copy.deepcopy(model)
+        compiled_model = copy.deepcopy(model)
+        sides = {}
+        for side, copy_ in (("eager", eager_model), ("compiled", compiled_model)):
+            modules = dict(copy_.named_modules())
+            sides[side] = []
+            for display, name in targets:
+                module = modules[name]
+                original = module.forward
+                run = original if side == "eager" else torch.compile(original,
+                                                                      backend=self.backend)
+                target = _Target(display, module, run, None)
+                sides[side].append(target)
+                self._patch_forward(module, self._one_side_forward(target, side))
+                for param_name, param in target.params:
+                    self._restore.append(param.register_hook(
+                        self._side_param_hook(side, param)).remove)
+        step = self._begin_step(sides["compiled"] + sides["eager"])
+        try:
+            rng = RngState(devices_of([], model))
+            loss_eager = fn(eager_model)
+            rng.restore()
+            loss_compiled = fn(compiled_model)
+            for side, loss in (("eager", loss_eager), ("compiled", loss_compiled)):
+                if loss is not None:
+                    value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(
+                        float(loss))
+                    step.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
+            self._record_targets_summary(step, sides["compiled"])
+            self._record_param_grads(step, [
+                (e.name, [(n, p, cp) for (n, p), (_, cp) in zip(e.params, c.params)])
+                for e, c in zip(sides["eager"], sides["compiled"])])
+            return self._finish_step()
+        finally:
+            for undo in reversed(self._restore):
+                undo()
+            self._restore.clear()
+            self._step = None
+
+    def _one_side_forward(self, target: _Target, side: str) -> Callable:
+        def forward(*args, **kwargs):
+            step = self._step
+            if step is None:
+                return target.run(*args, **kwargs)
+            call = target.calls
+            target.calls += 1
+            inputs = input_leaves(args, kwargs)
+            if self.capture_input:
+                for index, (label, tensor) in enumerate(inputs):
+                    step.record(target.name, call, "fwd_input", index, side, tensor, label)
+            if torch.is_grad_enabled():
+                def probe(index: int, tensor: torch.Tensor) -> torch.Tensor:
+                    if not tensor.requires_grad:
+                        return tensor
+                    view = tensor.view_as(tensor)
+                    view.register_hook(lambda g: step.record(target.name, call, "grad_input",
+                                                             index, side, g))
+                    return view
+
+                args, kwargs = map_tensors(args, kwargs, probe)
+            devices = devices_of([t for _, t in inputs], target.module)
+            with autocast_context(self.cast_dtype, devices):
+                out = target.run(*args, **kwargs)
+            for index, (label, tensor) in enumerate(tensor_leaves(out)):
+                step.record(target.name, call, "fwd_output", index, side, tensor, label)
+                if tensor.requires_grad:
+                    tensor.register_hook(
+                        lambda g, i=index: step.record(target.name, call, "grad_output", i, side,
+                                                       g))
+            return out
+
+        return forward
+
+    def _side_param_hook(self, side: str, param: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            if self._step is not None:
+                self._step.add_param_grad(side, param, grad)
+
+        return hook
+
+    # ------------------------------------------------------------------ report
+    def report(self, result: CompareResult, csv_path: Optional[str] = None) -> None:
+        """Prints the stdout report; with ``csv_path``, also writes the CSV report there."""
+        print(result.text(), end="")
+        if csv_path:
+            directory = os.path.dirname(os.path.abspath(csv_path))
+            os.makedirs(directory, exist_ok=True)
+            with open(csv_path, "w", encoding="utf-8", newline="") as f:
+                f.write(result.csv())
+            print(f"CSV report saved to: {csv_path}")

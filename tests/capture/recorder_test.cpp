@@ -1,0 +1,432 @@
+// The capture library against a real libtorch: what record() snapshots is what an independent
+// reader (formats::StepReader) gets back, byte for byte, whatever the tensor's dtype and strides;
+// back-pressure never drops data; background errors surface and never take other steps with them.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "dynaprobe/capture/recorder.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/imag.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/view_as_real.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/reader.h"
+#include "formats/test_util.h"
+
+namespace dynaprobe::capture {
+namespace {
+
+namespace fs = std::filesystem;
+using formats::DType;
+using formats::Kind;
+using formats::RecordKey;
+using formats::Side;
+using formats::testing::TempDir;
+
+RecordKey key(std::string module, std::uint32_t index = 0, Kind kind = Kind::kFwdOutput,
+              Side side = Side::kEager) {
+  return RecordKey{0, std::move(module), 0, kind, index, side};
+}
+
+// The bytes a reader must see for `tensor`: its values in C order (complex as real pairs).
+std::vector<std::byte> contiguous_bytes(const at::Tensor& tensor) {
+  at::Tensor t = tensor.resolve_conj().resolve_neg().contiguous();
+  if (t.is_complex()) t = at::view_as_real(t).contiguous();
+  const auto* data = static_cast<const std::byte*>(t.const_data_ptr());
+  return std::vector<std::byte>(data, data + t.numel() * t.element_size());
+}
+
+std::vector<std::int64_t> shape_of(const at::Tensor& tensor) {
+  at::Tensor t = tensor.is_complex() ? at::view_as_real(tensor.resolve_conj()) : tensor;
+  return std::vector<std::int64_t>(t.sizes().begin(), t.sizes().end());
+}
+
+struct Expected {
+  RecordKey key;
+  at::Tensor tensor;
+  DType dtype;
+  std::string label;
+};
+
+void expect_records(const fs::path& file, const std::vector<Expected>& expected) {
+  formats::StepReader reader(file);
+  ASSERT_EQ(reader.records().size(), expected.size());
+  for (const Expected& e : expected) {
+    SCOPED_TRACE(formats::to_string(e.key));
+    const formats::RecordInfo* info = reader.find(e.key);
+    ASSERT_NE(info, nullptr);
+    EXPECT_EQ(info->dtype, e.dtype);
+    EXPECT_EQ(info->shape, shape_of(e.tensor));
+    EXPECT_EQ(info->label, e.label);
+    EXPECT_EQ(reader.read(*info), contiguous_bytes(e.tensor));
+  }
+}
+
+TEST(Recorder, DtypesRoundTripAsTheirOwnBytes) {
+  TempDir dir;
+  at::manual_seed(1);
+  const at::Tensor base = at::randn({3, 5, 7});
+  const at::Tensor complex = at::randn({4, 6}, at::kComplexFloat);
+  std::vector<Expected> expected = {
+      {key("m", 0), base, DType::kFloat32, "float32"},
+      {key("m", 1), base.to(at::kDouble), DType::kFloat64, "float64"},
+      {key("m", 2), base.to(at::kBFloat16), DType::kBFloat16, "bfloat16"},
+      {key("m", 3), base.to(at::kHalf), DType::kFloat16, "float16"},
+      {key("m", 4), base.mul(100).to(at::kLong), DType::kInt64, "int64"},
+      {key("m", 5), base.gt(0), DType::kBool, "bool"},
+      {key("m", 6), base.to(at::kFloat8_e4m3fn), DType::kFloat8E4M3FN, "e4m3fn"},
+      {key("m", 7), base.to(at::kFloat8_e5m2), DType::kFloat8E5M2, "e5m2"},
+      {key("m", 8), base.mul(50).to(at::kChar), DType::kInt8, "int8"},
+      {key("m", 9), base.abs().mul(50).to(at::kByte), DType::kUInt8, "uint8"},
+      {key("m", 10), complex, DType::kFloat32, "complex64 as real pairs"},
+      {key("m", 11), complex.to(at::kComplexDouble), DType::kFloat64, "complex128"},
+      {key("m", 12), at::scalar_tensor(2.5), DType::kFloat32, "0-d"},
+      {key("m", 13), at::empty({0, 3}), DType::kFloat32, "empty"},
+  };
+  Recorder recorder(dir.path(), {{"mode", "single_pass"}});
+  recorder.begin_step(0);
+  for (const auto& e : expected) recorder.record(e.key, e.tensor, e.label);
+  const fs::path file = recorder.end_step();
+  EXPECT_EQ(file, dir.path() / "step_00000000.h5");
+  expect_records(file, expected);
+  EXPECT_EQ(formats::StepReader(file).provenance().at("mode"), "single_pass");
+}
+
+TEST(Recorder, ViewsAreStoredAsTheirValuesInCOrder) {
+  TempDir dir;
+  const at::Tensor base = at::arange(2 * 3 * 4 * 5, at::kFloat).reshape({2, 3, 4, 5});
+  const at::Tensor complex = at::randn({3, 4}, at::kComplexFloat);
+  std::vector<Expected> expected = {
+      {key("v", 0), base.transpose(1, 3), DType::kFloat32, "transpose"},
+      {key("v", 1), base.slice(3, 1, 5, 2).slice(0, 1, 2), DType::kFloat32, "step slice"},
+      {key("v", 2), at::arange(4, at::kLong).expand({3, 4}), DType::kInt64, "expand"},
+      {key("v", 3), base.permute({3, 0, 2, 1}).to(at::kBFloat16), DType::kBFloat16, "permute"},
+      {key("v", 4), base.select(2, 1).diagonal(0, 1, 2), DType::kFloat32, "diagonal"},
+      {key("v", 5), complex.conj(), DType::kFloat32, "lazy conjugate"},
+      {key("v", 6), at::imag(complex.conj()), DType::kFloat32, "lazy negation"},
+      {key("v", 7), complex.t(), DType::kFloat32, "complex transpose"},
+  };
+  ASSERT_TRUE(expected[5].tensor.is_conj());
+  ASSERT_TRUE(expected[6].tensor.is_neg());
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  for (const auto& e : expected) recorder.record(e.key, e.tensor, e.label);
+  expect_records(recorder.end_step(), expected);
+}
+
+TEST(Recorder, SnapshotIsTakenWhenRecordIsCalled) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  at::Tensor tensor = at::arange(1 << 16, at::kFloat);
+  const at::Tensor original = tensor.clone();
+  recorder.record(key("m"), tensor);
+  tensor.fill_(-1.0);  // the caller changes the tensor right away, as the next op would
+  at::Tensor view = at::arange(64, at::kFloat).reshape({8, 8});
+  const at::Tensor original_view = view.t().clone();
+  recorder.record(key("m", 1), view.t());
+  view.mul_(3.0);
+  expect_records(recorder.end_step(), {{key("m"), original, DType::kFloat32, ""},
+                                       {key("m", 1), original_view, DType::kFloat32, ""}});
+}
+
+TEST(Recorder, BackPressureBlocksButDropsNothing) {
+  TempDir dir;
+  RecorderOptions options;
+  options.memory_budget_bytes = 8 * 1024;
+  options.writer.chunk_bytes = 4096;
+  Recorder recorder(dir.path(), {}, options);
+  recorder.begin_step(0);
+  std::vector<Expected> expected;
+  for (std::uint32_t i = 0; i < 300; ++i) {
+    // Mostly 1-4 KiB tensors, and every 50th one larger than the whole budget.
+    const std::int64_t elements = i % 50 == 49 ? 6000 : 256 + (i % 4) * 256;
+    at::Tensor tensor = at::randn({elements});
+    const std::size_t bytes = static_cast<std::size_t>(elements) * sizeof(float);
+    recorder.record(key("layers." + std::to_string(i % 7), i), tensor);
+    EXPECT_LE(recorder.queued_bytes(), options.memory_budget_bytes + bytes) << "record " << i;
+    expected.push_back({key("layers." + std::to_string(i % 7), i), tensor, DType::kFloat32, ""});
+  }
+  const fs::path file = recorder.end_step();
+  EXPECT_EQ(recorder.queued_bytes(), 0u);
+  expect_records(file, expected);
+}
+
+TEST(Recorder, BackPressureWaitsForTheWriter) {
+  // With a budget of one tensor, record() cannot return before the previous tensor is written.
+  TempDir dir;
+  RecorderOptions options;
+  options.memory_budget_bytes = 1 << 20;
+  Recorder recorder(dir.path(), {}, options);
+  recorder.begin_step(0);
+  std::size_t max_queued = 0;
+  for (std::uint32_t i = 0; i < 16; ++i) {
+    recorder.record(key("m", i), at::randn({1 << 18}));  // exactly the budget
+    max_queued = std::max(max_queued, recorder.queued_bytes());
+  }
+  EXPECT_LE(max_queued, options.memory_budget_bytes);
+  EXPECT_EQ(formats::StepReader(recorder.end_step()).records().size(), 16u);
+}
+
+TEST(Recorder, StepFileErrorSurfacesAtEndStep) {
+  TempDir dir;
+  // Something that is not a file already sits where step 0 would be written.
+  const fs::path blocker = dir.path() / "step_00000000.h5.partial";
+  fs::create_directories(blocker / "occupied");
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  try {
+    recorder.record(key("m"), at::randn({16}));  // may or may not see the error yet
+  } catch (const IoError&) {
+  }
+  try {
+    recorder.end_step();
+    FAIL() << "end_step() must report that step 0 could not be written";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find(blocker.string()), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("step 0"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir.path() / "step_00000000.h5"));
+  EXPECT_TRUE(fs::is_directory(blocker / "occupied"));  // not ours: left alone
+
+  // The same recorder goes on with the next step.
+  recorder.begin_step(1);
+  const at::Tensor tensor = at::randn({3, 3});
+  recorder.record(key("m"), tensor);
+  const fs::path file = recorder.end_step();
+  EXPECT_EQ(file, dir.path() / "step_00000001.h5");
+  RecordKey step1 = key("m");
+  step1.step = 1;
+  expect_records(file, {{step1, tensor, DType::kFloat32, ""}});
+
+  // So does a fresh recorder on another folder.
+  TempDir other;
+  Recorder fresh(other.path(), {});
+  fresh.begin_step(0);
+  fresh.record(key("m"), tensor);
+  expect_records(fresh.end_step(), {{key("m"), tensor, DType::kFloat32, ""}});
+}
+
+TEST(Recorder, BackgroundErrorIsThrownByTheNextRecordOnce) {
+  TempDir dir;
+  fs::create_directories(dir.path() / "step_00000000.h5.partial" / "occupied");
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  bool thrown = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::uint32_t i = 0;
+  while (!thrown && std::chrono::steady_clock::now() < deadline) {
+    try {
+      recorder.record(key("m", i++), at::randn({4}));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    } catch (const IoError& e) {
+      thrown = true;
+      EXPECT_NE(std::string(e.what()).find("step_00000000.h5.partial"), std::string::npos);
+    }
+  }
+  ASSERT_TRUE(thrown) << "record() never reported the background error";
+  // The step is lost: further records are dropped without error, end_step() reports it again.
+  EXPECT_NO_THROW(recorder.record(key("m", i++), at::randn({4})));
+  EXPECT_NO_THROW(recorder.record_graph({"g", "forward", "text", {}}));
+  EXPECT_THROW(recorder.end_step(), IoError);
+  recorder.begin_step(1);
+  recorder.record(key("m"), at::randn({4}));
+  EXPECT_EQ(recorder.end_step(), dir.path() / "step_00000001.h5");
+}
+
+// Sets a file-size limit for this process, so that writes past it fail with EFBIG as on a full
+// disk; the old limit comes back at the end of the scope.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    old_handler_ = ::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    ok_ = ::setrlimit(RLIMIT_FSIZE, &limit) == 0;
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    ::signal(SIGXFSZ, old_handler_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit saved_{};
+  sighandler_t old_handler_ = SIG_DFL;
+  bool ok_ = false;
+};
+
+TEST(Recorder, DiskFullMidStepLosesOnlyThatStep) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  const at::Tensor first = at::randn({1000});
+  recorder.record(key("m"), first);
+  const fs::path step0 = recorder.end_step();
+  {
+    FileSizeLimit limit(256 * 1024);
+    ASSERT_TRUE(limit.ok());
+    recorder.begin_step(1);
+    std::string message;
+    try {
+      for (std::uint32_t i = 0; i < 8; ++i) {
+        recorder.record(key("m", i), at::randn({1 << 18}));  // incompressible: 1 MiB each
+      }
+    } catch (const IoError& e) {
+      message = e.what();  // the background thread failed while we were still recording
+    }
+    try {
+      recorder.end_step();
+      FAIL() << "a write past the file-size limit must fail step 1";
+    } catch (const IoError& e) {
+      if (message.empty()) message = e.what();
+    }
+    EXPECT_NE(message.find("step_00000001.h5.partial"), std::string::npos) << message;
+    EXPECT_NE(message.find("step 1"), std::string::npos) << message;
+  }
+  EXPECT_FALSE(fs::exists(dir.path() / "step_00000001.h5"));
+  EXPECT_FALSE(fs::exists(dir.path() / "step_00000001.h5.partial"));
+  expect_records(step0, {{key("m"), first, DType::kFloat32, ""}});
+
+  recorder.begin_step(2);
+  const at::Tensor later = at::randn({1 << 16});
+  recorder.record(key("m"), later);
+  RecordKey step2 = key("m");
+  step2.step = 2;
+  expect_records(recorder.end_step(), {{step2, later, DType::kFloat32, ""}});
+  const auto files = formats::list_dump(dir.path());
+  EXPECT_EQ(files.steps.size(), 2u);
+  EXPECT_TRUE(files.unfinished.empty());
+}
+
+TEST(Recorder, GraphsAndModulesRoundTrip) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  recorder.record_module({"layers.0", {{"role", "wrapped"}}});
+  recorder.record(key("layers.0"), at::randn({2, 2}));
+  recorder.record_graph({"__compiled_fn_1.Forward_Graph.1a2b",
+                         "forward",
+                         "def forward(self, x):\n    return (x * 2,)\n",
+                         {{"modules", "layers.0"}}});
+  recorder.record_module({"layers.1", {{"role", "ignored"}, {"note", "NOT_COMPILED"}}});
+  recorder.record_graph({"__compiled_fn_1.Captured_Graph", "captured", "graph text", {}});
+  const fs::path file = recorder.end_step();
+
+  formats::StepReader reader(file);
+  const auto graphs = reader.graphs();
+  ASSERT_EQ(graphs.size(), 2u);
+  bool found_forward = false;
+  for (const auto& graph : graphs) {
+    if (graph.name == "__compiled_fn_1.Forward_Graph.1a2b") {
+      found_forward = true;
+      EXPECT_EQ(graph.kind, "forward");
+      EXPECT_EQ(graph.text, "def forward(self, x):\n    return (x * 2,)\n");
+      EXPECT_EQ(graph.attributes.at("modules"), "layers.0");
+    } else {
+      EXPECT_EQ(graph.name, "__compiled_fn_1.Captured_Graph");
+      EXPECT_EQ(graph.kind, "captured");
+      EXPECT_EQ(graph.text, "graph text");
+    }
+  }
+  EXPECT_TRUE(found_forward);
+  const auto modules = reader.modules();
+  ASSERT_EQ(modules.size(), 2u);
+  EXPECT_EQ(modules[0].module, "layers.0");
+  EXPECT_EQ(modules[0].attributes.at("role"), "wrapped");
+  EXPECT_EQ(modules[1].module, "layers.1");
+  EXPECT_EQ(modules[1].attributes.at("note"), "NOT_COMPILED");
+}
+
+TEST(Recorder, DestroyedMidStepLeavesNoStepFile) {
+  TempDir dir;
+  {
+    Recorder recorder(dir.path(), {});
+    recorder.begin_step(0);
+    recorder.record(key("m"), at::randn({4}));
+    recorder.end_step();
+    recorder.begin_step(1);
+    for (std::uint32_t i = 0; i < 32; ++i) recorder.record(key("m", i), at::randn({1 << 16}));
+  }
+  const auto files = formats::list_dump(dir.path());
+  ASSERT_EQ(files.steps.size(), 1u);
+  EXPECT_EQ(files.steps[0].filename(), "step_00000000.h5");
+  EXPECT_TRUE(files.unfinished.empty());
+  EXPECT_FALSE(fs::exists(dir.path() / "step_00000001.h5"));
+}
+
+TEST(Recorder, ManyStepsGiveOneFileEach) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {{"rank", "0"}});
+  for (std::int64_t step = 0; step < 3; ++step) {
+    recorder.begin_step(step);
+    recorder.record(key("m"), at::full({2}, static_cast<double>(step)));
+    EXPECT_EQ(recorder.end_step(), dir.path() / formats::step_file_name(step));
+  }
+  EXPECT_EQ(formats::list_dump(dir.path()).steps.size(), 3u);
+}
+
+TEST(Recorder, RejectsMisuseWithUsageErrors) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {});
+  EXPECT_THROW(recorder.record(key("m"), at::randn({2})), UsageError);  // no step begun
+  EXPECT_THROW(recorder.end_step(), UsageError);
+  recorder.begin_step(0);
+  EXPECT_THROW(recorder.begin_step(1), UsageError);  // step 0 still open
+  recorder.record(key("m"), at::randn({2}));
+  EXPECT_THROW(recorder.record(key("m"), at::randn({2})), UsageError);  // same key twice
+  EXPECT_THROW(recorder.record(key("a/b"), at::randn({2})), UsageError);
+  EXPECT_THROW(recorder.record(key("m", 1), at::Tensor()), UsageError);
+  EXPECT_THROW(recorder.record(key("m", 2), at::empty({2}, at::TensorOptions().device(at::kMeta))),
+               UsageError);
+  recorder.record_graph({"g", "forward", "", {}});
+  EXPECT_THROW(recorder.record_graph({"g", "forward", "", {}}), UsageError);
+  recorder.record_module({"m", {}});
+  EXPECT_THROW(recorder.record_module({"m", {}}), UsageError);
+  // Misuse did not break the step.
+  EXPECT_EQ(formats::StepReader(recorder.end_step()).records().size(), 1u);
+}
+
+TEST(Recorder, UnsupportedDtypeIsNamed) {
+  TempDir dir;
+  try {
+    dtype_of(at::empty({2}, at::kComplexFloat));
+    FAIL() << "complex has no dump dtype of its own";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("ComplexFloat"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(dtype_of(at::empty({1}, at::kFloat8_e8m0fnu)), DType::kFloat8E8M0FNU);
+  EXPECT_EQ(dtype_of(at::empty({1}, at::kUInt16)), DType::kUInt16);
+  Recorder recorder(dir.path(), {});
+  recorder.begin_step(0);
+  try {
+    recorder.record(key("m"), at::empty({2}, at::kFloat4_e2m1fn_x2));
+    FAIL() << "packed float4 has no dump dtype";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("Float4_e2m1fn_x2"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(formats::StepReader(recorder.end_step()).records().size(), 0u);
+}
+
+TEST(Recorder, ReservedProvenanceKeyIsRejectedUpFront) {
+  TempDir dir;
+  EXPECT_THROW(Recorder(dir.path(), {{"step", "1"}}), UsageError);
+}
+
+}  // namespace
+}  // namespace dynaprobe::capture

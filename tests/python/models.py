@@ -1,0 +1,74 @@
+"""Small models and backends shared by the tests."""
+
+import torch
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class Block(nn.Module):
+    """A transformer block that takes the attention mask as a keyword and returns a tuple."""
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x, attn_mask=None):
+        h = self.norm1(x)
+        attended, weights = self.attn(h, h, h, attn_mask=~attn_mask if attn_mask is not None else None)
+        x = x + attended
+        x = x + self.mlp(self.norm2(x))
+        return x, weights
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class TiedTwice(nn.Module):
+    """Calls the same submodule twice per step (weight sharing)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+def _perturb_gelu(gm: torch.fx.GraphModule, example_inputs):
+    """Like aot_eager, but GELU (and its backward) come out 1% larger: a fake compiler bug."""
+    targets = (torch.ops.aten.gelu.default, torch.ops.aten.gelu_backward.default)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in targets:
+            with gm.graph.inserting_after(node):
+                scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.01))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+perturbed_gelu_backend = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)
