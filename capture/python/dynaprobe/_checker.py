@@ -25,6 +25,7 @@ from dynaprobe._capture import (
     map_tensors,
     tensor_leaves,
 )
+from dynaprobe._graphs import GraphRecorder, write_graph_files
 from dynaprobe._result import CompareResult
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -119,6 +120,7 @@ class _Step:
         self.pending: List[_PendingBackward] = []
         self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {"eager": {}, "compiled": {}}
         self.notes: Dict[str, Tuple[str, str]] = {}
+        self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
         self.error: Optional[BaseException] = None
         # Backward hooks may run on autograd's device threads; the recorder takes one call at a
         # time.
@@ -200,6 +202,10 @@ class PrecisionChecker:
         self._targets: List[_Target] = []
         self._restore: List[Callable[[], None]] = []
         self._module_notes: List[Tuple[str, Dict[str, str]]] = []
+        self._graphs = GraphRecorder(backend)
+        self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
+        self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
+        self._graph_breaks: Dict[str, Dict[str, int]] = {}  # module -> reason -> count
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -245,6 +251,21 @@ class PrecisionChecker:
         return model
 
     # ------------------------------------------------------------------ plan
+    def _describe_model(self, model: nn.Module) -> None:
+        """Provenance of the model: where it runs and in which dtypes (cross-machine reports)."""
+        params = list(model.parameters())
+        devices = sorted({str(p.device) for p in params}) or ["cpu"]
+        described = []
+        for device in devices:
+            if device.startswith("cuda") and torch.cuda.is_available():
+                described.append(f"{device} ({torch.cuda.get_device_name(torch.device(device))})")
+            else:
+                described.append(device)
+        self._devices = {
+            "device": ", ".join(described),
+            "param_dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        }
+
     def _plan(self, model: nn.Module):
         """The compile targets (outermost wrapped modules, not ignored), in model order, and the
         /modules entries describing every wrapped or ignored module."""
@@ -266,6 +287,7 @@ class PrecisionChecker:
         if not wrapped:
             raise ValueError("no module is wrapped: call wrap(), wrap_by_policy() or "
                              "wrap_all_children() before install() or compare()")
+        self._describe_model(model)
         targets, entries = [], []
         for name in wrapped:
             outer = next((w for w in wrapped if w != name and _under(name, w)), None)
@@ -302,6 +324,7 @@ class PrecisionChecker:
             "rtol": repr(float(self.rtol)),
             "cast_dtype": str(self.cast_dtype) if self.cast_dtype is not None else "None",
             "capture_input": "true" if self.capture_input else "false",
+            **self._devices,
             "host": socket.gethostname(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
@@ -317,7 +340,8 @@ class PrecisionChecker:
 
     def _begin_step(self, targets: List[_Target]) -> _Step:
         if self._recorder is None:
-            mode = "single_pass" if self.single_pass else "two_pass"
+            mode = ("single_pass" if self.single_pass else "two_pass") if self._capture_side is None \
+                else f"{self._capture_side}_only"
             self._recorder = _C.Recorder(self.dump_dir, self._provenance(mode),
                                          memory_budget_bytes=self.memory_budget_bytes)
         self._recorder.begin_step(self._step_index)
@@ -331,10 +355,16 @@ class PrecisionChecker:
         or collect()."""
         return self._step if self._step is not None else self._begin_step(self._targets)
 
-    def _finish_step(self) -> CompareResult:
+    def _finish_step(self, compare: bool = True):
         step = self._step
+        graphs = self._graphs.take()
+        for graph in graphs:
+            self._recorder.record_graph(graph.name, graph.kind, graph.text,
+                                        {"function": graph.function, "module": graph.module})
+        if self.dump_graphs and graphs:
+            write_graph_files(graphs, self.graph_dir)
         for name, attributes in self._module_notes:
-            attributes = dict(attributes)
+            attributes = dict(attributes, **step.attributes.get(name, {}))
             if name in step.notes and "note" not in attributes:
                 attributes["note"], attributes["reason"] = step.notes[name]
             self._recorder.record_module(name, attributes)
@@ -343,21 +373,40 @@ class PrecisionChecker:
         self._step_index += 1
         if step.error is not None:
             raise step.error
+        if not compare:
+            return path
         comparison = _C.compare(self.dump_dir, self.dump_dir, step=step.index)
         return CompareResult(comparison.steps[0], self.dump_dir, path)
 
     def _record_targets_summary(self, step: _Step, targets: List[_Target]) -> None:
-        """Per-step notes: wrapped modules that never ran; parameter gradients of both sides."""
+        """Per-step facts about each compiled module: whether it ran, what Dynamo compiled it
+        into, its graph breaks. A module that ran without Dynamo compiling anything for it was
+        compared eager against eager: a warning, never a pass."""
         for target in targets:
+            functions = self._graphs.functions.get(target.name, [])
+            breaks = self._graph_breaks.get(target.name, {})
+            step.attributes[target.name] = {
+                "calls": str(target.calls),
+                "compiled_functions": ",".join(functions),
+                "graph_breaks": str(sum(breaks.values())),
+            }
+            if breaks:
+                step.attributes[target.name]["graph_break_reasons"] = "; ".join(sorted(breaks))
             if target.calls == 0:
                 step.note(target.name, "NOT_RUN", "the wrapped module was not called in this step")
+            elif not functions:
+                reason = "Dynamo compiled no graph for it (frame skipped, fallback to eager after " \
+                         "an error, or no tensor operations): eager was compared with eager"
+                if breaks:
+                    reason += "; graph breaks: " + "; ".join(sorted(breaks))
+                step.note(target.name, "NOT_COMPILED", reason)
 
     def _record_param_grads(self, step: _Step, pairs) -> None:
         """pairs: (target name, [(param name, eager param, compiled param)])."""
         for name, params in pairs:
             for index, (param_name, eager_param, compiled_param) in enumerate(params):
                 for side, param in (("eager", eager_param), ("compiled", compiled_param)):
-                    grad = step.param_grads[side].get(id(param))
+                    grad = None if param is None else step.param_grads[side].get(id(param))
                     if grad is not None:
                         step.record(name, 0, "param_grad", index, side, grad, param_name)
 
@@ -381,8 +430,7 @@ class PrecisionChecker:
         for display, name in targets:
             module = modules[name]
             original = module.forward
-            compiled = torch.compile(original, backend=self.backend)
-            target = _Target(display, module, compiled, original)
+            target = _Target(display, module, self._compile(display, original), original)
             self._targets.append(target)
             self._patch_forward(module, self._single_pass_forward(target))
             for index, (_, param) in enumerate(target.params):
@@ -390,6 +438,25 @@ class PrecisionChecker:
                 self._restore.append(param.register_post_accumulate_grad_hook(
                     self._accumulated_hook(target)).remove)
         return model
+
+    def _compile(self, name: str, forward: Callable) -> Callable:
+        """torch.compile of a wrapped module's forward, through the graph recorder, counting the
+        graph breaks Dynamo meets while compiling it."""
+        compiled = torch.compile(forward, backend=self._graphs.for_module(name))
+        counters = torch._dynamo.utils.counters
+
+        def run(*args, **kwargs):
+            before = dict(counters["graph_break"])
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                after = counters["graph_break"]
+                for reason, count in after.items():
+                    if count > before.get(reason, 0):
+                        breaks = self._graph_breaks.setdefault(name, {})
+                        breaks[reason] = breaks.get(reason, 0) + count - before.get(reason, 0)
+
+        return run
 
     def uninstall(self) -> None:
         """Restores the wrapped modules' original forwards and removes every hook."""
@@ -580,40 +647,63 @@ class PrecisionChecker:
                 "two-pass (single_pass=False) deep-copies the model, which FSDP2/DTensor-sharded "
                 "models forbid; use single-pass: PrecisionChecker(single_pass=True) with "
                 "install(model) and collect(loss)")
+        return self._run_sides(fn, model, [("eager", copy.deepcopy(model)),
+                                           ("compiled", copy.deepcopy(model))])
+
+    def capture(self, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module,
+                side: str) -> str:
+        """Runs ``fn(model)`` once on one side only and writes it to the dump; returns the step
+        file. For comparing runs made in different processes or on different machines: capture
+        ``side="eager"`` on one and ``side="compiled"`` on the other (same model code, same
+        seed and inputs), then ``dynaprobe compare EAGER_DUMP COMPILED_DUMP``.
+
+        ``model`` itself runs (no copy; FSDP2 models work), its wrapped modules compiled for the
+        step when ``side="compiled"``.
+        """
+        if side not in ("eager", "compiled"):
+            raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
+        self._capture_side = side
+        return self._run_sides(fn, model, [(side, model)], compare=False)
+
+    def _run_sides(self, fn: Callable, model: nn.Module, sides: list, compare: bool = True):
+        """Runs ``fn`` on each (side, model) in turn, from the same RNG state, recording the
+        wrapped modules of each; compares them unless ``compare`` is False."""
         targets, self._module_notes = self._plan(model)
-        eager_model = copy.deepcopy(model)
-        compiled_model = copy.deepcopy(model)
-        sides = {}
-        for side, copy_ in (("eager", eager_model), ("compiled", compiled_model)):
-            modules = dict(copy_.named_modules())
-            sides[side] = []
+        by_side: Dict[str, List[_Target]] = {}
+        for side, side_model in sides:
+            modules = dict(side_model.named_modules())
+            by_side[side] = []
             for display, name in targets:
                 module = modules[name]
                 original = module.forward
-                run = original if side == "eager" else torch.compile(original,
-                                                                      backend=self.backend)
+                run = original if side == "eager" else self._compile(display, original)
                 target = _Target(display, module, run, None)
-                sides[side].append(target)
+                by_side[side].append(target)
                 self._patch_forward(module, self._one_side_forward(target, side))
-                for param_name, param in target.params:
+                for _, param in target.params:
                     self._restore.append(param.register_hook(
                         self._side_param_hook(side, param)).remove)
-        step = self._begin_step(sides["compiled"] + sides["eager"])
+        step = self._begin_step([t for ts in by_side.values() for t in ts])
         try:
             rng = RngState(devices_of([], model))
-            loss_eager = fn(eager_model)
-            rng.restore()
-            loss_compiled = fn(compiled_model)
-            for side, loss in (("eager", loss_eager), ("compiled", loss_compiled)):
+            for i, (side, side_model) in enumerate(sides):
+                if i:
+                    rng.restore()
+                loss = fn(side_model)
                 if loss is not None:
                     value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(
                         float(loss))
                     step.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
-            self._record_targets_summary(step, sides["compiled"])
+            if "compiled" in by_side:
+                self._record_targets_summary(step, by_side["compiled"])
+            first = next(iter(by_side.values()))
             self._record_param_grads(step, [
-                (e.name, [(n, p, cp) for (n, p), (_, cp) in zip(e.params, c.params)])
-                for e, c in zip(sides["eager"], sides["compiled"])])
-            return self._finish_step()
+                (target.name, [(param_name,
+                                *(by_side[s][i].params[j][1] if s in by_side else None
+                                  for s in ("eager", "compiled")))
+                               for j, (param_name, _) in enumerate(target.params)])
+                for i, target in enumerate(first)])
+            return self._finish_step(compare=compare)
         finally:
             for undo in reversed(self._restore):
                 undo()

@@ -72,8 +72,7 @@ class GraphRecorder:
     def __init__(self, backend) -> None:
         self.real = _real_backend(backend)
         self.graphs: List[Graph] = []
-        self.functions: Dict[str, List[str]] = {}  # module -> compiled functions
-        self.module: str = ""  # the wrapped module being compiled (set around its calls)
+        self.functions: Dict[str, List[str]] = {}  # module -> compiled functions, cumulative
 
     def for_module(self, module: str) -> Callable:
         """The backend to compile ``module`` with."""
@@ -105,7 +104,7 @@ class GraphRecorder:
         self.graphs.append(Graph(f"{function}.{label}.{digest}", kind, function, module, text))
 
     def take(self) -> List[Graph]:
-        """The graphs captured since the last call."""
+        """The graphs captured since the last call (the functions list stays)."""
         graphs, self.graphs = self.graphs, []
         return graphs
 
