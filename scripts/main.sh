@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets everything up (scripts/setup.sh), then runs the main job.
+# Sets everything up (scripts/setup.sh), then runs the main job: one training step of a small
+# transformer compiled by inductor, checked by dynaprobe (examples/main_job.py), with its report.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 cd "$repo"
-./build/examples/format_roundtrip "${1:-$repo/dynaprobe_runs/format_roundtrip}"
+"$repo/.venv/bin/python" examples/main_job.py "$@"
