@@ -68,7 +68,7 @@ std::function<void(std::uint64_t, std::uint64_t)> progress_bar() {
 
 // ---------------------------------------------------------------------------------------------
 struct CompareCommand {
-  std::vector<std::string> dumps;
+  std::string dump, dump2;
   std::string csv, merged_csv, json;
   std::optional<double> atol, rtol;
   std::optional<std::int64_t> step;
@@ -78,29 +78,53 @@ struct CompareCommand {
 
 void setup_compare(CLI::App& app, CompareCommand& cmd) {
   auto* sub = app.add_subcommand(
-      "compare",
-      "Compare the eager side of a dump with its compiled side and print the report.\n"
+      "compare", "Compare the eager and the compiled side of a dump and print the report");
+  sub->footer(
       "DUMP is a run folder (rank<R>/ folders), a dump folder (step_<N>.h5 files) or one step\n"
-      "file. With DUMP2, the eager side comes from DUMP and the compiled side from DUMP2\n"
-      "(captures made in different processes or on different machines); run folders pair rank\n"
-      "by rank.");
-  sub->add_option("DUMP", cmd.dumps, "Dump (both sides), or the eager side when DUMP2 is given")
-      ->required()
-      ->expected(1, 2)
-      ->type_name("DUMP [DUMP2]");
+      "file, holding both sides (single-pass, two-pass). With DUMP2, the eager side comes from\n"
+      "DUMP and the compiled side from DUMP2: captures made in different processes or on\n"
+      "different machines (PrecisionChecker.capture). Run folders are paired rank by rank.\n"
+      "Provenance that differs between DUMP and DUMP2 (torch version, backend, ...) is printed\n"
+      "before the report.\n"
+      "\n"
+      "Examples:\n"
+      "  dynaprobe compare dynaprobe_runs/20250101-120000-4242-0/rank0\n"
+      "  dynaprobe compare eager/ compiled/ --csv report.csv\n"
+      "  dynaprobe compare RUN --step 3 --module 'layers.*' --atol 1e-2 --rtol 1.6e-2\n"
+      "\n"
+      "Exit codes: 0 all pass, 1 not all pass (a FAIL or WARN row, or the loss check failed),\n"
+      "2 usage error, 3 I/O or format error.");
+  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file: both sides, or the eager "
+                                    "side when DUMP2 is given")
+      ->type_name("")
+      ->required();
+  sub->add_option("DUMP2", cmd.dump2, "The compiled side, captured separately")->type_name("");
   sub->add_option("--csv", cmd.csv,
-                  "Write the spec's 9-column CSV report here (one file per rank for run folders: "
-                  "NAME_rank<R>.csv)");
+                  "Also write the 9-column CSV report to PATH (a run folder of several ranks: one "
+                  "file per rank, PATH_rank<R>.csv)")
+      ->type_name("PATH");
   sub->add_option("--merged-csv", cmd.merged_csv,
-                  "Write one CSV for all ranks: rank,scenario followed by the 9 columns");
-  sub->add_option("--json", cmd.json, "Write every row with every metric and the provenance as JSON");
-  sub->add_option("--atol", cmd.atol, "Absolute tolerance (default: the dump's, else 1e-4)")
+                  "Also write one CSV for all ranks to PATH: rank,scenario and the 9 columns")
+      ->type_name("PATH");
+  sub->add_option("--json", cmd.json,
+                  "Also write every row with every metric (cosine, RMSE, NaN/Inf counts, worst "
+                  "element, ...) and both sides' provenance to PATH as JSON")
+      ->type_name("PATH");
+  sub->add_option("--atol", cmd.atol,
+                  "Absolute tolerance (default: the one the dump was captured with, else 1e-4)")
+      ->type_name("X")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--rtol", cmd.rtol, "Relative tolerance (default: the dump's, else 1e-3)")
+  sub->add_option("--rtol", cmd.rtol,
+                  "Relative tolerance (default: the one the dump was captured with, else 1e-3)")
+      ->type_name("X")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--step", cmd.step, "Compare only this step");
-  sub->add_option("--module", cmd.module, "Compare only modules matching this glob, e.g. 'layers.*'");
-  sub->add_option("--threads", cmd.threads, "Threads to use (default: all cores)")
+  sub->add_option("--step", cmd.step, "Compare only step N (default: every step)")
+      ->type_name("N");
+  sub->add_option("--module", cmd.module,
+                  "Compare only modules whose name matches GLOB (shell-style, e.g. 'layers.*')")
+      ->type_name("GLOB");
+  sub->add_option("--threads", cmd.threads, "Threads to compare with (default, 0: all cores)")
+      ->type_name("N")
       ->check(CLI::NonNegativeNumber);
 }
 
@@ -113,13 +137,13 @@ int run_compare(const CompareCommand& cmd) {
   options.threads = cmd.threads;
   options.progress = progress_bar();
 
-  const auto eager_ranks = analyze::find_rank_dumps(cmd.dumps[0]);
+  const auto eager_ranks = analyze::find_rank_dumps(cmd.dump);
   auto compiled_ranks = eager_ranks;
-  if (cmd.dumps.size() == 2) {
-    compiled_ranks = analyze::find_rank_dumps(cmd.dumps[1]);
+  if (!cmd.dump2.empty()) {
+    compiled_ranks = analyze::find_rank_dumps(cmd.dump2);
     if (compiled_ranks.size() != eager_ranks.size()) {
-      throw dynaprobe::UsageError(cmd.dumps[0] + " has " + std::to_string(eager_ranks.size()) +
-                                  " rank(s) but " + cmd.dumps[1] + " has " +
+      throw dynaprobe::UsageError(cmd.dump + " has " + std::to_string(eager_ranks.size()) +
+                                  " rank(s) but " + cmd.dump2 + " has " +
                                   std::to_string(compiled_ranks.size()) +
                                   "; compare runs with the same ranks, or name one rank folder each");
     }
@@ -142,7 +166,7 @@ int run_compare(const CompareCommand& cmd) {
                 << (result.scenario.empty() ? "" : " (scenario " + result.scenario + ")") << ": "
                 << eager_ranks[i].path.string() << "\n";
     }
-    std::cout << analyze::render_provenance_differences(result.comparison);
+    std::cout << analyze::render_provenance(result.comparison);
     const auto& steps = result.comparison.steps;
     for (const auto& step : steps) {
       if (steps.size() > 1) std::cout << "Step " << step.step << "\n";
@@ -175,10 +199,18 @@ struct LsCommand {
 
 void setup_ls(CLI::App& app, LsCommand& cmd) {
   auto* sub = app.add_subcommand(
-      "ls",
-      "List the steps, provenance, modules, records (dtype, shape, sizes) and graphs of a dump.\n"
-      "Reads only the index of each step file, no tensor data.");
-  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")->required();
+      "ls", "List a dump's steps, provenance, modules, records and graphs (no tensor data read)");
+  sub->footer(
+      "For each step file: its provenance (torch version, backend, mode, tolerances, host, ...),\n"
+      "the modules the capture knew of (role, calls, compiled functions, graph breaks, notes),\n"
+      "every record (module, call, kind, tensor index, side, dtype, shape, bytes, stored bytes,\n"
+      "compression ratio) and the graphs. Steps a crash left unfinished are listed as such.\n"
+      "\n"
+      "Example:\n"
+      "  dynaprobe ls dynaprobe_runs/20250101-120000-4242-0");
+  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")
+      ->type_name("")
+      ->required();
 }
 
 std::string human_bytes(std::uint64_t bytes) {
@@ -257,12 +289,23 @@ struct GraphsCommand {
 
 void setup_graphs(CLI::App& app, GraphsCommand& cmd) {
   auto* sub = app.add_subcommand(
-      "graphs",
-      "Write the Dynamo/AOTAutograd graphs stored in a dump as .py files, named as PyTorch\n"
-      "names them (__compiled_fn_<n>.Forward_Graph.<hash>.py). Run folders get one folder per\n"
-      "rank.");
-  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")->required();
-  sub->add_option("-o,--output", cmd.output, "Folder to write the graphs to")->required();
+      "graphs", "Write the Dynamo and AOTAutograd graphs stored in a dump as .py files");
+  sub->footer(
+      "Files are named as PyTorch names them, one per graph:\n"
+      "  __compiled_fn_<n>.Captured_Graph.<hash>.py   what Dynamo traced\n"
+      "  __compiled_fn_<n>.Forward_Graph.<hash>.py    AOTAutograd's forward (or inference) graph\n"
+      "  __compiled_fn_<n>.Backward_Graph.<hash>.py   AOTAutograd's backward graph\n"
+      "A run folder of several ranks gets one folder per rank, OUTPUT/rank<R>/. Every dump stores\n"
+      "its graphs, whether or not it was captured with dump_graphs=True.\n"
+      "\n"
+      "Example:\n"
+      "  dynaprobe graphs dynaprobe_runs/20250101-120000-4242-0 -o graphs/");
+  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")
+      ->type_name("")
+      ->required();
+  sub->add_option("-o,--output", cmd.output, "Folder to write the graphs to (created if needed)")
+      ->type_name("OUTPUT")
+      ->required();
 }
 
 // Graph names come from the file: keep them to a safe alphabet so nothing is written outside
@@ -312,9 +355,15 @@ int run_graphs(const GraphsCommand& cmd) {
 int main(int argc, char** argv) {
   CLI::App app(
       "dynaprobe: find where torch.compile changes a PyTorch model's numbers.\n"
-      "Compares the eager and compiled sides of dumps captured by dynaprobe.PrecisionChecker.\n"
-      "Exit codes: 0 all pass, 1 mismatches found, 2 usage error, 3 I/O or format error.",
+      "Analyses the dumps dynaprobe.PrecisionChecker writes: compares their eager and compiled\n"
+      "sides module by module, lists them, extracts their graphs. No PyTorch needed.",
       "dynaprobe");
+  app.footer(
+      "Run 'dynaprobe COMMAND --help' for a command's options and examples; docs/cli.md has\n"
+      "the full reference.\n"
+      "\n"
+      "Exit codes: 0 all pass, 1 differences found (compare: a FAIL or WARN row, or the loss),\n"
+      "2 usage error, 3 I/O or format error (missing, unreadable or corrupt dump).");
   app.require_subcommand(1);
   CompareCommand compare;
   LsCommand ls;

@@ -172,6 +172,9 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       for (const auto& [key, value] : info.attributes) attributes.emplace(key, value);
     }
   }
+  for (const auto& [module, attributes] : module_attributes) {
+    if (wanted(module)) report.modules.emplace(module, attributes);
+  }
   std::map<TensorKey, Pair> pairs;
   const auto collect = [&](const StepReader* reader, Side side) {
     if (!reader) return;
@@ -421,6 +424,7 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
   if (!compiled_side.steps.empty()) {
     result.compiled_provenance = compiled_side.steps.begin()->second->provenance();
   }
+  result.separate_dumps = !same;
   if (!same) {
     std::set<std::string> keys;
     for (const auto& [key, value] : result.eager_provenance) keys.insert(key);

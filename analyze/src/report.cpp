@@ -369,9 +369,25 @@ std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
   return out;
 }
 
-std::string render_provenance_differences(const Comparison& comparison) {
-  if (comparison.provenance_differences.empty()) return "";
-  std::string out = "Provenance differs between the eager and the compiled dump:\n";
+std::string render_provenance(const Comparison& comparison) {
+  if (!comparison.separate_dumps) return "";
+  static const char* kKeys[] = {"host", "torch_version", "device", "backend", "param_dtypes",
+                                "cast_dtype", "mode"};
+  std::string out;
+  for (const auto& [label, provenance] :
+       {std::pair{"Eager side:   ", &comparison.eager_provenance},
+        std::pair{"Compiled side:", &comparison.compiled_provenance}}) {
+    out += label;
+    for (const char* key : kKeys) {
+      auto found = provenance->find(key);
+      if (found != provenance->end() && !found->second.empty()) {
+        out += std::string(" ") + key + "=" + found->second;
+      }
+    }
+    out += "\n";
+  }
+  if (comparison.provenance_differences.empty()) return out;
+  out += "Provenance differs between the eager and the compiled dump:\n";
   for (const auto& difference : comparison.provenance_differences) {
     out += "  " + difference.key + ": eager=" +
            (difference.eager.empty() ? "(none)" : difference.eager) + "  compiled=" +
@@ -414,7 +430,14 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
               ", \"loss\": {\"eager\": " + json_optional(step.single_pass ? std::nullopt : step.loss_eager) +
               ", \"compiled\": " + json_optional(step.loss_compiled) +
               ", \"status\": " + json_string(std::string(status_name(step.loss_status()))) +
-              "},\n       \"rows\": [";
+              "},\n       \"modules\": {";
+      bool first_module = true;
+      for (const auto& [module, attributes] : step.modules) {
+        body += std::string(first_module ? "" : ", ") + json_string(module) + ": " +
+                json_map(attributes);
+        first_module = false;
+      }
+      body += "},\n       \"rows\": [";
       for (std::size_t i = 0; i < step.rows.size(); ++i) {
         ++counts[step.rows[i].status];
         body += std::string(i ? "," : "") + "\n        " + json_row(step.rows[i]);

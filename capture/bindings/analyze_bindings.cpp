@@ -69,6 +69,9 @@ void bind_analyze(py::module_& m) {
       .def_readonly("loss_compiled", &analyze::StepReport::loss_compiled)
       .def_readonly("single_pass", &analyze::StepReport::single_pass)
       .def_readonly("cast_dtype", &analyze::StepReport::cast_dtype)
+      .def_readonly("modules", &analyze::StepReport::modules,
+                    "{module: {attribute: value}} from the dump's /modules (compiled_functions, "
+                    "graph_breaks, note, ...)")
       .def_property_readonly("atol", [](const analyze::StepReport& r) { return r.tolerances.atol; })
       .def_property_readonly("rtol", [](const analyze::StepReport& r) { return r.tolerances.rtol; })
       .def_property_readonly("all_pass", &analyze::StepReport::all_pass)
@@ -98,7 +101,7 @@ void bind_analyze(py::module_& m) {
                                return out;
                              })
       .def_property_readonly("all_pass", &analyze::Comparison::all_pass)
-      .def("render_provenance_differences", &analyze::render_provenance_differences);
+      .def("render_provenance", &analyze::render_provenance);
 
   m.def(
       "compare",

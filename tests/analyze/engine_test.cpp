@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "dynaprobe/analyze/report.h"
 #include "dynaprobe/formats/writer.h"
 #include "formats/test_util.h"
 
@@ -135,6 +136,58 @@ TEST(Engine, ProgressReachesTheTotal) {
   EXPECT_TRUE(compare(dir.path(), dir.path(), options).all_pass());
   EXPECT_EQ(last_total, 800000u);
   EXPECT_EQ(last_done, last_total);
+}
+
+
+// The capture's /modules attributes (which compiled functions a wrapped module became, its graph
+// breaks, notes) reach the step report and the JSON, both sides merged.
+TEST(Engine, ModuleAttributesOfBothSidesReachTheReportAndTheJson) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path() / "eager", 0, {{"mode", "eager_only"}});
+    writer.write(record(Side::kEager, DType::kFloat32, {3}, values.data()));
+    writer.write_module({"layers.0", {{"role", "wrapped"}}});
+    writer.write_module({"head", {{"role", "ignored"}}});
+    writer.commit();
+  }
+  {
+    formats::StepWriter writer(dir.path() / "compiled", 0, {{"mode", "compiled_only"}});
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.write_module({"layers.0",
+                         {{"role", "wrapped"},
+                          {"compiled_functions", "__compiled_fn_1,__compiled_fn_3"},
+                          {"graph_breaks", "1"},
+                          {"graph_break_reasons", "Call to `torch._dynamo.graph_break()`"}}});
+    writer.commit();
+  }
+  const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", {});
+  ASSERT_EQ(result.steps.size(), 1u);
+  const auto& modules = result.steps[0].modules;
+  ASSERT_EQ(modules.size(), 2u);
+  const std::map<std::string, std::string> expected = {
+      {"role", "wrapped"},
+      {"compiled_functions", "__compiled_fn_1,__compiled_fn_3"},
+      {"graph_breaks", "1"},
+      {"graph_break_reasons", "Call to `torch._dynamo.graph_break()`"}};
+  EXPECT_EQ(modules.at("layers.0"), expected);
+  EXPECT_EQ(modules.at("head").at("role"), "ignored");
+
+  const std::string json = render_json({RankComparison{0, "", result}});
+  EXPECT_NE(json.find("\"modules\": {\"head\": {\"role\": \"ignored\"}, \"layers.0\": "
+                      "{\"compiled_functions\": \"__compiled_fn_1,__compiled_fn_3\", "
+                      "\"graph_break_reasons\": \"Call to `torch._dynamo.graph_break()`\", "
+                      "\"graph_breaks\": \"1\", \"role\": \"wrapped\"}}"),
+            std::string::npos)
+      << json;
+  // Rows keep each side's dtype and shape.
+  EXPECT_NE(json.find("\"eager\": {\"dtype\": \"float32\", \"shape\": [3]}"), std::string::npos);
+
+  CompareOptions only_layers;
+  only_layers.module_glob = "layers.*";
+  const auto filtered = compare(dir.path() / "eager", dir.path() / "compiled", only_layers);
+  EXPECT_EQ(filtered.steps.at(0).modules.count("head"), 0u);
+  EXPECT_EQ(filtered.steps.at(0).modules.count("layers.0"), 1u);
 }
 
 }  // namespace

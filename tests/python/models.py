@@ -72,3 +72,22 @@ def _perturb_gelu(gm: torch.fx.GraphModule, example_inputs):
 
 
 perturbed_gelu_backend = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, causal transformer blocks and an LM head: a small language model."""
+
+    def __init__(self, vocab: int = 50, width: int = 32, heads: int = 4, layers: int = 2,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([Block(width, heads) for _ in range(layers)])
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        h = self.drop(self.embed(ids))
+        for block in self.blocks:
+            h, _ = block(h, attn_mask=mask)
+        return self.head(h)

@@ -124,6 +124,53 @@ class BufferGuard:
             owner._buffers[name] = buffer
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2/tensor-parallel shards); other tensors as they are.
+    The recorder takes plain tensors only."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+class Shard:
+    """Where this rank's shard of a DTensor parameter lies in the full parameter: FSDP2 shards
+    parameters (dim 0 by default) and, in the forward, registers the full (unsharded) parameter
+    on the module in their place. Gradients w.r.t. the full parameter are cut to this shard."""
+
+    def __init__(self, param: torch.Tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.full_shape = tuple(param.shape)
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                              param.placements)
+        self.index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+    @staticmethod
+    def of(param: torch.Tensor) -> "Optional[Shard]":
+        return Shard(param) if _is_dtensor(param) else None
+
+    def cut(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a gradient w.r.t. the full parameter; of a DTensor gradient (the
+        parameter was not unsharded), its local part."""
+        if _is_dtensor(grad):
+            return grad.to_local()
+        return grad[self.index] if tuple(grad.shape) == self.full_shape else grad
+
+    def describe(self) -> str:
+        """E.g. ``shard [0:32] of (64, 16)``: the sliced dimensions, trailing full ones left out."""
+        parts = [f"{s.start}:{s.stop}" if (s.start, s.stop) != (0, n) else ":"
+                 for s, n in zip(self.index, self.full_shape)]
+        while parts and parts[-1] == ":":
+            parts.pop()
+        return f"shard [{', '.join(parts) or ':'}] of {self.full_shape}"
+
+
 def devices_of(tensors: list, module: torch.nn.Module) -> set:
     devices = {t.device for t in tensors}
     for p in module.parameters():

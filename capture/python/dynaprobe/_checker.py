@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 import math
 import os
 import socket
 import threading
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -18,10 +20,12 @@ from dynaprobe._capture import (
     BufferGuard,
     RngState,
     _eager_backward,
+    Shard,
     _in_eager_backward,
     autocast_context,
     devices_of,
     input_leaves,
+    local_tensor,
     map_tensors,
     tensor_leaves,
 )
@@ -29,6 +33,7 @@ from dynaprobe._graphs import GraphRecorder, write_graph_files
 from dynaprobe._result import CompareResult
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_checker_numbers = itertools.count()  # default dump folders of checkers in one process differ
 LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
 
 
@@ -40,6 +45,25 @@ def _rank_and_world() -> Tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def _gather_to_rank0(value, timeout: float) -> Optional[list]:
+    """Every rank's ``value`` on rank 0 (a list in rank order), None on the others; a RuntimeError
+    that says what happened instead of a hang when a rank does not come."""
+    dist = torch.distributed
+    rank, world = _rank_and_world()
+    try:
+        if dist.get_backend() == "gloo":  # names the ranks that did not come, after timeout
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout),
+                                   wait_all_ranks=True)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(value, gathered, dst=0)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"dynaprobe: gather_report() on rank {rank}: not all {world} ranks reached "
+            f"gather_report() within {timeout:g} s (a rank failed or stopped before it, or did "
+            f"not call it): {error}") from error
+    return gathered
 
 
 def _is_deepcopy_forbidden(model: nn.Module) -> bool:
@@ -65,7 +89,11 @@ class _Target:
         self.module = module
         self.run = run  # what the model executes: compiled (or eager on a two-pass eager copy)
         self.eager = eager  # single-pass: the original forward, re-run eagerly
+        # Single-pass: the parameters of the latest call (under FSDP2 the full parameters the
+        # forward used, registered in place of the DTensor shards while it runs).
         self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # FSDP2/DTensor-sharded parameters by name: this rank's shard, to cut gradients to.
+        self.shards = {n: s for n, s in ((n, Shard.of(p)) for n, p in self.params) if s}
         self.calls = 0
 
 
@@ -73,10 +101,11 @@ class _PendingBackward:
     """The eager re-run of one call, waiting for the real backward to deliver grad_output."""
 
     def __init__(self, step: "_Step", target: _Target, call: int, eager_outputs: list,
-                 compiled_outputs: list, leaves: list):
+                 compiled_outputs: list, leaves: list, params: list):
         self.step = step
         self.target = target
         self.call = call
+        self.params = params  # the parameters this call's eager forward used
         self.eager_outputs = eager_outputs  # (index, tensor) pairs that require grad
         self.compiled_outputs = compiled_outputs
         self.leaves = leaves  # (input index, eager input leaf)
@@ -97,18 +126,28 @@ class _PendingBackward:
             grad = self.grads.get(index)
             grad_outputs.append(grad if grad is not None and grad.shape == tensor.shape
                                 else torch.zeros_like(tensor))
-        params = [p for _, p in self.target.params]
+        params = [p for _, p in self.params]
         inputs = [leaf for _, leaf in self.leaves] + params
         if inputs:
-            with _eager_backward(), torch.enable_grad():
-                grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            try:
+                with _eager_backward(), torch.enable_grad():
+                    grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            except Exception as error:  # never break the training backward because of the checker
+                self.step.note(self.target.name, "HOOK_ERROR",
+                               f"eager backward failed: {type(error).__name__}: {error}")
+                grads = ()
             for (index, leaf), grad in zip(self.leaves, grads):
                 if grad is not None:
                     self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
                     self.step.add_param_grad("eager", param, grad)
-        self.eager_outputs = self.leaves = self.compiled_outputs = []
+        self.eager_outputs = self.leaves = self.compiled_outputs = self.params = []
+
+    def params_freed(self) -> bool:
+        """FSDP2 frees the full parameters' storage when it reshards after the backward: the
+        eager graph, which saved them, cannot run any more."""
+        return any(p.untyped_storage().size() == 0 and p.numel() > 0 for _, p in self.params)
 
 
 class _Step:
@@ -119,6 +158,7 @@ class _Step:
         self.index = index
         self.pending: List[_PendingBackward] = []
         self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {"eager": {}, "compiled": {}}
+        self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
         self.error: Optional[BaseException] = None
@@ -132,15 +172,17 @@ class _Step:
             return
         try:
             with self.lock:
-                self.checker._recorder.record(module, call, kind, index, side, tensor.detach(),
-                                              label)
+                self.checker._recorder.record(module, call, kind, index, side,
+                                              local_tensor(tensor.detach()), label)
         except Exception as error:  # disk full, ...: reported by collect(), training goes on
             self.error = error
 
     def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor) -> None:
         sums = self.param_grads[side]
         key = id(param)
-        sums[key] = grad.detach().clone() if key not in sums else sums[key] + grad.detach()
+        shard = self.shards.get(key)
+        grad = shard.cut(grad.detach()) if shard is not None else grad.detach()
+        sums[key] = grad.clone() if key not in sums else sums[key] + grad
 
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
@@ -193,6 +235,7 @@ class PrecisionChecker:
         self.rtol = rtol
         self.memory_budget_bytes = memory_budget_bytes
         self._dump_dir = dump_dir
+        self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
         self._recorder = None
@@ -201,6 +244,7 @@ class PrecisionChecker:
         self._installed: Optional[nn.Module] = None
         self._targets: List[_Target] = []
         self._restore: List[Callable[[], None]] = []
+        self._hooked: Dict[object, torch.Tensor] = {}  # single-pass: parameters given hooks
         self._module_notes: List[Tuple[str, Dict[str, str]]] = []
         self._graphs = GraphRecorder(backend)
         self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
@@ -331,12 +375,37 @@ class PrecisionChecker:
 
     @property
     def dump_dir(self) -> str:
-        """The folder of this checker's dump (one step file per collect()/compare())."""
-        if self._dump_dir is None:
-            rank, _ = _rank_and_world()
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            self._dump_dir = os.path.join("dynaprobe_runs", f"{stamp}-{os.getpid()}", f"rank{rank}")
+        """The folder of this rank's dump (one step file per collect()/compare()).
+
+        Default: ``./dynaprobe_runs/<run>/rank<R>``. With several ranks (torch.distributed
+        initialized, world size > 1) all ranks write into one run folder: rank 0 names it and
+        broadcasts the name when ``install()``/``compare()``/``capture()`` first needs it (every
+        rank calls those), and a ``dump_dir`` given to the constructor names the run folder,
+        each rank writing ``<dump_dir>/rank<R>``. In a single process ``dump_dir`` is the dump.
+        """
+        if not self._dump_dir_resolved:
+            rank, world = _rank_and_world()
+            if self._dump_dir is not None:
+                if world > 1:
+                    self._dump_dir = os.path.join(self._dump_dir, f"rank{rank}")
+            else:
+                stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+                run = f"{stamp}-{os.getpid()}-{next(_checker_numbers)}"
+                if world > 1:  # rank 0's name for all: one run folder, rank<R>/ in it
+                    names = [run]
+                    torch.distributed.broadcast_object_list(names, src=0)
+                    run = names[0]
+                self._dump_dir = os.path.join("dynaprobe_runs", run, f"rank{rank}")
+            self._dump_dir_resolved = True
         return self._dump_dir
+
+    @property
+    def run_dir(self) -> str:
+        """The run folder: the folder above ``dump_dir`` when that is ``rank<R>`` (the default,
+        and every multi-rank run), else ``dump_dir``. ``dynaprobe compare RUN_DIR --merged-csv
+        PATH`` reports every rank of it."""
+        parent, leaf = os.path.split(os.path.normpath(self.dump_dir))
+        return parent if leaf == f"rank{_rank_and_world()[0]}" else self.dump_dir
 
     def _begin_step(self, targets: List[_Target]) -> _Step:
         if self._recorder is None:
@@ -376,7 +445,7 @@ class PrecisionChecker:
         if not compare:
             return path
         comparison = _C.compare(self.dump_dir, self.dump_dir, step=step.index)
-        return CompareResult(comparison.steps[0], self.dump_dir, path)
+        return CompareResult(comparison.steps[0], self.dump_dir, path, comparison)
 
     def _record_targets_summary(self, step: _Step, targets: List[_Target]) -> None:
         """Per-step facts about each compiled module: whether it ran, what Dynamo compiled it
@@ -392,11 +461,16 @@ class PrecisionChecker:
             }
             if breaks:
                 step.attributes[target.name]["graph_break_reasons"] = "; ".join(sorted(breaks))
+            failures = self._graphs.failures.get(target.name, [])
+            if failures:
+                step.attributes[target.name]["compile_errors"] = "; ".join(failures)
             if target.calls == 0:
                 step.note(target.name, "NOT_RUN", "the wrapped module was not called in this step")
             elif not functions:
                 reason = "Dynamo compiled no graph for it (frame skipped, fallback to eager after " \
                          "an error, or no tensor operations): eager was compared with eager"
+                if failures:
+                    reason += "; " + "; ".join(failures)
                 if breaks:
                     reason += "; graph breaks: " + "; ".join(sorted(breaks))
                 step.note(target.name, "NOT_COMPILED", reason)
@@ -405,10 +479,14 @@ class PrecisionChecker:
         """pairs: (target name, [(param name, eager param, compiled param)])."""
         for name, params in pairs:
             for index, (param_name, eager_param, compiled_param) in enumerate(params):
+                shard = step.shards.get(id(compiled_param))
+                label = param_name if shard is None else (
+                    f"{param_name} ({shard.describe()}, this rank's batch, before "
+                    f"reduce-scatter)")
                 for side, param in (("eager", eager_param), ("compiled", compiled_param)):
                     grad = None if param is None else step.param_grads[side].get(id(param))
                     if grad is not None:
-                        step.record(name, 0, "param_grad", index, side, grad, param_name)
+                        step.record(name, 0, "param_grad", index, side, grad, label)
 
     # ------------------------------------------------------------------ single-pass
     def install(self, model: nn.Module) -> nn.Module:
@@ -419,12 +497,18 @@ class PrecisionChecker:
         step, and ``uninstall()`` to restore the model.
         """
         if not self.single_pass:
+            if _is_deepcopy_forbidden(model):
+                raise RuntimeError(
+                    "install() only supports single_pass=True, and two-pass (single_pass=False) "
+                    "deep-copies the model, which FSDP2/DTensor-sharded models forbid: use "
+                    "PrecisionChecker(single_pass=True) with install(model) and collect(loss)")
             raise RuntimeError("install() only supports single_pass=True; for two-pass use "
                                "compare(run_step, model)")
         if self._installed is not None:
             raise RuntimeError("this checker is already installed on a model; call uninstall() "
                                "first")
         targets, self._module_notes = self._plan(model)
+        self.dump_dir  # noqa: B018 - several ranks agree on their run folder now, all together
         self._installed = model
         modules = dict(model.named_modules())
         for display, name in targets:
@@ -433,11 +517,27 @@ class PrecisionChecker:
             target = _Target(display, module, self._compile(display, original), original)
             self._targets.append(target)
             self._patch_forward(module, self._single_pass_forward(target))
-            for index, (_, param) in enumerate(target.params):
-                self._restore.append(param.register_hook(self._param_hook(param)).remove)
-                self._restore.append(param.register_post_accumulate_grad_hook(
-                    self._accumulated_hook(target)).remove)
+            self._warn_nested_fully_shard(display, module)
         return model
+
+    def _warn_nested_fully_shard(self, name: str, module: nn.Module) -> None:
+        """A wrapped module holding fully_shard units below it: their parameters are still
+        sharded when it is called (each unit gathers its own inside), so their gradients are not
+        compared; its eager re-run gathers them again, on every rank alike."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without distributed
+            return
+        nested = [n for n, m in module.named_modules() if n and isinstance(m, FSDPModule)]
+        if not nested:
+            return
+        for entry, attributes in self._module_notes:
+            if entry == name:
+                attributes["nested_fully_shard"] = ", ".join(nested)
+        warnings.warn(
+            f"dynaprobe: wrapped module {name} contains fully_shard units ({', '.join(nested)}): "
+            "the gradients of their parameters are not compared (they are sharded when it is "
+            "called); wrap the fully_shard units themselves to compare them", stacklevel=3)
 
     def _compile(self, name: str, forward: Callable) -> Callable:
         """torch.compile of a wrapped module's forward, through the graph recorder, counting the
@@ -454,7 +554,10 @@ class PrecisionChecker:
                 for reason, count in after.items():
                     if count > before.get(reason, 0):
                         breaks = self._graph_breaks.setdefault(name, {})
-                        breaks[reason] = breaks.get(reason, 0) + count - before.get(reason, 0)
+                        # Dynamo's reasons run to several lines (explanation, hint, link): the
+                        # first says what broke the graph, and keeps report lines whole.
+                        short = (reason.strip().splitlines() or ["unknown reason"])[0].strip()
+                        breaks[short] = breaks.get(short, 0) + count - before.get(reason, 0)
 
         return run
 
@@ -463,6 +566,7 @@ class PrecisionChecker:
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
+        self._hooked.clear()
         self._targets.clear()
         self._installed = None
         if self._step is not None:  # a step begun but never collected is discarded
@@ -483,6 +587,25 @@ class PrecisionChecker:
                 del module.forward
 
         self._restore.append(undo)
+
+    def _call_params(self, step: _Step, target: _Target) -> list:
+        """The parameters a call of ``target`` uses, with the hooks that sum their training
+        gradients. They are looked up at each call: FSDP2 registers the full (unsharded)
+        parameters on the module for the forward, in place of the DTensor shards."""
+        params = [(n, p) for n, p in target.module.named_parameters() if p.requires_grad]
+        target.params = params
+        for param_name, param in params:
+            shard = target.shards.get(param_name)
+            if shard is not None:
+                step.shards[id(param)] = shard
+            if id(param) not in self._hooked:  # once per parameter, even if shared by targets
+                self._hooked[id(param)] = param
+                self._restore.append(param.register_hook(self._param_hook(param)).remove)
+            if (id(target), id(param)) not in self._hooked:
+                self._hooked[(id(target), id(param))] = param
+                self._restore.append(param.register_post_accumulate_grad_hook(
+                    self._accumulated_hook(target)).remove)
+        return params
 
     def _param_hook(self, param: torch.Tensor):
         def hook(grad: torch.Tensor) -> None:
@@ -523,6 +646,7 @@ class PrecisionChecker:
             eager_args, eager_kwargs = map_tensors(args, kwargs, lambda i, t: t.detach().clone())
             buffers = BufferGuard(target.module)
             rng_before = RngState(devices)
+            params = self._call_params(step, target)
         except Exception as error:  # never break training because of the checker
             step.note(name, "HOOK_ERROR", f"{type(error).__name__}: {error}")
             return target.run(*args, **kwargs)
@@ -573,7 +697,8 @@ class PrecisionChecker:
 
         if grad_mode:
             eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
-            pending = _PendingBackward(step, target, call, eager_outputs, compiled_leaves, leaves)
+            pending = _PendingBackward(step, target, call, eager_outputs, compiled_leaves, leaves,
+                                       params)
             for index, (_, tensor) in enumerate(compiled_leaves):
                 if tensor.requires_grad:
                     tensor.register_hook(self._grad_output_hook(step, pending, index))
@@ -611,6 +736,12 @@ class PrecisionChecker:
                                "training or inference step")
         step = self._current_step()
         for pending in step.pending:
+            if not pending.done and pending.grads and pending.params_freed():
+                step.note(pending.target.name, "HOOK_ERROR",
+                          "eager backward not run: no gradient reached the module's inputs or "
+                          "parameters during the backward, and FSDP2 has since freed the full "
+                          "parameters it saved")
+                continue
             pending.run()
         step.pending.clear()
         if loss is not None:
@@ -726,8 +857,8 @@ class PrecisionChecker:
                     if not tensor.requires_grad:
                         return tensor
                     view = tensor.view_as(tensor)
-                    view.register_hook(lambda g: step.record(target.name, call, "grad_input",
-                                                             index, side, g))
+                    view.register_hook(self._side_grad_hook(step, target, call, "grad_input",
+                                                            index, side))
                     return view
 
                 args, kwargs = map_tensors(args, kwargs, probe)
@@ -737,12 +868,22 @@ class PrecisionChecker:
             for index, (label, tensor) in enumerate(tensor_leaves(out)):
                 step.record(target.name, call, "fwd_output", index, side, tensor, label)
                 if tensor.requires_grad:
-                    tensor.register_hook(
-                        lambda g, i=index: step.record(target.name, call, "grad_output", i, side,
-                                                       g))
+                    tensor.register_hook(self._side_grad_hook(step, target, call, "grad_output",
+                                                              index, side))
             return out
 
         return forward
+
+    @staticmethod
+    def _side_grad_hook(step: _Step, target: _Target, call: int, kind: str, index: int,
+                        side: str):
+        def hook(grad: Optional[torch.Tensor]) -> None:
+            # An output the loss does not depend on (e.g. attention weights) gets no gradient:
+            # autograd calls its hook with None.
+            if grad is not None:
+                step.record(target.name, call, kind, index, side, grad)
+
+        return hook
 
     def _side_param_hook(self, side: str, param: torch.Tensor):
         def hook(grad: torch.Tensor) -> None:
@@ -761,3 +902,39 @@ class PrecisionChecker:
             with open(csv_path, "w", encoding="utf-8", newline="") as f:
                 f.write(result.csv())
             print(f"CSV report saved to: {csv_path}")
+
+    def gather_report(self, results, csv_path: Optional[str] = None, *,
+                      timeout: float = 300.0) -> Optional[str]:
+        """Multi-rank: one CSV for the whole job, the spec's ``rank,scenario`` + 9 columns.
+
+        Every rank calls it, after ``collect()``, with its result or a list of results (one per
+        scenario, e.g. from several checkers, in the same order on every rank). Rank 0 gathers
+        them over the default process group, writes ``csv_path`` (if given) and returns the CSV
+        text; the other ranks return None. Rows go scenario by scenario (in the order given),
+        rank by rank within a scenario; ``scenario`` is each checker's ``scenario`` label. The
+        same rows as ``dynaprobe compare RUN_DIR --merged-csv PATH`` gives for one run folder.
+
+        A rank that has not arrived after ``timeout`` seconds (it failed, or skipped the call)
+        makes the waiting ranks raise RuntimeError instead of hanging; with the gloo backend the
+        message names the missing ranks (other backends wait for the process group's timeout).
+        """
+        results = [results] if isinstance(results, CompareResult) else list(results)
+        rank, world = _rank_and_world()
+        mine = [result.merged_csv(rank) for result in results]
+        gathered = _gather_to_rank0(mine, timeout) if world > 1 else [mine]
+        if rank != 0:
+            return None
+        if len({len(texts) for texts in gathered}) > 1:
+            raise ValueError("gather_report(): the ranks passed different numbers of results ("
+                             + ", ".join(f"rank {r}: {len(t)}" for r, t in enumerate(gathered))
+                             + "); pass the same scenarios in the same order on every rank")
+        text = _C.render_merged_csv([])  # the header
+        for index in range(len(mine)):
+            for texts in gathered:
+                text += texts[index].split("\n", 1)[1]  # without its header
+        if csv_path:
+            os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+            with open(csv_path, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+            print(f"Merged CSV report saved to: {csv_path}")
+        return text

@@ -73,6 +73,7 @@ class GraphRecorder:
         self.real = _real_backend(backend)
         self.graphs: List[Graph] = []
         self.functions: Dict[str, List[str]] = {}  # module -> compiled functions, cumulative
+        self.failures: Dict[str, List[str]] = {}  # module -> backend errors, cumulative
 
     def for_module(self, module: str) -> Callable:
         """The backend to compile ``module`` with."""
@@ -85,14 +86,22 @@ class GraphRecorder:
     def _compile(self, module: str, gm: torch.fx.GraphModule, example_inputs):
         match = _FN_NAME.match(str(gm.meta.get("backend_id", "")))
         function = match.group(1) if match else f"__compiled_fn_unnamed{len(self.graphs)}"
-        self.functions.setdefault(module, []).append(function)
         self._add(function, module, "captured", "Captured_Graph",
                   gm.print_readable(print_output=False, include_stride=True, include_device=True))
         listener = _AotGraphListener()
         trace_log = logging.getLogger("torch.__trace")
         trace_log.addHandler(listener)
         try:
-            return self.real(gm, example_inputs)
+            compiled = self.real(gm, example_inputs)
+        except Exception as error:
+            # Dynamo may fall back to running the frame eagerly (suppress_errors): the module then
+            # became no compiled function, only its captured graph is kept, for diagnosis.
+            self.failures.setdefault(module, []).append(
+                f"backend failed on {function}: {type(error).__name__}: {error}".splitlines()[0])
+            raise
+        else:
+            self.functions.setdefault(module, []).append(function)
+            return compiled
         finally:
             trace_log.removeHandler(listener)
             for artifact, text in listener.graphs:

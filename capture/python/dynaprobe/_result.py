@@ -70,8 +70,9 @@ class CompareResult:
     compared again later from its dump with ``dynaprobe compare <dump_dir> --step <step>``.
     """
 
-    def __init__(self, report: Any, dump_dir: str, dump_file: str):
+    def __init__(self, report: Any, dump_dir: str, dump_file: str, comparison: Any = None):
         self._report = report
+        self._comparison = comparison  # the engine's Comparison of this step (merged CSV)
         self.dump_dir = dump_dir
         self.dump_file = dump_file
         self.rows = [_row_from_dict(d) for d in report.rows]
@@ -79,6 +80,29 @@ class CompareResult:
     @property
     def step(self) -> int:
         return self._report.step
+
+    @property
+    def modules(self) -> dict:
+        """What the capture recorded about each wrapped or ignored module in this step:
+        ``{module: {attribute: value}}`` with ``role``, ``note``/``reason`` (``NOT_COMPILED``,
+        ``NOT_RUN``, ...) and, for compiled modules, ``compiled_functions`` (Dynamo's
+        ``__compiled_fn_<n>`` names, comma-separated: the graphs of the dump and of
+        ``graph_dir`` carry them), ``graph_breaks``, ``graph_break_reasons`` and ``calls``."""
+        return {name: dict(attributes) for name, attributes in self._report.modules.items()}
+
+    def _step_comparison(self) -> Any:
+        if self._comparison is None:
+            self._comparison = _C.compare(self.dump_dir, self.dump_dir, step=self.step)
+        return self._comparison
+
+    @property
+    def scenario(self) -> str:
+        """The checker's ``scenario`` label, from the dump's provenance."""
+        return self._step_comparison().compiled_provenance.get("scenario", "")
+
+    def merged_csv(self, rank: int) -> str:
+        """The multi-rank CSV of this step alone: ``rank,scenario`` and the 9 columns."""
+        return _C.render_merged_csv([(rank, self.scenario, self._step_comparison())])
 
     @property
     def all_pass(self) -> bool:

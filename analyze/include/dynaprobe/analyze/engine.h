@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -71,6 +72,12 @@ struct StepReport {
   std::string cast_dtype;  // "torch.bfloat16" when the capture used autocast, else empty
   Tolerances tolerances;
   std::vector<Row> rows;  // modules in model order, then call, kind, tensor index
+  // What the capture wrote about each module in /modules (both sides merged; the eager dump's
+  // value wins where both have a key): role, note and reason, and for compiled modules the
+  // compiled functions they became (compiled_functions: "__compiled_fn_1,__compiled_fn_3", the
+  // names of their graphs in /graphs), graph_breaks, graph_break_reasons, calls, ... Only modules
+  // selected by CompareOptions::module_glob.
+  std::map<std::string, std::map<std::string, std::string>> modules;
 
   // True when the loss check and every row pass (skipped and ignored rows do not count), as the
   // RESULT line says.
@@ -90,6 +97,7 @@ struct Comparison {
   std::vector<StepReport> steps;
   formats::Provenance eager_provenance;
   formats::Provenance compiled_provenance;
+  bool separate_dumps = false;  // eager and compiled sides come from two different dumps
   std::vector<ProvenanceDifference> provenance_differences;  // only when two dumps are compared
   std::vector<std::string> warnings;  // unfinished steps, steps found on one side only, ...
 

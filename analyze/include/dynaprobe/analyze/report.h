@@ -28,8 +28,9 @@ std::string render_merged_csv(const std::vector<RankComparison>& ranks);
 // Every row with every metric, the provenance of both sides and a summary.
 std::string render_json(const std::vector<RankComparison>& ranks);
 
-// Lines saying how two dumps differ in provenance (torch version, backend, ...); empty if alike.
-std::string render_provenance_differences(const Comparison& comparison);
+// When the sides come from two dumps: where each side was captured (host, torch version, device,
+// backend, dtypes, mode) and what differs between them. Empty for a single dump.
+std::string render_provenance(const Comparison& comparison);
 
 // Python's formatting of floats in the spec's reports: "%.3e"/"%.6e"/"%.6f", with "nan", "inf"
 // and "-inf" spelled as Python spells them.
