@@ -19,8 +19,8 @@ from dynaprobe import _C
 from dynaprobe._capture import (
     BufferGuard,
     RngState,
-    _eager_backward,
     Shard,
+    _eager_backward,
     _in_eager_backward,
     autocast_context,
     devices_of,
@@ -202,7 +202,8 @@ class PrecisionChecker:
         single_pass: compare inside one training run (True) or run an eager and a compiled copy
             of the model (False).
         dump_dir: the folder this checker's dump goes to; default
-            ``./dynaprobe_runs/<time>-<pid>/rank<R>``.
+            ``./dynaprobe_runs/<time>-<pid>-<n>/rank<R>``. With several ranks it names the run
+            folder, each rank writing ``<dump_dir>/rank<R>`` (see the ``dump_dir`` property).
         scenario: a label for this configuration, shown in the multi-rank CSV.
         rtol: relative tolerance of the comparison.
         memory_budget_bytes: host memory for snapshots waiting to be written; the training
