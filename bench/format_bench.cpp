@@ -12,6 +12,7 @@
 // after they are written (from the page cache) and removed at the end.
 #include <fcntl.h>
 #include <hdf5.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <tbb/info.h>
 #include <tbb/parallel_for.h>
@@ -57,17 +58,20 @@ struct Options {
   std::size_t tensor_bytes = 4096;
   int threads = 0;
   fs::path dir;
+  bool default_malloc = false;
 };
 
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr,
                "format_bench: %s\n"
                "usage: format_bench [--mib N] [--reps N] [--tensors N] [--threads N] [--dir PATH]\n"
+               "                    [--default-malloc]\n"
                "  --mib N      size of each large case in MiB (default 256)\n"
                "  --reps N     repetitions, the best is reported (default 3)\n"
                "  --tensors N  number of 4 KiB tensors in the small-tensor case (default 10000)\n"
                "  --threads N  writer compression threads (default 0: all cores)\n"
-               "  --dir PATH   where the temporary files go (default: the system temp folder)\n",
+               "  --dir PATH   where the temporary files go (default: the system temp folder)\n"
+               "  --default-malloc  keep glibc's adaptive heap (see tune_malloc in the source)\n",
                message);
   std::exit(2);
 }
@@ -77,6 +81,10 @@ Options parse_options(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") usage("benchmark of the dump format");
+    if (flag == "--default-malloc") {
+      options.default_malloc = true;
+      continue;
+    }
     if (i + 1 >= argc) usage(("missing value for " + flag).c_str());
     const std::string value = argv[++i];
     const auto number = [&] {
@@ -105,6 +113,18 @@ Options parse_options(int argc, char** argv) {
     usage("--mib, --reps and --tensors must be positive");
   }
   return options;
+}
+
+// glibc serves blocks of 1 MiB and more with mmap() until a freed one raises its threshold, and
+// gives the top of the heap back to the OS when more than twice that is free. Plain H5Dwrite
+// allocates two such buffers per chunk in HDF5's filter pipeline, so its speed depended on what
+// ran before it in the process: 0.5 GB/s in a fresh process (as in a new h5py process: every
+// chunk page-faults its buffers in again), 0.8 GB/s after something had freed a large block. Fixed
+// thresholds give every contender reused heap memory: the baseline at its best, and figures that
+// do not depend on the order of the cases. dynaprobe reuses its own buffers and barely changes.
+void tune_malloc() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // the largest glibc accepts
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 double seconds_since(Clock::time_point start) {
@@ -295,8 +315,9 @@ struct Result {
   std::size_t bytes = 0;
   std::size_t count = 1;  // tensors per step
   std::string chunk;
-  Times best;         // each figure the fastest of the undisturbed repetitions
-  int disturbed = 0;  // repetitions dropped because other processes were running
+  Times best;              // each figure the fastest of the undisturbed repetitions
+  int disturbed = 0;       // repetitions dropped because other processes were running
+  double other_cpu_s = 0;  // CPU time other processes used during the dropped repetitions
   std::uintmax_t file_bytes = 0, plain_file_bytes = 0;
 
   double write_ratio() const { return best.plain_write_s / best.write_s; }
@@ -318,9 +339,13 @@ void repeat(const Options& options, Result& result, const std::function<Times(in
     const auto start = Clock::now();
     const Times times = rep(i);
     // Up to 5% of one core is background noise (kernel threads, the flushes of fsync).
-    const bool disturbed = other.seconds() > 0.02 + 0.05 * seconds_since(start);
+    const double other_s = other.seconds();
+    const bool disturbed = other_s > 0.02 + 0.05 * seconds_since(start);
     (disturbed ? all : clean).push_back(times);
-    result.disturbed += disturbed;
+    if (disturbed) {
+      ++result.disturbed;
+      result.other_cpu_s += other_s;
+    }
   }
   const std::vector<Times>& pool = clean.empty() ? all : clean;
   const auto fastest = [&](double Times::*part) {
@@ -523,7 +548,8 @@ void print_result(const Result& r) {
   std::printf("\n%s: %.1f MiB, chunk %s", r.name.c_str(), static_cast<double>(r.bytes) / (1 << 20),
               r.chunk.c_str());
   if (r.disturbed > 0) {
-    std::printf(" (%d repetitions dropped: other processes were running)", r.disturbed);
+    std::printf(" (%d repetitions dropped: other processes used %.1f s of CPU during them)",
+                r.disturbed, r.other_cpu_s);
   }
   const Times& t = r.best;
   std::printf("\n  memcpy                          %7.2f GB/s\n", gb_per_s(r.bytes, t.memcpy_s));
@@ -581,6 +607,7 @@ struct TempDir {
 
 int main(int argc, char** argv) {
   const Options options = parse_options(argc, argv);
+  if (!options.default_malloc) tune_malloc();
   try {
     fmt::h5::init();  // silences HDF5's error printing and registers the zstd filter (32015)
     const fs::path base = options.dir.empty() ? fs::temp_directory_path() : options.dir;
@@ -589,10 +616,10 @@ int main(int argc, char** argv) {
     const std::size_t bytes = options.mib << 20;
     std::printf(
         "format_bench: %zu MiB per large case, %zu x %zu B small tensors, best of %d "
-        "undisturbed repetitions, %d threads, zstd level %u, files in %s\n",
+        "undisturbed repetitions, %d threads, zstd level %u, %s malloc, files in %s\n",
         options.mib, options.tensors, options.tensor_bytes, options.reps,
         options.threads > 0 ? options.threads : tbb::info::default_concurrency(), kZstdLevel,
-        temp.path.c_str());
+        options.default_malloc ? "default" : "tuned", temp.path.c_str());
 
     std::vector<Result> results;
     const auto large = [&](const std::string& name, fmt::DType dtype, std::vector<std::byte> data) {

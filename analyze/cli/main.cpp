@@ -344,7 +344,9 @@ int run_graphs(const GraphsCommand& cmd) {
     }
   }
   if (written == 0) {
-    std::fprintf(stderr, "dynaprobe: no graphs in %s (capture with dump_graphs=True to store them)\n",
+    std::fprintf(stderr,
+                 "dynaprobe: no graphs in %s (graphs are stored in the step that compiled the "
+                 "wrapped modules; eager-only captures and dumps of other tools have none)\n",
                  cmd.dump.c_str());
   }
   return kExitPass;

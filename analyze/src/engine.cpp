@@ -420,6 +420,13 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                                 ": unfinished step (the writer stopped while writing it); skipped");
     }
   }
+  for (const OpenDump* dump : {&eager, &compiled}) {
+    for (const auto& [step, reader] : dump->steps) {
+      for (const auto& skipped : reader->skipped_records()) {
+        result.warnings.push_back(reader->path().string() + ": " + skipped + "; skipped");
+      }
+    }
+  }
   if (!eager.steps.empty()) result.eager_provenance = eager.steps.begin()->second->provenance();
   if (!compiled_side.steps.empty()) {
     result.compiled_provenance = compiled_side.steps.begin()->second->provenance();

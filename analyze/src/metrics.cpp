@@ -113,7 +113,8 @@ __attribute__((target_clones("avx2", "default"))) std::uint64_t compare_finite_b
 
 // Whether element i is the one searched for: its difference is NaN (kNaN) or equals `target`.
 template <bool kNaN>
-__attribute__((always_inline)) inline bool is_match(const float* a, const float* b, std::size_t i, float target) {
+__attribute__((always_inline)) inline bool is_match(const float* a, const float* b, std::size_t i,
+                                                    float target) {
   const float diff = std::fabs(a[i] - b[i]);
   return kNaN ? diff != diff : diff == target;
 }
@@ -122,7 +123,8 @@ __attribute__((always_inline)) inline bool is_match(const float* a, const float*
 // cost 2% of a large comparison (it runs on every chunk), so blocks of 64 elements are tested with
 // vector code first and only the block that holds the element is searched element by element.
 template <bool kNaN>
-__attribute__((always_inline)) inline std::size_t find_first_impl(const float* a, const float* b, std::size_t n, float target) {
+__attribute__((always_inline)) inline std::size_t find_first_impl(const float* a, const float* b,
+                                                                  std::size_t n, float target) {
   constexpr std::size_t kBlock = 64;
   std::size_t start = 0;
   for (; start + kBlock <= n; start += kBlock) {
@@ -146,8 +148,8 @@ __attribute__((target_clones("avx2", "default"))) std::size_t find_first(const f
 
 }  // namespace
 
-void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t n, std::uint64_t first_index,
-                         const Tolerances& tolerances) {
+void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t n,
+                                    std::uint64_t first_index, const Tolerances& tolerances) {
   if (n == 0) return;
   Block block;
   const auto atol = static_cast<float>(tolerances.atol);

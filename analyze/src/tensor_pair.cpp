@@ -68,8 +68,9 @@ class PairPlan {
     Unit unit;
     unit.driver_chunk = driver_chunk;
     const ChunkExtent extent = driver_.extent(driver_chunk);
-    const auto first = std::upper_bound(follower_starts_.begin(), follower_starts_.end(),
-                                        extent.first_element) - follower_starts_.begin() - 1;
+    const auto first =
+        std::upper_bound(follower_starts_.begin(), follower_starts_.end(), extent.first_element) -
+        follower_starts_.begin() - 1;
     std::size_t last = static_cast<std::size_t>(first);
     while (last + 1 < follower_starts_.size() &&
            follower_starts_[last + 1] < extent.first_element + extent.element_count) {
@@ -225,10 +226,10 @@ TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& com
     total.merge(item.slot->metrics);
     free_slots.give_back(item.slot);
   };
-  tbb::parallel_pipeline(slots.size(),
-                         tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, fetch) &
-                             tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compare) &
-                             tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, merge));
+  tbb::parallel_pipeline(
+      slots.size(), tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, fetch) &
+                        tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compare) &
+                        tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, merge));
   return total.result();
 }
 
@@ -283,8 +284,7 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
     Slot& slot = *item.slot;
     const PairPlan plan(*slot.eager, *slot.compiled);
     std::vector<RawChunk>& driver_raw = plan.eager_drives() ? slot.eager_raw : slot.compiled_raw;
-    std::vector<RawChunk>& follower_raw =
-        plan.eager_drives() ? slot.compiled_raw : slot.eager_raw;
+    std::vector<RawChunk>& follower_raw = plan.eager_drives() ? slot.compiled_raw : slot.eager_raw;
     // Units in element order, merged like compare_tensors() merges them: the same bits.
     MetricsAccumulator total;
     for (std::size_t chunk = 0; chunk < plan.unit_count(); ++chunk) {

@@ -15,8 +15,9 @@ namespace dynaprobe::analyze {
 // Fetches serially (HDF5), decodes and compares chunks in parallel and merges partial metrics in
 // element order, so the result is the same on any number of threads. Adds the uncompressed bytes
 // it has compared to `progress_bytes`.
-TensorMetrics compare_tensors(const formats::TensorStream& eager, const formats::TensorStream& compiled,
-                        const Tolerances& tolerances, std::atomic<std::uint64_t>& progress_bytes);
+TensorMetrics compare_tensors(const formats::TensorStream& eager,
+                              const formats::TensorStream& compiled, const Tolerances& tolerances,
+                              std::atomic<std::uint64_t>& progress_bytes);
 
 // Pairs whose two tensors together hold at most this many uncompressed bytes go through
 // compare_small_pairs(). Each of its 2 x threads pipeline tokens holds a pair whole (stored bytes

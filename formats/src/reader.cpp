@@ -382,6 +382,7 @@ struct StepReader::Impl {
   Provenance provenance;
   std::vector<RecordInfo> records;
   std::map<RecordKey, std::size_t> by_key;
+  std::vector<std::string> skipped;
 };
 
 StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
@@ -448,9 +449,6 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   impl.records.reserve(rows.size());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const IndexRow& row = rows[i];
-    const auto bad_row = [&](const std::string& what) {
-      return FormatError(where + ": index row " + std::to_string(i) + ": " + what);
-    };
     RecordInfo info;
     info.key.step = impl.step;
     info.key.module = row.module ? row.module : "";
@@ -459,9 +457,16 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     const auto kind = parse_kind(row.kind ? row.kind : "");
     const auto side = parse_side(row.side ? row.side : "");
     const auto dtype = parse_dtype(row.dtype ? row.dtype : "");
-    if (!kind) throw bad_row("unknown kind '" + std::string(row.kind ? row.kind : "") + "'");
-    if (!side) throw bad_row("unknown side '" + std::string(row.side ? row.side : "") + "'");
-    if (!dtype) throw bad_row("unknown dtype '" + std::string(row.dtype ? row.dtype : "") + "'");
+    // A newer minor version may add kinds, sides or dtypes: such records are listed as
+    // skipped, and everything this reader understands stays readable.
+    if (!kind || !side || !dtype) {
+      impl.skipped.push_back("index row " + std::to_string(i) + " (" + info.key.module +
+                             "): unknown " + (!kind ? "kind '" + std::string(row.kind ? row.kind : "")
+                                              : !side ? "side '" + std::string(row.side ? row.side : "")
+                                                      : "dtype '" + std::string(row.dtype ? row.dtype : "")) +
+                             "', written by a newer dynaprobe");
+      continue;
+    }
     info.key.kind = *kind;
     info.key.side = *side;
     info.dtype = *dtype;
@@ -483,6 +488,7 @@ std::int64_t StepReader::step() const { return impl_->step; }
 const std::string& StepReader::format_version() const { return impl_->format_version; }
 const Provenance& StepReader::provenance() const { return impl_->provenance; }
 const std::vector<RecordInfo>& StepReader::records() const { return impl_->records; }
+const std::vector<std::string>& StepReader::skipped_records() const { return impl_->skipped; }
 
 const RecordInfo* StepReader::find(const RecordKey& key) const {
   auto found = impl_->by_key.find(key);

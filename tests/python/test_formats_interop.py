@@ -183,3 +183,20 @@ def test_errors_are_python_exceptions_naming_the_file(tmp_path):
     with pytest.raises(dynaprobe.DumpIOError, match="no such file"):
         _C.read_step(str(tmp_path / "missing.h5"))
     assert issubclass(dynaprobe.FormatError, ValueError) and issubclass(dynaprobe.DumpIOError, OSError)
+
+
+def test_rows_of_a_kind_from_a_newer_minor_version_are_skipped_not_fatal(tmp_path, dynaprobe_cli):
+    data = np.arange(6, dtype=np.float32)
+    path = _C.write_step(str(tmp_path), 0, {"mode": "single_pass"}, [
+        ("a", 0, "fwd_output", 0, "eager", "", "float32", data),
+        ("a", 0, "fwd_output", 0, "compiled", "", "float32", data),
+        ("b", 0, "fwd_output", 0, "eager", "", "float32", data)])
+    with h5py.File(path, "r+") as f:
+        index = f["index"][()]
+        index[2]["kind"] = b"buffer_after_step"  # a kind this reader does not know
+        f["index"][...] = index
+    info = _C.read_step(path)
+    assert [r["module"] for r in info["records"]] == ["a", "a"]
+    out = subprocess.run([dynaprobe_cli, "compare", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "unknown kind 'buffer_after_step', written by a newer dynaprobe; skipped" in out.stderr

@@ -7,8 +7,10 @@ import datetime
 import itertools
 import math
 import os
+import re
 import socket
 import threading
+import types
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -39,6 +41,29 @@ LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
 
 def _under(name: str, prefix: str) -> bool:
     return prefix == "" and name != "" or name.startswith(prefix + ".")
+
+
+def _own_entry(forward: Callable, name: str) -> Callable:
+    """A function calling ``forward``, with a code object of its own.
+
+    Dynamo keeps its compiled code, its recompile limit (8) and its skip decisions per code
+    object, and every instance of a class shares that class's ``forward`` code (every torch.nn
+    module even shares one). Compiling ``forward`` itself would let the ninth wrapped block of a
+    model, or every built-in module after an ``nn.Identity`` whose empty graph gets its code
+    skipped, silently run eagerly. One entry code object per wrapped module keeps each module's
+    compilation its own.
+    """
+
+    def entry(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    label = re.sub(r"\W", "_", name)
+    code = entry.__code__.replace(co_name=f"dynaprobe_{label}",
+                                  co_qualname=f"dynaprobe_{label}")
+    # Dynamo installs the compiled functions into the entry's globals: give it those of the
+    # module's own code, where they would go without dynaprobe.
+    home = getattr(getattr(forward, "__func__", forward), "__globals__", entry.__globals__)
+    return types.FunctionType(code, home, code.co_name, entry.__defaults__, entry.__closure__)
 
 
 def _rank_and_world() -> Tuple[int, int]:
@@ -250,7 +275,8 @@ class PrecisionChecker:
         self._graphs = GraphRecorder(backend)
         self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
         self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
-        self._graph_breaks: Dict[str, Dict[str, int]] = {}  # module -> reason -> count
+        # module -> (graph breaks, their reasons), from the module's first compilation
+        self._graph_breaks: Dict[str, Tuple[int, List[str]]] = {}
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -454,14 +480,14 @@ class PrecisionChecker:
         compared eager against eager: a warning, never a pass."""
         for target in targets:
             functions = self._graphs.functions.get(target.name, [])
-            breaks = self._graph_breaks.get(target.name, {})
+            breaks, reasons = self._graph_breaks.get(target.name, (0, []))
             step.attributes[target.name] = {
                 "calls": str(target.calls),
                 "compiled_functions": ",".join(functions),
-                "graph_breaks": str(sum(breaks.values())),
+                "graph_breaks": str(breaks),
             }
-            if breaks:
-                step.attributes[target.name]["graph_break_reasons"] = "; ".join(sorted(breaks))
+            if reasons:
+                step.attributes[target.name]["graph_break_reasons"] = "; ".join(reasons)
             failures = self._graphs.failures.get(target.name, [])
             if failures:
                 step.attributes[target.name]["compile_errors"] = "; ".join(failures)
@@ -472,8 +498,8 @@ class PrecisionChecker:
                          "an error, or no tensor operations): eager was compared with eager"
                 if failures:
                     reason += "; " + "; ".join(failures)
-                if breaks:
-                    reason += "; graph breaks: " + "; ".join(sorted(breaks))
+                if reasons:
+                    reason += "; Dynamo reported: " + "; ".join(reasons)
                 step.note(target.name, "NOT_COMPILED", reason)
 
     def _record_param_grads(self, step: _Step, pairs) -> None:
@@ -543,22 +569,32 @@ class PrecisionChecker:
     def _compile(self, name: str, forward: Callable) -> Callable:
         """torch.compile of a wrapped module's forward, through the graph recorder, counting the
         graph breaks Dynamo meets while compiling it."""
-        compiled = torch.compile(forward, backend=self._graphs.for_module(name))
+        compiled = torch.compile(_own_entry(forward, name), backend=self._graphs.for_module(name))
         counters = torch._dynamo.utils.counters
 
+        # Dynamo counts explicit graph breaks under "graph_break" and what it cannot trace
+        # (data-dependent control flow, ...) under "unimplemented"; both name the reason. A break
+        # is counted in every frame it splits, so the number of breaks comes from the graphs the
+        # first compilation produced: n graphs, n - 1 breaks.
+        kinds = ("graph_break", "unimplemented")
+
         def run(*args, **kwargs):
-            before = dict(counters["graph_break"])
+            first = name not in self._graph_breaks
+            before = {kind: dict(counters[kind]) for kind in kinds}
+            graphs_before = len(self._graphs.functions.get(name, []))
             try:
                 return compiled(*args, **kwargs)
             finally:
-                after = counters["graph_break"]
-                for reason, count in after.items():
-                    if count > before.get(reason, 0):
-                        breaks = self._graph_breaks.setdefault(name, {})
-                        # Dynamo's reasons run to several lines (explanation, hint, link): the
-                        # first says what broke the graph, and keeps report lines whole.
-                        short = (reason.strip().splitlines() or ["unknown reason"])[0].strip()
-                        breaks[short] = breaks.get(short, 0) + count - before.get(reason, 0)
+                if first:
+                    reasons = set()
+                    for kind in kinds:
+                        for reason, count in counters[kind].items():
+                            if count > before[kind].get(reason, 0):
+                                # Dynamo's reasons run to several lines (explanation, hint,
+                                # link): the first says what broke the graph.
+                                reasons.add((reason.strip().splitlines() or ["?"])[0].strip())
+                    graphs = len(self._graphs.functions.get(name, [])) - graphs_before
+                    self._graph_breaks[name] = (max(graphs - 1, 0), sorted(reasons))
 
         return run
 

@@ -85,6 +85,9 @@ class StepReader {
   const std::string& format_version() const;
   const Provenance& provenance() const;
   const std::vector<RecordInfo>& records() const;
+  // Index rows this reader cannot interpret (a kind, side or dtype added by a newer minor
+  // version of the format), described for a warning; records() leaves them out.
+  const std::vector<std::string>& skipped_records() const;
   // nullptr when the file has no such record.
   const RecordInfo* find(const RecordKey& key) const;
   std::vector<Graph> graphs() const;

@@ -1,0 +1,302 @@
+"""The documentation's code blocks run, so that they can never go stale.
+
+For README.md and every docs/*.md page, in a fresh temporary working folder per page:
+
+- ```python blocks run in page order in ONE namespace (a later block uses earlier definitions);
+- ```bash blocks run with `bash -eo pipefail` in the same folder, with the directory of this
+  Python (the project's .venv/bin: `python`, `dynaprobe`, `torchrun`) first on PATH;
+- other fences (```text, ```console, ```cpp, no language, ...) are shown, not run;
+- a block right after `<!-- not-executed: REASON -->` (blank lines allowed in between) is not run.
+  Keep that for commands that cannot run inside the test suite (set-up scripts that run the suite
+  itself, multi-process launches); the reason is required.
+
+Relative links between the pages (and to files of the repository) must resolve, anchors included.
+
+Python blocks are compiled with the page as file name and their real line numbers, so a failure's
+traceback points at the line in the .md file. ```py, ```sh, ```shell and friends are refused:
+spell them ```python or ```bash so they run, or pick a non-executed language on purpose.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from typing import List, Optional
+
+import pytest
+
+from conftest import REPO
+
+EXECUTED = {"python", "bash"}
+# Languages that look runnable but would silently not run: refused, so a typo never hides a block.
+AMBIGUOUS = {"py", "python3", "sh", "shell", "zsh", "ipython"}
+_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*?)\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*not-executed\s*(?::(?P<reason>.*?))?\s*-->\s*$")
+
+
+class DocError(ValueError):
+    """A page whose blocks cannot be run as written (malformed fence, marker, language)."""
+
+
+@dataclasses.dataclass
+class Block:
+    lang: str  # the first word of the info string, "" when none
+    code: str
+    line: int  # 1-based line of the first code line in the page
+    skip_reason: Optional[str] = None
+
+    @property
+    def executed(self) -> bool:
+        return self.lang in EXECUTED and self.skip_reason is None
+
+
+def parse_blocks(text: str, page: str = "<page>") -> List[Block]:
+    """The fenced code blocks of a Markdown page, with their not-executed markers applied."""
+    lines = text.splitlines()
+    blocks: List[Block] = []
+    marker: Optional[tuple] = None  # (line number, reason) of a marker awaiting its block
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        found = _MARKER.match(line)
+        if found:
+            reason = (found.group("reason") or "").strip()
+            if not reason:
+                raise DocError(f"{page}:{i + 1}: a not-executed marker needs a reason: "
+                               "<!-- not-executed: WHY THIS CANNOT RUN IN THE TEST SUITE -->")
+            marker = (i + 1, reason)
+            i += 1
+            continue
+        fence = _FENCE.match(line)
+        if not fence:
+            if marker and line.strip():
+                raise DocError(f"{page}:{marker[0]}: a not-executed marker must be followed by a "
+                               f"code block, but line {i + 1} is text")
+            i += 1
+            continue
+        indent, mark = len(fence.group("indent")), fence.group("fence")
+        info = fence.group("info").split()
+        lang = info[0].lower() if info else ""
+        if lang in AMBIGUOUS:
+            raise DocError(f"{page}:{i + 1}: fence language {lang!r} is not run by the docs test: "
+                           "write ```python or ```bash so the block runs, or ```text/```console "
+                           "for output")
+        closing = re.compile(rf"^ {{0,3}}{re.escape(mark[0])}{{{len(mark)},}}\s*$")
+        body = []
+        j = i + 1
+        while j < len(lines) and not closing.match(lines[j]):
+            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j].lstrip())
+            j += 1
+        if j == len(lines):
+            raise DocError(f"{page}:{i + 1}: code block never closed")
+        block = Block(lang, "\n".join(body) + "\n", i + 2)
+        if marker:
+            if lang not in EXECUTED:
+                raise DocError(f"{page}:{marker[0]}: not-executed marker on a ```{lang or '(none)'} "
+                               "block, which does not run anyway: remove the marker")
+            block.skip_reason = marker[1]
+            marker = None
+        blocks.append(block)
+        i = j + 1
+    if marker:
+        raise DocError(f"{page}:{marker[0]}: a not-executed marker at the end of the page")
+    return blocks
+
+
+# Runs one page's blocks in order; python in this process's namespace, bash as child processes.
+_RUNNER = textwrap.dedent("""
+    import json, os, subprocess, sys, traceback
+    page, blocks = json.load(open(sys.argv[1]))
+    namespace = {"__name__": "__main__"}
+    for block in blocks:
+        where = f"{page}:{block['line']}"
+        print(f"----- {where} ({block['lang']})", flush=True)
+        if block["lang"] == "python":
+            try:
+                # Padded so tracebacks give the line numbers of the page itself.
+                code = compile("\\n" * (block["line"] - 1) + block["code"], block["path"], "exec")
+                exec(code, namespace)
+            except BaseException:
+                traceback.print_exc()
+                print(f"\\nFAILED: the python block at {where}", file=sys.stderr, flush=True)
+                sys.exit(1)
+        else:
+            sys.stdout.flush()
+            rc = subprocess.run(["bash", "-eo", "pipefail", "-c", block["code"]]).returncode
+            if rc != 0:
+                print(f"\\nFAILED: the bash block at {where} exited with {rc}", file=sys.stderr,
+                      flush=True)
+                sys.exit(1)
+        sys.stdout.flush()
+""")
+
+
+def pages():
+    found = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    return [os.path.relpath(p, REPO) for p in found if os.path.isfile(p)]
+
+
+def run_page(page: str, workdir) -> subprocess.CompletedProcess:
+    path = os.path.join(REPO, page)
+    with open(path, encoding="utf-8") as f:
+        blocks = [b for b in parse_blocks(f.read(), page) if b.executed]
+    spec = workdir.parent / f"{workdir.name}-blocks.json"
+    spec.write_text(json.dumps([page, [dict(dataclasses.asdict(b), path=path) for b in blocks]]))
+    runner = workdir.parent / f"{workdir.name}-runner.py"
+    runner.write_text(_RUNNER)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, str(runner), str(spec)], cwd=workdir, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+
+
+@pytest.mark.parametrize("page", pages())
+def test_code_blocks_of_the_page_run(page, tmp_path):
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    proc = run_page(page, workdir)
+    if proc.returncode != 0:
+        pytest.fail(f"{page}: a code block failed (working folder {workdir}):\n"
+                    f"{proc.stdout[-12000:]}", pytrace=False)
+
+
+# --------------------------------------------------------------------------- links
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+
+
+def _prose_lines(text: str) -> List[str]:
+    """The page's lines outside fenced code blocks, with inline code spans blanked."""
+    out, fence = [], None
+    for line in text.splitlines():
+        found = _FENCE.match(line)
+        if fence is None and found:
+            fence = found.group("fence")
+            continue
+        if fence is not None:
+            if re.match(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$", line):
+                fence = None
+            continue
+        out.append(line)
+    return out
+
+
+def anchors(text: str) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to '-'."""
+    seen, result = {}, set()
+    for line in _prose_lines(text):
+        found = _HEADING.match(line)
+        if not found:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", found.group(1).strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        result.add(slug if count == 0 else f"{slug}-{count}")
+    return result
+
+
+@pytest.mark.parametrize("page", pages())
+def test_relative_links_and_anchors_resolve(page):
+    path = os.path.join(REPO, page)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    broken = []
+    for line in _prose_lines(text):
+        for target in _LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"^[a-z]+:", target):
+                continue  # https:, mailto:
+            file_part, _, anchor = target.partition("#")
+            linked = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part \
+                else path
+            if not os.path.exists(linked):
+                broken.append(f"{target}: {os.path.relpath(linked, REPO)} does not exist")
+            elif anchor and linked.endswith(".md"):
+                with open(linked, encoding="utf-8") as f:
+                    if anchor not in anchors(f.read()):
+                        broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{page}: broken links:\n  " + "\n  ".join(broken)
+
+
+def test_anchors_follow_github():
+    page = "# Title\n## 1. Choosing a mode\n### Why is `loss_eager` NaN?\n## Graph dumps (`dump_graphs`)\n" \
+           "## Title\n```text\n# not a heading\n```\n"
+    assert anchors(page) == {"title", "1-choosing-a-mode", "why-is-loss_eager-nan",
+                             "graph-dumps-dump_graphs", "title-1"}
+
+
+# --------------------------------------------------------------------------- the parser itself
+def test_parser_finds_blocks_languages_lines_and_markers():
+    page = textwrap.dedent("""\
+        # Title
+
+        ```python
+        x = 1
+        ```
+
+        <!-- not-executed: launches 2 processes -->
+
+        ```bash
+        torchrun --nproc-per-node 2 train.py
+        ```
+
+        1. In a list:
+
+           ```bash
+           echo indented
+           ```
+
+        ````text
+        ```python
+        not a block of its own
+        ```
+        ````
+
+        ```
+        no language
+        ```
+        """)
+    blocks = parse_blocks(page)
+    assert [(b.lang, b.line, b.executed) for b in blocks] == [
+        ("python", 4, True), ("bash", 10, False), ("bash", 16, True), ("text", 20, False),
+        ("", 26, False)]
+    assert blocks[0].code == "x = 1\n"
+    assert blocks[1].skip_reason == "launches 2 processes"
+    assert blocks[2].code == "echo indented\n"
+    assert blocks[3].code == "```python\nnot a block of its own\n```\n"
+
+
+@pytest.mark.parametrize("page, message", [
+    ("<!-- not-executed -->\n```bash\nls\n```\n", "needs a reason"),
+    ("<!-- not-executed:   -->\n```bash\nls\n```\n", "needs a reason"),
+    ("<!-- not-executed: why -->\nsome text\n```bash\nls\n```\n", "must be followed by a code block"),
+    ("<!-- not-executed: why -->\n```text\nout\n```\n", "does not run anyway"),
+    ("text\n<!-- not-executed: why -->\n", "at the end of the page"),
+    ("```sh\nls\n```\n", "is not run by the docs test"),
+    ("```py\nx = 1\n```\n", "is not run by the docs test"),
+    ("```python\nx = 1\n", "never closed"),
+])
+def test_parser_refuses_blocks_that_would_silently_not_run(page, message):
+    with pytest.raises(DocError, match=message):
+        parse_blocks(page)
+
+
+def test_a_failing_block_fails_the_page_and_names_its_line(tmp_path, monkeypatch):
+    docs = tmp_path / "repo"
+    (docs / "docs").mkdir(parents=True)
+    (docs / "docs" / "x.md").write_text(
+        "```python\nvalue = 41\n```\n\n```bash\necho from-bash\n```\n\n"
+        "```python\nassert value == 42, 'off by one'\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(docs))
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    proc = run_page("docs/x.md", workdir)
+    assert proc.returncode == 1
+    assert "from-bash" in proc.stdout  # the bash block ran between the python blocks
+    assert "AssertionError: off by one" in proc.stdout
+    assert "FAILED: the python block at docs/x.md:10" in proc.stdout
+    assert 'docs/x.md", line 10' in proc.stdout  # the traceback points into the page
