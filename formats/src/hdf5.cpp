@@ -103,11 +103,16 @@ Handle attribute_handle(hid_t id, std::string_view what, std::string_view where)
 }
 
 namespace {
-Handle string_type(std::string_view where) {
-  Handle type = type_handle(H5Tcopy(H5T_C_S1), "creating a string type", where);
-  check(H5Tset_size(type.get(), H5T_VARIABLE), "creating a string type", where);
-  check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "creating a string type", where);
-  return type;
+// The variable-length UTF-8 string type, made once: attributes are read for every dataset a
+// comparison opens. Callers hold the HDF5 lock.
+hid_t string_type(std::string_view where) {
+  static const Handle type = [&] {
+    Handle made = type_handle(H5Tcopy(H5T_C_S1), "creating a string type", where);
+    check(H5Tset_size(made.get(), H5T_VARIABLE), "creating a string type", where);
+    check(H5Tset_cset(made.get(), H5T_CSET_UTF8), "creating a string type", where);
+    return made;
+  }();
+  return type.get();
 }
 }  // namespace
 
@@ -116,15 +121,15 @@ void write_string_attribute(hid_t object, std::string_view name, std::string_vie
   Lock lock(hdf5_mutex());
   const std::string attribute_name(name);
   const std::string context = std::string(where) + " attribute " + attribute_name;
-  Handle type = string_type(context);
+  const hid_t type = string_type(context);
   Handle space = space_handle(H5Screate(H5S_SCALAR), "creating a dataspace", context);
   Handle attribute =
-      attribute_handle(H5Acreate2(object, attribute_name.c_str(), type.get(), space.get(),
+      attribute_handle(H5Acreate2(object, attribute_name.c_str(), type, space.get(),
                                   H5P_DEFAULT, H5P_DEFAULT),
                        "creating attribute", context);
   const std::string text(value);
   const char* pointer = text.c_str();
-  check(H5Awrite(attribute.get(), type.get(), &pointer), "writing attribute", context);
+  check(H5Awrite(attribute.get(), type, &pointer), "writing attribute", context);
 }
 
 bool has_attribute(hid_t object, std::string_view name) {
@@ -136,21 +141,20 @@ std::string read_string_attribute(hid_t object, std::string_view name, std::stri
   Lock lock(hdf5_mutex());
   const std::string attribute_name(name);
   const std::string context = std::string(where) + " attribute " + attribute_name;
-  if (!has_attribute(object, name)) {
+  const hid_t opened = H5Aopen(object, attribute_name.c_str(), H5P_DEFAULT);
+  if (opened < 0 && !has_attribute(object, name)) {
     throw FormatError("missing attribute '" + attribute_name + "' on " + std::string(where));
   }
-  Handle attribute = attribute_handle(H5Aopen(object, attribute_name.c_str(), H5P_DEFAULT),
-                                      "opening attribute", context);
+  Handle attribute = attribute_handle(opened, "opening attribute", context);
   Handle stored = type_handle(H5Aget_type(attribute.get()), "reading attribute type", context);
   if (H5Tget_class(stored.get()) != H5T_STRING) {
     throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
                       ": expected a string, but received another HDF5 type");
   }
   if (H5Tis_variable_str(stored.get()) > 0) {
-    Handle type = string_type(context);
     char* pointer = nullptr;
-    check<FormatError>(H5Aread(attribute.get(), type.get(), &pointer), "reading attribute",
-                       context);
+    check<FormatError>(H5Aread(attribute.get(), string_type(context), &pointer),
+                       "reading attribute", context);
     std::string value = pointer ? pointer : "";
     H5free_memory(pointer);
     return value;

@@ -311,11 +311,20 @@ TensorStream make_stream(std::shared_ptr<h5::Handle> file, const std::string& da
   state->where = file_name + " " + dataset_name;
   const std::string& where = state->where;
   h5::Lock lock(h5::hdf5_mutex());
-  if (!link_exists(state->file->get(), dataset_name)) {
+  // Open first: walking the path link by link only pays off to explain a failure.
+  // dynaprobe reads chunks directly, so datasets are opened without HDF5's chunk cache, whose
+  // hash table opening a dataset would otherwise allocate and clear every time.
+  static const h5::Handle no_chunk_cache = [&] {
+    h5::Handle dapl = h5::plist_handle(H5Pcreate(H5P_DATASET_ACCESS), "creating dapl", where);
+    h5::check(H5Pset_chunk_cache(dapl.get(), 1, 0, 1.0), "configuring the chunk cache", where);
+    return dapl;
+  }();
+  const hid_t opened =
+      H5Dopen2(state->file->get(), dataset_name.c_str(), no_chunk_cache.get());
+  if (opened < 0 && !link_exists(state->file->get(), dataset_name)) {
     throw FormatError(where + ": dataset is missing from the file");
   }
-  state->dataset = h5::dataset_handle(
-      H5Dopen2(state->file->get(), dataset_name.c_str(), H5P_DEFAULT), "opening dataset", where);
+  state->dataset = h5::dataset_handle(opened, "opening dataset", where);
   const hid_t dataset = state->dataset.get();
   h5::Handle type = h5::type_handle(H5Dget_type(dataset), "reading type", where);
   const DType stored = dtype_of_hdf5_type(type.get(), where);
