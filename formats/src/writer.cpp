@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <tbb/concurrent_queue.h>
 #include <tbb/parallel_pipeline.h>
+#include <sys/resource.h>
 #include <tbb/task_arena.h>
+#include <tbb/task_scheduler_observer.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -81,6 +83,28 @@ void fsync_path(const fs::path& path, const std::string& where) {
   ::close(fd);
 }
 
+
+
+// Gives the threads that work in a writer's arena the writer's niceness while they are in it.
+class NiceObserver : public tbb::task_scheduler_observer {
+ public:
+  NiceObserver(tbb::task_arena& arena, int nice) : tbb::task_scheduler_observer(arena), nice_(nice) {
+    observe(true);
+  }
+  ~NiceObserver() override { observe(false); }
+
+  void on_scheduler_entry(bool) override {
+    previous_ = getpriority(PRIO_PROCESS, 0);  // with 0, Linux means the calling thread
+    setpriority(PRIO_PROCESS, 0, nice_);
+  }
+  void on_scheduler_exit(bool) override { setpriority(PRIO_PROCESS, 0, previous_); }
+
+ private:
+  int nice_;
+  static thread_local int previous_;
+};
+thread_local int NiceObserver::previous_ = 0;
+
 }  // namespace
 
 fs::path step_file_name(std::int64_t step) {
@@ -109,6 +133,7 @@ struct StepWriter::Impl {
   bool broken = false;
   bool committed = false;
   tbb::task_arena arena;
+  std::unique_ptr<NiceObserver> nice;
   std::vector<ChunkBuffers> buffers;
   tbb::concurrent_bounded_queue<ChunkBuffers*> free_buffers;
   // The disk writes the step while later chunks still compress, so commit()'s fsync waits for
@@ -346,6 +371,10 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   impl.partial_path += schema::kPartialSuffix;
   if (options.chunk_bytes == 0) throw UsageError("WriterOptions.chunk_bytes must be positive");
   if (options.threads > 0) impl.arena.initialize(options.threads);
+  if (options.nice != 0) {
+    impl.arena.initialize();
+    impl.nice = std::make_unique<NiceObserver>(impl.arena, options.nice);
+  }
   for (const auto& reserved : {schema::kFormatVersionAttr, schema::kStepAttr}) {
     if (provenance.count(std::string(reserved))) {
       throw UsageError("provenance key '" + std::string(reserved) +

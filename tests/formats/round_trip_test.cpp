@@ -1,6 +1,8 @@
 // Every dtype and shape case written by StepWriter reads back bit for bit through StepReader.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <cstring>
 
 #include "dynaprobe/formats/error.h"
@@ -211,6 +213,30 @@ TEST(RoundTrip, RejectsBadKeys) {
   record.key.step = 0;
   writer.write(record);
   EXPECT_THROW(writer.write(record), UsageError);  // duplicate key
+}
+
+}  // namespace
+}  // namespace dynaprobe::formats
+
+namespace dynaprobe::formats {
+namespace {
+
+TEST(RoundTrip, NiceWriterKeepsTheCallersPriority) {
+  // A capture writer runs its work at a lower priority; the calling (training) thread must come
+  // out of write() with the priority it went in with.
+  testing::TempDir dir;
+  const auto data = testing::random_bytes(4 << 20, 5, true);
+  WriterOptions options;
+  options.nice = 7;
+  options.chunk_bytes = 64 << 10;
+  const int before = getpriority(PRIO_PROCESS, 0);
+  StepWriter writer(dir.path(), 0, {}, options);
+  writer.write(testing::make_record(0, "x", Kind::kFwdOutput, 0, Side::kEager, DType::kFloat32,
+                                    {1 << 20}, data));
+  EXPECT_EQ(getpriority(PRIO_PROCESS, 0), before);
+  StepReader reader(writer.commit());
+  const auto back = reader.read(reader.records().at(0));
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), data.size()), 0);
 }
 
 }  // namespace

@@ -21,7 +21,9 @@ struct RecorderOptions {
   // queue holds more; nothing is dropped. A single tensor larger than the budget is still taken
   // once the queue is empty.
   std::size_t memory_budget_bytes = std::size_t{1} << 30;
-  formats::WriterOptions writer;
+  // Compression and writes run at a lower priority (niceness 10) than the training threads: on
+  // a machine whose cores training keeps busy, capture fills the gaps instead of slowing it.
+  formats::WriterOptions writer{.nice = 10};
 };
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.

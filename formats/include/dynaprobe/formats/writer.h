@@ -15,6 +15,10 @@ struct WriterOptions {
   int zstd_level = 1;                  // negative levels are zstd's fast modes
   std::size_t chunk_bytes = 1 << 20;   // target uncompressed bytes per chunk (HDF5 chunk size)
   int threads = 0;                     // compression threads; 0: TBB's default (all cores)
+  // Scheduling niceness of the threads compressing and writing (0: unchanged). A capture running
+  // beside training sets it, so that the training threads keep the cores and the writing fills
+  // the gaps; the threads get their own niceness back when they leave the writer.
+  int nice = 0;
 };
 
 // Crash safety: the step is written to "<dir>/step_<N>.h5.partial" and only commit() flushes,
