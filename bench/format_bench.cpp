@@ -403,10 +403,13 @@ Result run_large(const Options& options, const fs::path& root, const std::string
     times.read_s = timed([&] {
       fmt::StepReader reader(step_file);
       const fmt::TensorStream stream = reader.open(reader.records().at(0));
-      fmt::stream_chunks(stream, [&](fmt::ChunkExtent extent, const std::byte* chunk_data) {
-        std::memcpy(out.data() + extent.first_element * element_size, chunk_data,
-                    extent.element_count * element_size);
-      });
+      fmt::stream_chunks(
+          stream,
+          [&](fmt::ChunkExtent extent, const std::byte* chunk_data) {
+            std::memcpy(out.data() + extent.first_element * element_size, chunk_data,
+                        extent.element_count * element_size);
+          },
+          fmt::ChunkOrder::kAnyOrder);
     });
     verify(data, out, name + " (dynaprobe reader)");
     if (chunk.empty()) chunk = chunk_dims_of(step_file, dataset_name);

@@ -256,7 +256,7 @@ struct SlotLease {
 
 }  // namespace
 
-void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer) {
+void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer, ChunkOrder order) {
   const std::size_t count = stream.chunk_count();
   if (count == 1) {  // nothing to overlap
     SlotLease lease(1);
@@ -294,10 +294,13 @@ void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer) {
                                          item.data = stream.decode(item.chunk, item.slot->raw,
                                                                    item.slot->out,
                                                                    item.slot->scratch);
+                                         if (order == ChunkOrder::kAnyOrder) {
+                                           consumer(stream.extent(item.chunk), item.data);
+                                         }
                                          return item;
                                        }) &
           tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, [&](Item item) {
-            consumer(stream.extent(item.chunk), item.data);
+            if (order == ChunkOrder::kInOrder) consumer(stream.extent(item.chunk), item.data);
             free_slots.push(item.slot);
           }));
 }
@@ -584,10 +587,13 @@ std::vector<std::byte> StepReader::read(const RecordInfo& record) const {
   TensorStream stream = open(record);
   std::vector<std::byte> data(record.nbytes());
   const std::size_t element_size = dtype_size(record.dtype);
-  stream_chunks(stream, [&](ChunkExtent extent, const std::byte* chunk) {
-    std::memcpy(data.data() + extent.first_element * element_size, chunk,
-                extent.element_count * element_size);
-  });
+  stream_chunks(
+      stream,
+      [&](ChunkExtent extent, const std::byte* chunk) {
+        std::memcpy(data.data() + extent.first_element * element_size, chunk,
+                    extent.element_count * element_size);
+      },
+      ChunkOrder::kAnyOrder);
   return data;
 }
 

@@ -64,12 +64,19 @@ class TensorStream {
   std::shared_ptr<const State> state_;
 };
 
-// Called in element order, from one thread at a time; `data` is valid during the call only.
+// `data` is valid during the call only.
 using ChunkConsumer = std::function<void(ChunkExtent extent, const std::byte* data)>;
 
+enum class ChunkOrder {
+  kInOrder,   // the consumer is called in element order, from one thread at a time
+  kAnyOrder,  // the consumer is called as chunks are decoded, from several threads at once
+};
+
 // Streams a whole tensor through `consumer`, fetching serially and decoding ahead in parallel;
-// memory stays O(threads × chunk).
-void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer);
+// memory stays O(threads × chunk). kAnyOrder suits consumers that place each chunk by its extent
+// (copying into a whole tensor), which then run in parallel too.
+void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer,
+                   ChunkOrder order = ChunkOrder::kInOrder);
 
 class StepReader {
  public:
