@@ -44,13 +44,13 @@ int main(int argc, char** argv) {
     };
     std::vector<fmt::Record> records;
     records.push_back(make_record("layers.0", Kind::kFwdInput, Side::kEager,
-                             {DType::kFloat32, {64, 1024}, activations.data()}));
+                                  {DType::kFloat32, {64, 1024}, activations.data()}));
     records.push_back(make_record("layers.0", Kind::kFwdOutput, Side::kEager,
-                             {DType::kBFloat16, {64, 1024}, bf16.data()}));
+                                  {DType::kBFloat16, {64, 1024}, bf16.data()}));
     records.push_back(make_record("layers.0", Kind::kFwdOutput, Side::kCompiled,
-                             {DType::kBFloat16, {64, 1024}, bf16.data()}));
+                                  {DType::kBFloat16, {64, 1024}, bf16.data()}));
     records.push_back(make_record(std::string(fmt::kLossModule), Kind::kLoss, Side::kCompiled,
-                             {DType::kFloat32, {}, &loss}));
+                                  {DType::kFloat32, {}, &loss}));
     std::filesystem::create_directories(dump);
     std::int64_t step = 0;
     while (std::filesystem::exists(dump / fmt::step_file_name(step))) ++step;
@@ -59,16 +59,20 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     fmt::StepWriter writer(dump, step, {{"producer", "examples/format_roundtrip"}});
     writer.write(records);
-    writer.write_graph({"__compiled_fn_0.Captured_Graph.00000000", "captured",
-                        "def forward(self, x):\n    return (x,)\n", {{"modules", "layers.0"}}});
+    writer.write_graph({"__compiled_fn_0.Captured_Graph.00000000",
+                        "captured",
+                        "def forward(self, x):\n    return (x,)\n",
+                        {{"modules", "layers.0"}}});
     const auto path = writer.commit();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
     fmt::StepReader reader(path);
     std::printf("wrote %s (format %s, step %lld) in %.1f ms\n", path.c_str(),
-                reader.format_version().c_str(), static_cast<long long>(reader.step()), seconds * 1e3);
-    std::printf("  %-10s %-10s %-9s %-5s %-9s %-12s %10s %10s  %s\n", "module", "kind", "side", "index",
-                "dtype", "shape", "bytes", "stored", "round trip");
+                reader.format_version().c_str(), static_cast<long long>(reader.step()),
+                seconds * 1e3);
+    std::printf("  %-10s %-10s %-9s %-5s %-9s %-12s %10s %10s  %s\n", "module", "kind", "side",
+                "index", "dtype", "shape", "bytes", "stored", "round trip");
     bool all_equal = true;
     for (std::size_t i = 0; i < reader.records().size(); ++i) {
       const auto& info = reader.records()[i];
@@ -76,15 +80,17 @@ int main(int argc, char** argv) {
       const bool equal = data.size() == records[i].tensor.nbytes() &&
                          std::memcmp(data.data(), records[i].tensor.data, data.size()) == 0;
       all_equal = all_equal && equal;
-      std::printf("  %-10s %-10s %-9s %-5u %-9s %-12s %10llu %10llu  %s\n", info.key.module.c_str(),
-                  std::string(fmt::kind_name(info.key.kind)).c_str(),
-                  std::string(fmt::side_name(info.key.side)).c_str(), info.key.tensor_index,
-                  std::string(fmt::dtype_name(info.dtype)).c_str(), fmt::shape_string(info.shape).c_str(),
-                  static_cast<unsigned long long>(info.nbytes()),
-                  static_cast<unsigned long long>(info.stored_bytes), equal ? "identical" : "DIFFERENT");
+      std::printf(
+          "  %-10s %-10s %-9s %-5u %-9s %-12s %10llu %10llu  %s\n", info.key.module.c_str(),
+          std::string(fmt::kind_name(info.key.kind)).c_str(),
+          std::string(fmt::side_name(info.key.side)).c_str(), info.key.tensor_index,
+          std::string(fmt::dtype_name(info.dtype)).c_str(), fmt::shape_string(info.shape).c_str(),
+          static_cast<unsigned long long>(info.nbytes()),
+          static_cast<unsigned long long>(info.stored_bytes), equal ? "identical" : "DIFFERENT");
     }
     for (const auto& graph : reader.graphs()) {
-      std::printf("  graph %s (%s, %zu bytes)\n", graph.name.c_str(), graph.kind.c_str(), graph.text.size());
+      std::printf("  graph %s (%s, %zu bytes)\n", graph.name.c_str(), graph.kind.c_str(),
+                  graph.text.size());
     }
     std::printf("%s\n", all_equal ? "round trip: every byte identical" : "round trip: MISMATCH");
     return all_equal ? 0 : 1;

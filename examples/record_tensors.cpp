@@ -34,7 +34,9 @@ int main(int argc, char** argv) {
 
     // Provenance travels in the dump; atol/rtol become the analyzer's default tolerances.
     capture::Recorder recorder(dump, {{"producer", "examples/record_tensors"},
-                                      {"mode", "two_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}});
+                                      {"mode", "two_pass"},
+                                      {"atol", "0.0001"},
+                                      {"rtol", "0.001"}});
     std::int64_t step = 0;  // a committed step is never overwritten: take the next free number
     while (std::filesystem::exists(dump / fmt::step_file_name(step))) ++step;
     recorder.begin_step(step);

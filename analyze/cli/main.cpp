@@ -58,8 +58,7 @@ std::function<void(std::uint64_t, std::uint64_t)> progress_bar() {
     const int filled = static_cast<int>(fraction * width);
     std::fprintf(stderr, "\r  comparing [%s%s] %3.0f%%  %.2f / %.2f GB  ",
                  std::string(filled, '#').c_str(), std::string(width - filled, ' ').c_str(),
-                 fraction * 100, static_cast<double>(done) / 1e9,
-                 static_cast<double>(total) / 1e9);
+                 fraction * 100, static_cast<double>(done) / 1e9, static_cast<double>(total) / 1e9);
     if (done >= total) std::fprintf(stderr, "\r%80s\r", "");
     std::fflush(stderr);
     drawn = true;
@@ -94,8 +93,9 @@ void setup_compare(CLI::App& app, CompareCommand& cmd) {
       "\n"
       "Exit codes: 0 all pass, 1 not all pass (a FAIL or WARN row, or the loss check failed),\n"
       "2 usage error, 3 I/O or format error.");
-  sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file: both sides, or the eager "
-                                    "side when DUMP2 is given")
+  sub->add_option("DUMP", cmd.dump,
+                  "Run folder, dump folder or step file: both sides, or the eager "
+                  "side when DUMP2 is given")
       ->type_name("")
       ->required();
   sub->add_option("DUMP2", cmd.dump2, "The compiled side, captured separately")->type_name("");
@@ -118,8 +118,7 @@ void setup_compare(CLI::App& app, CompareCommand& cmd) {
                   "Relative tolerance (default: the one the dump was captured with, else 1e-3)")
       ->type_name("X")
       ->check(CLI::NonNegativeNumber);
-  sub->add_option("--step", cmd.step, "Compare only step N (default: every step)")
-      ->type_name("N");
+  sub->add_option("--step", cmd.step, "Compare only step N (default: every step)")->type_name("N");
   sub->add_option("--module", cmd.module,
                   "Compare only modules whose name matches GLOB (shell-style, e.g. 'layers.*')")
       ->type_name("GLOB");
@@ -142,10 +141,10 @@ int run_compare(const CompareCommand& cmd) {
   if (!cmd.dump2.empty()) {
     compiled_ranks = analyze::find_rank_dumps(cmd.dump2);
     if (compiled_ranks.size() != eager_ranks.size()) {
-      throw dynaprobe::UsageError(cmd.dump + " has " + std::to_string(eager_ranks.size()) +
-                                  " rank(s) but " + cmd.dump2 + " has " +
-                                  std::to_string(compiled_ranks.size()) +
-                                  "; compare runs with the same ranks, or name one rank folder each");
+      throw dynaprobe::UsageError(
+          cmd.dump + " has " + std::to_string(eager_ranks.size()) + " rank(s) but " + cmd.dump2 +
+          " has " + std::to_string(compiled_ranks.size()) +
+          "; compare runs with the same ranks, or name one rank folder each");
     }
   }
   std::vector<analyze::RankComparison> results;
@@ -254,17 +253,16 @@ int run_ls(const LsCommand& cmd) {
       for (const auto& record : reader.records()) {
         total += record.nbytes();
         stored += record.stored_bytes;
-        std::printf("  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n",
-                    record.key.module.c_str(), record.key.call,
-                    std::string(formats::kind_name(record.key.kind)).c_str(),
-                    record.key.tensor_index,
-                    std::string(formats::side_name(record.key.side)).c_str(),
-                    std::string(formats::dtype_name(record.dtype)).c_str(),
-                    formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
-                    human_bytes(record.stored_bytes).c_str(),
-                    record.stored_bytes ? static_cast<double>(record.nbytes()) /
-                                                  static_cast<double>(record.stored_bytes)
-                                            : 0.0);
+        std::printf(
+            "  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n", record.key.module.c_str(),
+            record.key.call, std::string(formats::kind_name(record.key.kind)).c_str(),
+            record.key.tensor_index, std::string(formats::side_name(record.key.side)).c_str(),
+            std::string(formats::dtype_name(record.dtype)).c_str(),
+            formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
+            human_bytes(record.stored_bytes).c_str(),
+            record.stored_bytes
+                ? static_cast<double>(record.nbytes()) / static_cast<double>(record.stored_bytes)
+                : 0.0);
       }
       std::printf("  %zu records, %s of tensors stored in %s\n", reader.records().size(),
                   human_bytes(total).c_str(), human_bytes(stored).c_str());
@@ -325,8 +323,9 @@ int run_graphs(const GraphsCommand& cmd) {
   const auto ranks = analyze::find_rank_dumps(cmd.dump);
   std::size_t written = 0;
   for (const auto& rank : ranks) {
-    const fs::path folder = ranks.size() > 1 ? fs::path(cmd.output) / ("rank" + std::to_string(rank.rank))
-                                             : fs::path(cmd.output);
+    const fs::path folder = ranks.size() > 1
+                                ? fs::path(cmd.output) / ("rank" + std::to_string(rank.rank))
+                                : fs::path(cmd.output);
     std::map<std::string, std::string> texts;
     for (const auto& file : formats::list_dump(rank.path).steps) {
       formats::StepReader reader(file);

@@ -55,8 +55,8 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
     if (only_step && reader->step() != *only_step) continue;
     const std::int64_t step = reader->step();
     if (!dump.steps.emplace(step, std::move(reader)).second) {
-      throw FormatError(file.string() + ": step " + std::to_string(step) +
-                        " appears twice in " + path.string());
+      throw FormatError(file.string() + ": step " + std::to_string(step) + " appears twice in " +
+                        path.string());
     }
   }
   return dump;
@@ -80,9 +80,8 @@ std::string provenance_value(const formats::Provenance& provenance, const std::s
 // The loss of one side, as a double.
 std::optional<double> read_loss(const StepReader* reader, Side side) {
   if (!reader) return std::nullopt;
-  const RecordInfo* info =
-      reader->find(formats::RecordKey{reader->step(), std::string(formats::kLossModule), 0,
-                                      Kind::kLoss, 0, side});
+  const RecordInfo* info = reader->find(formats::RecordKey{
+      reader->step(), std::string(formats::kLossModule), 0, Kind::kLoss, 0, side});
   if (!info || info->numel() != 1) return std::nullopt;
   const auto bytes = reader->read(*info);
   if (info->dtype == formats::DType::kFloat64) {
@@ -267,8 +266,8 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
           row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
                        ", compiled " + formats::shape_string(pair.compiled->shape);
         } else {
-          tasks.push_back(Task{nullptr, report.rows.size(), eager, pair.eager, compiled,
-                               pair.compiled});
+          tasks.push_back(
+              Task{nullptr, report.rows.size(), eager, pair.eager, compiled, pair.compiled});
         }
       } else if (pair.eager) {
         if (is_forward(key.kind)) {
@@ -370,10 +369,14 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
 
 std::string_view status_name(Status status) {
   switch (status) {
-    case Status::kPass: return "PASS";
-    case Status::kFail: return "FAIL";
-    case Status::kSkip: return "SKIP";
-    case Status::kWarn: return "WARN";
+    case Status::kPass:
+      return "PASS";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kSkip:
+      return "SKIP";
+    case Status::kWarn:
+      return "WARN";
   }
   return "?";
 }
@@ -392,8 +395,9 @@ Status StepReport::loss_status() const {
   const double eager = *loss_eager;
   // torch.isclose on the two scalars (eager = a, compiled = b).
   const bool close =
-      eager == compiled || (std::isfinite(std::fabs(eager - compiled)) &&
-                            std::fabs(eager - compiled) <= tolerances.atol + tolerances.rtol * std::fabs(compiled));
+      eager == compiled ||
+      (std::isfinite(std::fabs(eager - compiled)) &&
+       std::fabs(eager - compiled) <= tolerances.atol + tolerances.rtol * std::fabs(compiled));
   return close ? Status::kPass : Status::kFail;
 }
 
@@ -453,8 +457,8 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
   for (const auto& [step, reader] : eager.steps) steps.insert(step);
   for (const auto& [step, reader] : compiled_side.steps) steps.insert(step);
   if (options.step && steps.empty()) {
-    throw UsageError("step " + std::to_string(*options.step) + " is not in " +
-                     eager_dump.string() + (same ? "" : " nor in " + compiled_dump.string()));
+    throw UsageError("step " + std::to_string(*options.step) + " is not in " + eager_dump.string() +
+                     (same ? "" : " nor in " + compiled_dump.string()));
   }
   std::vector<Task> tasks;
   StepBuilder builder(options, tolerances);

@@ -70,8 +70,8 @@ __attribute__((target_clones("avx2", "default"))) void compare_block(const float
     inf_b += b_inf;
     nonfinite_only_b += (b_nan | b_inf) & !(a_nan | a_inf);
   }
-  out = {max_abs, max_rel,    sum_abs, sum_squares, dot,   norm_a, norm_b,          mismatches,
-         nan_diff, nan_rel,   nan_a,   nan_b,       inf_a, inf_b,  nonfinite_only_b};
+  out = {max_abs,  max_rel, sum_abs, sum_squares, dot,   norm_a, norm_b,          mismatches,
+         nan_diff, nan_rel, nan_a,   nan_b,       inf_a, inf_b,  nonfinite_only_b};
 }
 
 // compare_block for blocks whose inputs are all finite, the usual case. With finite inputs no

@@ -40,10 +40,14 @@ std::string format_tolerance(double value) {
 
 std::string flag_text(Status status) {
   switch (status) {
-    case Status::kPass: return "pass";
-    case Status::kFail: return "FAIL";
-    case Status::kSkip: return "skip";
-    case Status::kWarn: return "WARN";
+    case Status::kPass:
+      return "pass";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kSkip:
+      return "skip";
+    case Status::kWarn:
+      return "WARN";
   }
   return "????";
 }
@@ -51,10 +55,14 @@ std::string flag_text(Status status) {
 // Worse statuses win when rows are shown together.
 int severity(Status status) {
   switch (status) {
-    case Status::kSkip: return 0;
-    case Status::kPass: return 1;
-    case Status::kWarn: return 2;
-    case Status::kFail: return 3;
+    case Status::kSkip:
+      return 0;
+    case Status::kPass:
+      return 1;
+    case Status::kWarn:
+      return 2;
+    case Status::kFail:
+      return 3;
   }
   return 0;
 }
@@ -104,8 +112,10 @@ std::string line(Status status, const std::string& name, const std::string& deta
 bool in_section(const Row& row, int section) {
   if (!row.kind) return false;
   switch (section) {
-    case 0: return *row.kind == Kind::kFwdInput;
-    case 1: return *row.kind == Kind::kFwdOutput;
+    case 0:
+      return *row.kind == Kind::kFwdInput;
+    case 1:
+      return *row.kind == Kind::kFwdOutput;
     default:
       return *row.kind == Kind::kGradInput || *row.kind == Kind::kGradOutput ||
              *row.kind == Kind::kParamGrad;
@@ -149,26 +159,27 @@ std::vector<std::vector<std::string>> csv_rows(const StepReport& report, bool me
                     report.single_pass ? "single_pass mode" : ""});
   } else {
     const double eager = *report.loss_eager;
-    rows.push_back({"LOSS", "loss", "0", loss_status,
-                    format_float(std::fabs(eager - compiled), "%.6e"), "N/A", "N/A",
-                    "eager=" + format_float(eager, "%.6f") +
-                        " compiled=" + format_float(compiled, "%.6f"),
-                    ""});
+    rows.push_back(
+        {"LOSS", "loss", "0", loss_status, format_float(std::fabs(eager - compiled), "%.6e"), "N/A",
+         "N/A",
+         "eager=" + format_float(eager, "%.6f") + " compiled=" + format_float(compiled, "%.6f"),
+         ""});
   }
   const std::string empty = merged ? "N/A" : "";
   for (const Row& row : report.rows) {
-    std::string module = row.module + (row.call > 0 ? " (call " + std::to_string(row.call) + ")" : "");
+    std::string module =
+        row.module + (row.call > 0 ? " (call " + std::to_string(row.call) + ")" : "");
     const std::string status(status_name(row.status));
     if (!row.kind) {
-      rows.push_back({module, merged ? "-" : "note", "0", status, empty, empty, empty, "",
-                      row_note(row)});
+      rows.push_back(
+          {module, merged ? "-" : "note", "0", status, empty, empty, empty, "", row_note(row)});
       continue;
     }
     const std::string kind(formats::kind_name(*row.kind));
     const std::string index = std::to_string(row.tensor_index);
     if (!row.metrics && !row.shape_mismatch()) {
-      rows.push_back({module, kind, index, status, empty, empty, empty, shape_text(row),
-                      row_note(row)});
+      rows.push_back(
+          {module, kind, index, status, empty, empty, empty, shape_text(row), row_note(row)});
       continue;
     }
     const Numbers n = numbers(row);
@@ -179,20 +190,30 @@ std::vector<std::vector<std::string>> csv_rows(const StepReport& report, bool me
   return rows;
 }
 
-const std::vector<std::string> kCsvHeader = {"module_name",  "check_type",    "tensor_index",
-                                             "status",       "max_abs_diff",  "mean_abs_diff",
-                                             "max_rel_diff", "shape",         "note"};
+const std::vector<std::string> kCsvHeader = {"module_name",  "check_type",   "tensor_index",
+                                             "status",       "max_abs_diff", "mean_abs_diff",
+                                             "max_rel_diff", "shape",        "note"};
 
 // JSON helpers: non-finite numbers become the strings "nan", "inf", "-inf".
 std::string json_string(const std::string& text) {
   std::string out = "\"";
   for (unsigned char c : text) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buffer[8];
@@ -250,7 +271,8 @@ std::string json_row(const Row& row) {
                     ", \"status\": " + json_string(std::string(status_name(row.status))) +
                     ", \"note\": " + json_string(row.note) +
                     ", \"reason\": " + json_string(row.reason);
-  for (const auto& [name, side] : {std::pair{"eager", &row.eager}, std::pair{"compiled", &row.compiled}}) {
+  for (const auto& [name, side] :
+       {std::pair{"eager", &row.eager}, std::pair{"compiled", &row.compiled}}) {
     out += std::string(", \"") + name + "\": ";
     out += *side ? "{\"dtype\": " + json_string(std::string(formats::dtype_name((*side)->dtype))) +
                        ", \"shape\": " + json_shape((*side)->shape) + "}"
@@ -261,10 +283,10 @@ std::string json_row(const Row& row) {
   const TensorMetrics& m = *row.metrics;
   const double fraction =
       m.elements ? static_cast<double>(m.mismatches) / static_cast<double>(m.elements) : 0.0;
-  out += "{\"max_abs\": " + json_number(m.max_abs) + ", \"mean_abs\": " +
-         json_number(m.mean_abs) + ", \"max_rel\": " + json_number(m.max_rel) +
-         ", \"allclose\": " + (m.allclose ? "true" : "false") + ", \"cosine\": " +
-         json_number(m.cosine) + ", \"rmse\": " + json_number(m.rmse) +
+  out += "{\"max_abs\": " + json_number(m.max_abs) + ", \"mean_abs\": " + json_number(m.mean_abs) +
+         ", \"max_rel\": " + json_number(m.max_rel) +
+         ", \"allclose\": " + (m.allclose ? "true" : "false") +
+         ", \"cosine\": " + json_number(m.cosine) + ", \"rmse\": " + json_number(m.rmse) +
          ", \"elements\": " + std::to_string(m.elements) +
          ", \"mismatches\": " + std::to_string(m.mismatches) +
          ", \"mismatch_fraction\": " + json_number(fraction) +
@@ -331,7 +353,8 @@ std::string render_text(const StepReport& report) {
           ++end;
         }
         body += line(worst, display_name(row, section == 2), detail_text(row));
-        for (std::size_t j = i + 1; j < end; ++j) body += kContinuation + detail_text(report.rows[j]) + "\n";
+        for (std::size_t j = i + 1; j < end; ++j)
+          body += kContinuation + detail_text(report.rows[j]) + "\n";
         i = end;
       }
       out += "\n  " + std::string(kTitles[section]) + "\n" + kSectionRule + "\n" + body;
@@ -371,8 +394,8 @@ std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
 
 std::string render_provenance(const Comparison& comparison) {
   if (!comparison.separate_dumps) return "";
-  static const char* kKeys[] = {"host", "torch_version", "device", "backend", "param_dtypes",
-                                "cast_dtype", "mode"};
+  static const char* kKeys[] = {"host",         "torch_version", "device", "backend",
+                                "param_dtypes", "cast_dtype",    "mode"};
   std::string out;
   for (const auto& [label, provenance] :
        {std::pair{"Eager side:   ", &comparison.eager_provenance},
@@ -389,9 +412,9 @@ std::string render_provenance(const Comparison& comparison) {
   if (comparison.provenance_differences.empty()) return out;
   out += "Provenance differs between the eager and the compiled dump:\n";
   for (const auto& difference : comparison.provenance_differences) {
-    out += "  " + difference.key + ": eager=" +
-           (difference.eager.empty() ? "(none)" : difference.eager) + "  compiled=" +
-           (difference.compiled.empty() ? "(none)" : difference.compiled) + "\n";
+    out += "  " + difference.key +
+           ": eager=" + (difference.eager.empty() ? "(none)" : difference.eager) +
+           "  compiled=" + (difference.compiled.empty() ? "(none)" : difference.compiled) + "\n";
   }
   return out;
 }
@@ -408,11 +431,13 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
             ", \"scenario\": " + json_string(rank.scenario) +
             ", \"all_pass\": " + (c.all_pass() ? "true" : "false") +
             ",\n     \"provenance\": {\"eager\": " + json_map(c.eager_provenance) +
-            ", \"compiled\": " + json_map(c.compiled_provenance) + "},\n     \"provenance_differences\": [";
+            ", \"compiled\": " + json_map(c.compiled_provenance) +
+            "},\n     \"provenance_differences\": [";
     for (std::size_t i = 0; i < c.provenance_differences.size(); ++i) {
       const auto& d = c.provenance_differences[i];
       body += std::string(i ? ", " : "") + "{\"key\": " + json_string(d.key) +
-              ", \"eager\": " + json_string(d.eager) + ", \"compiled\": " + json_string(d.compiled) + "}";
+              ", \"eager\": " + json_string(d.eager) +
+              ", \"compiled\": " + json_string(d.compiled) + "}";
     }
     body += "],\n     \"warnings\": [";
     for (std::size_t i = 0; i < c.warnings.size(); ++i) {
@@ -427,7 +452,8 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
               ", \"cast_dtype\": " + json_string(step.cast_dtype) +
               ", \"tolerances\": {\"atol\": " + json_number(step.tolerances.atol) +
               ", \"rtol\": " + json_number(step.tolerances.rtol) + "}" +
-              ", \"loss\": {\"eager\": " + json_optional(step.single_pass ? std::nullopt : step.loss_eager) +
+              ", \"loss\": {\"eager\": " +
+              json_optional(step.single_pass ? std::nullopt : step.loss_eager) +
               ", \"compiled\": " + json_optional(step.loss_compiled) +
               ", \"status\": " + json_string(std::string(status_name(step.loss_status()))) +
               "},\n       \"modules\": {";
@@ -449,7 +475,8 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
   std::size_t rows = 0;
   for (const auto& [status, count] : counts) rows += count;
   return "{\n  \"summary\": {\"all_pass\": " + std::string(all_pass ? "true" : "false") +
-         ", \"rows\": " + std::to_string(rows) + ", \"pass\": " + std::to_string(counts[Status::kPass]) +
+         ", \"rows\": " + std::to_string(rows) +
+         ", \"pass\": " + std::to_string(counts[Status::kPass]) +
          ", \"fail\": " + std::to_string(counts[Status::kFail]) +
          ", \"warn\": " + std::to_string(counts[Status::kWarn]) +
          ", \"skip\": " + std::to_string(counts[Status::kSkip]) + "},\n  \"ranks\": [\n" + body +

@@ -18,7 +18,8 @@ namespace {
 
 fmt::DType dtype_arg(const std::string& name) {
   auto dtype = fmt::parse_dtype(name);
-  if (!dtype) throw dynaprobe::UsageError("unknown dtype '" + name + "'; expected a torch dtype name");
+  if (!dtype)
+    throw dynaprobe::UsageError("unknown dtype '" + name + "'; expected a torch dtype name");
   return *dtype;
 }
 
@@ -67,27 +68,29 @@ std::filesystem::path write_step(const std::filesystem::path& dump_dir, std::int
   buffers.reserve(records.size());
   for (const auto& item : records) {
     auto t = item.cast<py::tuple>();
-    if (t.size() != 8) throw dynaprobe::UsageError("a record is an 8-tuple (module, call, kind, tensor_index, side, label, dtype, array)");
+    if (t.size() != 8)
+      throw dynaprobe::UsageError(
+          "a record is an 8-tuple (module, call, kind, tensor_index, side, label, dtype, array)");
     fmt::Record record;
-    record.key = key_arg(step, t[0].cast<std::string>(), t[1].cast<std::uint32_t>(),
-                         t[2].cast<std::string>(), t[3].cast<std::uint32_t>(),
-                         t[4].cast<std::string>());
+    record.key =
+        key_arg(step, t[0].cast<std::string>(), t[1].cast<std::uint32_t>(),
+                t[2].cast<std::string>(), t[3].cast<std::uint32_t>(), t[4].cast<std::string>());
     record.label = t[5].cast<std::string>();
     record.tensor.dtype = dtype_arg(t[6].cast<std::string>());
     buffers.push_back(t[7].cast<py::buffer>().request());
     const py::buffer_info& info = buffers.back();
     if (static_cast<std::size_t>(info.itemsize) != fmt::dtype_size(record.tensor.dtype)) {
-      throw dynaprobe::UsageError("record " + fmt::to_string(record.key) + ": dtype " +
-                                  t[6].cast<std::string>() + " has " +
-                                  std::to_string(fmt::dtype_size(record.tensor.dtype)) +
-                                  "-byte elements, but the array has " +
-                                  std::to_string(info.itemsize) + "-byte elements");
+      throw dynaprobe::UsageError(
+          "record " + fmt::to_string(record.key) + ": dtype " + t[6].cast<std::string>() + " has " +
+          std::to_string(fmt::dtype_size(record.tensor.dtype)) +
+          "-byte elements, but the array has " + std::to_string(info.itemsize) + "-byte elements");
     }
     py::ssize_t expected_stride = info.itemsize;
     for (auto i = info.ndim; i-- > 0;) {
       if (info.shape[i] > 1 && info.strides[i] != expected_stride) {
-        throw dynaprobe::UsageError("record " + fmt::to_string(record.key) +
-                                    ": the array must be C-contiguous (use numpy.ascontiguousarray)");
+        throw dynaprobe::UsageError(
+            "record " + fmt::to_string(record.key) +
+            ": the array must be C-contiguous (use numpy.ascontiguousarray)");
       }
       expected_stride *= info.shape[i];
     }
@@ -105,8 +108,7 @@ std::filesystem::path write_step(const std::filesystem::path& dump_dir, std::int
     py::gil_scoped_acquire acquire;
     for (const auto& item : graphs) {
       auto t = item.cast<py::tuple>();
-      fmt::Graph graph{t[0].cast<std::string>(), t[1].cast<std::string>(),
-                       t[2].cast<std::string>(),
+      fmt::Graph graph{t[0].cast<std::string>(), t[1].cast<std::string>(), t[2].cast<std::string>(),
                        t[3].cast<std::map<std::string, std::string>>()};
       py::gil_scoped_release again;
       writer.write_graph(graph);
@@ -159,12 +161,11 @@ py::tuple read_record(const std::filesystem::path& path, const std::string& modu
 
 py::tuple read_dataset(const std::filesystem::path& path, const std::string& dataset) {
   fmt::TensorStream stream = fmt::open_dataset(path, dataset);
-  std::vector<std::byte> data(fmt::dtype_size(stream.dtype()) *
-                              [&] {
-                                std::size_t n = 1;
-                                for (auto d : stream.shape()) n *= static_cast<std::size_t>(d);
-                                return n;
-                              }());
+  std::vector<std::byte> data(fmt::dtype_size(stream.dtype()) * [&] {
+    std::size_t n = 1;
+    for (auto d : stream.shape()) n *= static_cast<std::size_t>(d);
+    return n;
+  }());
   {
     py::gil_scoped_release release;
     const std::size_t element_size = fmt::dtype_size(stream.dtype());

@@ -32,11 +32,11 @@ class ChunkLayout {
  private:
   std::vector<std::int64_t> shape_;
   std::vector<hsize_t> chunk_dims_;
-  std::size_t split_ = 0;       // the one dimension that chunks cut in blocks of rows_
-  std::uint64_t rows_ = 1;      // chunk extent along split_
-  std::uint64_t inner_ = 1;     // elements in the dimensions after split_
-  std::size_t blocks_ = 1;      // chunks along split_
-  std::size_t outer_count_ = 1; // product of the dimensions before split_
+  std::size_t split_ = 0;        // the one dimension that chunks cut in blocks of rows_
+  std::uint64_t rows_ = 1;       // chunk extent along split_
+  std::uint64_t inner_ = 1;      // elements in the dimensions after split_
+  std::size_t blocks_ = 1;       // chunks along split_
+  std::size_t outer_count_ = 1;  // product of the dimensions before split_
 };
 
 }  // namespace dynaprobe::formats

@@ -16,15 +16,24 @@ struct DTypeInfo {
 };
 
 constexpr DTypeInfo kInfos[] = {
-    {DType::kFloat64, "float64", 8},           {DType::kFloat32, "float32", 4},
-    {DType::kFloat16, "float16", 2},           {DType::kBFloat16, "bfloat16", 2},
-    {DType::kFloat8E4M3FN, "float8_e4m3fn", 1}, {DType::kFloat8E4M3FNUZ, "float8_e4m3fnuz", 1},
-    {DType::kFloat8E5M2, "float8_e5m2", 1},     {DType::kFloat8E5M2FNUZ, "float8_e5m2fnuz", 1},
-    {DType::kFloat8E8M0FNU, "float8_e8m0fnu", 1}, {DType::kInt8, "int8", 1},
-    {DType::kInt16, "int16", 2},               {DType::kInt32, "int32", 4},
-    {DType::kInt64, "int64", 8},               {DType::kUInt8, "uint8", 1},
-    {DType::kUInt16, "uint16", 2},             {DType::kUInt32, "uint32", 4},
-    {DType::kUInt64, "uint64", 8},             {DType::kBool, "bool", 1},
+    {DType::kFloat64, "float64", 8},
+    {DType::kFloat32, "float32", 4},
+    {DType::kFloat16, "float16", 2},
+    {DType::kBFloat16, "bfloat16", 2},
+    {DType::kFloat8E4M3FN, "float8_e4m3fn", 1},
+    {DType::kFloat8E4M3FNUZ, "float8_e4m3fnuz", 1},
+    {DType::kFloat8E5M2, "float8_e5m2", 1},
+    {DType::kFloat8E5M2FNUZ, "float8_e5m2fnuz", 1},
+    {DType::kFloat8E8M0FNU, "float8_e8m0fnu", 1},
+    {DType::kInt8, "int8", 1},
+    {DType::kInt16, "int16", 2},
+    {DType::kInt32, "int32", 4},
+    {DType::kInt64, "int64", 8},
+    {DType::kUInt8, "uint8", 1},
+    {DType::kUInt16, "uint16", 2},
+    {DType::kUInt32, "uint32", 4},
+    {DType::kUInt64, "uint64", 8},
+    {DType::kBool, "bool", 1},
 };
 
 const DTypeInfo& info(DType dtype) { return kInfos[static_cast<std::size_t>(dtype)]; }
@@ -44,8 +53,8 @@ float decode_float8(std::uint8_t bits, int exponent_bits, int mantissa_bits, int
     return mantissa ? nan : (negative ? -INFINITY : INFINITY);
   }
   const float fraction = static_cast<float>(mantissa) / static_cast<float>(1 << mantissa_bits);
-  const float magnitude = exponent == 0 ? std::ldexp(fraction, 1 - bias)
-                                        : std::ldexp(1.0f + fraction, exponent - bias);
+  const float magnitude =
+      exponent == 0 ? std::ldexp(fraction, 1 - bias) : std::ldexp(1.0f + fraction, exponent - bias);
   return negative ? -magnitude : magnitude;
 }
 
@@ -56,14 +65,23 @@ Float8Table make_table(DType dtype) {
   for (int i = 0; i < 256; ++i) {
     const auto bits = static_cast<std::uint8_t>(i);
     switch (dtype) {
-      case DType::kFloat8E4M3FN: table[i] = decode_float8(bits, 4, 3, 7, false, true); break;
-      case DType::kFloat8E4M3FNUZ: table[i] = decode_float8(bits, 4, 3, 8, true, false); break;
-      case DType::kFloat8E5M2: table[i] = decode_float8(bits, 5, 2, 15, false, false); break;
-      case DType::kFloat8E5M2FNUZ: table[i] = decode_float8(bits, 5, 2, 16, true, false); break;
+      case DType::kFloat8E4M3FN:
+        table[i] = decode_float8(bits, 4, 3, 7, false, true);
+        break;
+      case DType::kFloat8E4M3FNUZ:
+        table[i] = decode_float8(bits, 4, 3, 8, true, false);
+        break;
+      case DType::kFloat8E5M2:
+        table[i] = decode_float8(bits, 5, 2, 15, false, false);
+        break;
+      case DType::kFloat8E5M2FNUZ:
+        table[i] = decode_float8(bits, 5, 2, 16, true, false);
+        break;
       case DType::kFloat8E8M0FNU:  // exponent only: 2^(e - 127), 0xff is NaN
         table[i] = i == 0xff ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, i - 127);
         break;
-      default: break;
+      default:
+        break;
     }
   }
   return table;
@@ -117,7 +135,8 @@ void convert_to_float32(DType dtype, const void* src, std::size_t count, float* 
     case DType::kFloat32:
       std::memcpy(dst, src, count * sizeof(float));
       return;
-    case DType::kFloat64: return widen<double>(src, count, dst);
+    case DType::kFloat64:
+      return widen<double>(src, count, dst);
     case DType::kFloat16: {
       const auto* in = static_cast<const std::uint16_t*>(src);
       for (std::size_t i = 0; i < count; ++i) dst[i] = half_to_float(in[i]);
@@ -140,14 +159,22 @@ void convert_to_float32(DType dtype, const void* src, std::size_t count, float* 
       for (std::size_t i = 0; i < count; ++i) dst[i] = table[in[i]];
       return;
     }
-    case DType::kInt8: return widen<std::int8_t>(src, count, dst);
-    case DType::kInt16: return widen<std::int16_t>(src, count, dst);
-    case DType::kInt32: return widen<std::int32_t>(src, count, dst);
-    case DType::kInt64: return widen<std::int64_t>(src, count, dst);
-    case DType::kUInt8: return widen<std::uint8_t>(src, count, dst);
-    case DType::kUInt16: return widen<std::uint16_t>(src, count, dst);
-    case DType::kUInt32: return widen<std::uint32_t>(src, count, dst);
-    case DType::kUInt64: return widen<std::uint64_t>(src, count, dst);
+    case DType::kInt8:
+      return widen<std::int8_t>(src, count, dst);
+    case DType::kInt16:
+      return widen<std::int16_t>(src, count, dst);
+    case DType::kInt32:
+      return widen<std::int32_t>(src, count, dst);
+    case DType::kInt64:
+      return widen<std::int64_t>(src, count, dst);
+    case DType::kUInt8:
+      return widen<std::uint8_t>(src, count, dst);
+    case DType::kUInt16:
+      return widen<std::uint16_t>(src, count, dst);
+    case DType::kUInt32:
+      return widen<std::uint32_t>(src, count, dst);
+    case DType::kUInt64:
+      return widen<std::uint64_t>(src, count, dst);
     case DType::kBool: {
       const auto* in = static_cast<const std::uint8_t*>(src);
       for (std::size_t i = 0; i < count; ++i) dst[i] = in[i] ? 1.0f : 0.0f;

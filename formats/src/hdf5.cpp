@@ -123,10 +123,9 @@ void write_string_attribute(hid_t object, std::string_view name, std::string_vie
   const std::string context = std::string(where) + " attribute " + attribute_name;
   const hid_t type = string_type(context);
   Handle space = space_handle(H5Screate(H5S_SCALAR), "creating a dataspace", context);
-  Handle attribute =
-      attribute_handle(H5Acreate2(object, attribute_name.c_str(), type, space.get(),
-                                  H5P_DEFAULT, H5P_DEFAULT),
-                       "creating attribute", context);
+  Handle attribute = attribute_handle(
+      H5Acreate2(object, attribute_name.c_str(), type, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+      "creating attribute", context);
   const std::string text(value);
   const char* pointer = text.c_str();
   check(H5Awrite(attribute.get(), type, &pointer), "writing attribute", context);

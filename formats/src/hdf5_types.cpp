@@ -41,8 +41,10 @@ h5::Handle vlen_string() {
 h5::Handle stored_type(DType dtype) {
   h5::Lock lock(h5::hdf5_mutex());
   switch (dtype) {
-    case DType::kFloat64: return copy_type(H5T_IEEE_F64LE);
-    case DType::kFloat32: return copy_type(H5T_IEEE_F32LE);
+    case DType::kFloat64:
+      return copy_type(H5T_IEEE_F64LE);
+    case DType::kFloat32:
+      return copy_type(H5T_IEEE_F32LE);
     case DType::kFloat16: {
       h5::Handle type = copy_type(H5T_IEEE_F32LE);  // IEEE half: 1 + 5 + 10 bits, bias 15
       h5::check(H5Tset_fields(type.get(), 15, 10, 5, 0, 10), "defining float16", kWhere);
@@ -52,15 +54,24 @@ h5::Handle stored_type(DType dtype) {
       h5::check(H5Tset_ebias(type.get(), 15), "defining float16", kWhere);
       return type;
     }
-    case DType::kBFloat16: return bfloat16_type();
-    case DType::kInt8: return copy_type(H5T_STD_I8LE);
-    case DType::kInt16: return copy_type(H5T_STD_I16LE);
-    case DType::kInt32: return copy_type(H5T_STD_I32LE);
-    case DType::kInt64: return copy_type(H5T_STD_I64LE);
-    case DType::kUInt16: return copy_type(H5T_STD_U16LE);
-    case DType::kUInt32: return copy_type(H5T_STD_U32LE);
-    case DType::kUInt64: return copy_type(H5T_STD_U64LE);
-    case DType::kBool: return bool_type();
+    case DType::kBFloat16:
+      return bfloat16_type();
+    case DType::kInt8:
+      return copy_type(H5T_STD_I8LE);
+    case DType::kInt16:
+      return copy_type(H5T_STD_I16LE);
+    case DType::kInt32:
+      return copy_type(H5T_STD_I32LE);
+    case DType::kInt64:
+      return copy_type(H5T_STD_I64LE);
+    case DType::kUInt16:
+      return copy_type(H5T_STD_U16LE);
+    case DType::kUInt32:
+      return copy_type(H5T_STD_U32LE);
+    case DType::kUInt64:
+      return copy_type(H5T_STD_U64LE);
+    case DType::kBool:
+      return bool_type();
     case DType::kUInt8:
     default:  // float8 variants: raw bytes, named by the dtype attribute
       return copy_type(H5T_STD_U8LE);
@@ -92,12 +103,13 @@ DType dtype_of_hdf5_type(hid_t type, std::string_view where) {
     case H5T_ENUM:
       if (size == 1) return DType::kBool;
       break;
-    default: break;
+    default:
+      break;
   }
   throw FormatError(std::string(where) +
                     ": expected a numeric dataset (float, integer or bool), but received an HDF5 "
-                    "type of class " + std::to_string(H5Tget_class(type)) + " and size " +
-                    std::to_string(size));
+                    "type of class " +
+                    std::to_string(H5Tget_class(type)) + " and size " + std::to_string(size));
 }
 
 h5::Handle index_row_type() {

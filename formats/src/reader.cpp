@@ -26,7 +26,7 @@ namespace {
 
 ZSTD_DCtx* thread_decompressor() {
   thread_local std::unique_ptr<ZSTD_DCtx, decltype(&ZSTD_freeDCtx)> context(ZSTD_createDCtx(),
-                                                                             ZSTD_freeDCtx);
+                                                                            ZSTD_freeDCtx);
   return context.get();
 }
 
@@ -50,8 +50,9 @@ std::shared_ptr<h5::Handle> open_file(const fs::path& path) {
   }
   h5::Lock lock(h5::hdf5_mutex());
   if (H5Fis_hdf5(where.c_str()) <= 0) {
-    throw FormatError(where + ": not an HDF5 file (no HDF5 signature): expected a dynaprobe "
-                              "step file; was it truncated at the start or overwritten?");
+    throw FormatError(where +
+                      ": not an HDF5 file (no HDF5 signature): expected a dynaprobe "
+                      "step file; was it truncated at the start or overwritten?");
   }
   const hid_t file = H5Fopen(where.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   if (file < 0 && where.ends_with(schema::kPartialSuffix)) {
@@ -146,10 +147,9 @@ void TensorStream::fetch(std::size_t chunk, RawChunk& raw) const {
                       " is missing (the file is truncated or was not written completely)");
   }
   raw.bytes.resize(size);
-  h5::check<FormatError>(
-      H5Dread_chunk(s.dataset.get(), H5P_DEFAULT, offset.data(), &raw.filter_mask,
-                    raw.bytes.data()),
-      "reading chunk " + std::to_string(chunk), s.where);
+  h5::check<FormatError>(H5Dread_chunk(s.dataset.get(), H5P_DEFAULT, offset.data(),
+                                       &raw.filter_mask, raw.bytes.data()),
+                         "reading chunk " + std::to_string(chunk), s.where);
 }
 
 const std::byte* TensorStream::decode(std::size_t chunk, RawChunk& raw, std::vector<std::byte>& out,
@@ -277,32 +277,32 @@ void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer, Ch
   };
   std::size_t next = 0;
   tbb::parallel_pipeline(
-      tokens,
-      tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order,
-                                   [&](tbb::flow_control& control) -> Item {
-                                     if (next == count) {
-                                       control.stop();
-                                       return {};
-                                     }
-                                     Item item{next++};
-                                     free_slots.pop(item.slot);
-                                     stream.fetch(item.chunk, item.slot->raw);
-                                     return item;
-                                   }) &
-          tbb::make_filter<Item, Item>(tbb::filter_mode::parallel,
-                                       [&](Item item) {
-                                         item.data = stream.decode(item.chunk, item.slot->raw,
-                                                                   item.slot->out,
-                                                                   item.slot->scratch);
-                                         if (order == ChunkOrder::kAnyOrder) {
-                                           consumer(stream.extent(item.chunk), item.data);
-                                         }
-                                         return item;
-                                       }) &
-          tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, [&](Item item) {
-            if (order == ChunkOrder::kInOrder) consumer(stream.extent(item.chunk), item.data);
-            free_slots.push(item.slot);
-          }));
+      tokens, tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order,
+                                           [&](tbb::flow_control& control) -> Item {
+                                             if (next == count) {
+                                               control.stop();
+                                               return {};
+                                             }
+                                             Item item{next++};
+                                             free_slots.pop(item.slot);
+                                             stream.fetch(item.chunk, item.slot->raw);
+                                             return item;
+                                           }) &
+                  tbb::make_filter<Item, Item>(tbb::filter_mode::parallel,
+                                               [&](Item item) {
+                                                 item.data = stream.decode(
+                                                     item.chunk, item.slot->raw, item.slot->out,
+                                                     item.slot->scratch);
+                                                 if (order == ChunkOrder::kAnyOrder) {
+                                                   consumer(stream.extent(item.chunk), item.data);
+                                                 }
+                                                 return item;
+                                               }) &
+                  tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, [&](Item item) {
+                    if (order == ChunkOrder::kInOrder)
+                      consumer(stream.extent(item.chunk), item.data);
+                    free_slots.push(item.slot);
+                  }));
 }
 
 namespace {
@@ -322,8 +322,7 @@ TensorStream make_stream(std::shared_ptr<h5::Handle> file, const std::string& da
     h5::check(H5Pset_chunk_cache(dapl.get(), 1, 0, 1.0), "configuring the chunk cache", where);
     return dapl;
   }();
-  const hid_t opened =
-      H5Dopen2(state->file->get(), dataset_name.c_str(), no_chunk_cache.get());
+  const hid_t opened = H5Dopen2(state->file->get(), dataset_name.c_str(), no_chunk_cache.get());
   if (opened < 0 && !link_exists(state->file->get(), dataset_name)) {
     throw FormatError(where + ": dataset is missing from the file");
   }
@@ -347,14 +346,13 @@ TensorStream make_stream(std::shared_ptr<h5::Handle> file, const std::string& da
     dtype = *parsed;
   }
   if (expected_dtype && *expected_dtype != dtype) {
-    throw FormatError(where + ": the index says dtype " +
-                      std::string(dtype_name(*expected_dtype)) + ", but the dataset holds " +
-                      std::string(dtype_name(dtype)));
+    throw FormatError(where + ": the index says dtype " + std::string(dtype_name(*expected_dtype)) +
+                      ", but the dataset holds " + std::string(dtype_name(dtype)));
   }
   state->dtype = dtype;
   h5::Handle space = h5::space_handle(H5Dget_space(dataset), "reading dataspace", where);
-  const int rank = h5::check<FormatError>(H5Sget_simple_extent_ndims(space.get()),
-                                          "reading dataspace", where);
+  const int rank =
+      h5::check<FormatError>(H5Sget_simple_extent_ndims(space.get()), "reading dataspace", where);
   std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
   H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
   state->shape.assign(dims.begin(), dims.end());
@@ -369,8 +367,8 @@ TensorStream make_stream(std::shared_ptr<h5::Handle> file, const std::string& da
     for (int i = 0; i < filters; ++i) {
       unsigned flags = 0;
       std::size_t n = 0;
-      const H5Z_filter_t id =
-          H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &n, nullptr, 0, nullptr, nullptr);
+      const H5Z_filter_t id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(i), &flags, &n,
+                                             nullptr, 0, nullptr, nullptr);
       if (id == schema::kShuffleFilterId && state->zstd_bit < 0 && state->shuffle_bit < 0) {
         state->shuffle_bit = i;
       } else if (id == schema::kZstdFilterId && state->zstd_bit < 0) {
@@ -473,9 +471,10 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     // skipped, and everything this reader understands stays readable.
     if (!kind || !side || !dtype) {
       impl.skipped.push_back("index row " + std::to_string(i) + " (" + info.key.module +
-                             "): unknown " + (!kind ? "kind '" + std::string(row.kind ? row.kind : "")
-                                              : !side ? "side '" + std::string(row.side ? row.side : "")
-                                                      : "dtype '" + std::string(row.dtype ? row.dtype : "")) +
+                             "): unknown " +
+                             (!kind   ? "kind '" + std::string(row.kind ? row.kind : "")
+                              : !side ? "side '" + std::string(row.side ? row.side : "")
+                                      : "dtype '" + std::string(row.dtype ? row.dtype : "")) +
                              "', written by a newer dynaprobe");
       continue;
     }
@@ -514,8 +513,8 @@ std::vector<Graph> StepReader::graphs() const {
   const std::string group_name = "/" + std::string(schema::kGraphsGroup);
   std::vector<Graph> graphs;
   if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return graphs;
-  h5::Handle group = h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT),
-                                      "opening /graphs", where);
+  h5::Handle group =
+      h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT), "opening /graphs", where);
   const auto names = h5::link_names(group.get(), false, where);
   for (const std::string& name : names) {
     const std::string context = where + " /graphs/" + name;
@@ -525,9 +524,8 @@ std::vector<Graph> StepReader::graphs() const {
     H5Tset_size(type.get(), H5T_VARIABLE);
     H5Tset_cset(type.get(), H5T_CSET_UTF8);
     char* text = nullptr;
-    h5::check<FormatError>(
-        H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
-        "reading graph text", context);
+    h5::check<FormatError>(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
+                           "reading graph text", context);
     Graph graph{name, "", text ? text : "", {}};
     H5free_memory(text);
     for (const std::string& key : h5::attribute_names(dataset.get(), context)) {
@@ -550,8 +548,8 @@ std::vector<ModuleInfo> StepReader::modules() const {
   const std::string group_name = "/" + std::string(schema::kModulesGroup);
   std::vector<ModuleInfo> modules;
   if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return modules;
-  h5::Handle group = h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT),
-                                      "opening /modules", where);
+  h5::Handle group =
+      h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT), "opening /modules", where);
   const auto names = h5::link_names(group.get(), true, where);
   for (const std::string& name : names) {
     const std::string context = where + " /modules/" + name;
@@ -605,7 +603,8 @@ DumpFiles list_dump(const fs::path& dump) {
   std::error_code error;
   const auto status = fs::status(dump, error);
   if (!fs::exists(status)) {
-    throw IoError(dump.string() + ": no such file or folder (expected a dump folder or a step file)");
+    throw IoError(dump.string() +
+                  ": no such file or folder (expected a dump folder or a step file)");
   }
   DumpFiles files;
   if (fs::is_regular_file(status)) {

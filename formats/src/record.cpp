@@ -7,8 +7,8 @@
 namespace dynaprobe::formats {
 namespace {
 
-constexpr std::array<std::string_view, 6> kKindNames = {
-    "fwd_input", "fwd_output", "grad_input", "grad_output", "param_grad", "loss"};
+constexpr std::array<std::string_view, 6> kKindNames = {"fwd_input",   "fwd_output", "grad_input",
+                                                        "grad_output", "param_grad", "loss"};
 constexpr std::array<std::string_view, 3> kSideNames = {"eager", "compiled", "reference"};
 
 template <typename Enum, std::size_t N>

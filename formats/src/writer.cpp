@@ -1,9 +1,9 @@
 #include "dynaprobe/formats/writer.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <tbb/concurrent_queue.h>
 #include <tbb/parallel_pipeline.h>
-#include <sys/resource.h>
 #include <tbb/task_arena.h>
 #include <tbb/task_scheduler_observer.h>
 #include <unistd.h>
@@ -32,7 +32,7 @@ constexpr int kMaxRank = H5S_MAX_RANK;
 
 // Work buffers of one pipeline token, reused from chunk to chunk and step to step.
 struct ChunkBuffers {
-  std::vector<std::byte> padded;      // a partial edge chunk, zero-padded to the chunk size
+  std::vector<std::byte> padded;  // a partial edge chunk, zero-padded to the chunk size
   std::vector<std::byte> shuffled;
   std::vector<std::byte> compressed;
 };
@@ -44,7 +44,7 @@ struct ChunkBuffers {
 // the uncompressed chunk when writing and when reading.
 ZSTD_CCtx* thread_compressor(int level) {
   thread_local std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> context(ZSTD_createCCtx(),
-                                                                             ZSTD_freeCCtx);
+                                                                            ZSTD_freeCCtx);
   ZSTD_CCtx_setParameter(context.get(), ZSTD_c_compressionLevel, level);
   ZSTD_CCtx_setParameter(context.get(), ZSTD_c_checksumFlag, 1);
   return context.get();
@@ -83,12 +83,11 @@ void fsync_path(const fs::path& path, const std::string& where) {
   ::close(fd);
 }
 
-
-
 // Gives the threads that work in a writer's arena the writer's niceness while they are in it.
 class NiceObserver : public tbb::task_scheduler_observer {
  public:
-  NiceObserver(tbb::task_arena& arena, int nice) : tbb::task_scheduler_observer(arena), nice_(nice) {
+  NiceObserver(tbb::task_arena& arena, int nice)
+      : tbb::task_scheduler_observer(arena), nice_(nice) {
     observe(true);
   }
   ~NiceObserver() override { observe(false); }
@@ -203,10 +202,9 @@ void StepWriter::Impl::create_dataset(const Plan& plan) {
     h5::check(H5Pset_layout(dcpl.get(), H5D_COMPACT), "setting compact layout", where);
   }
   h5::Handle type = stored_type(record.tensor.dtype);
-  const std::string name = std::string(kind_name(record.key.kind)) + "." +
-                           std::string(side_name(record.key.side)) + "." +
-                           std::to_string(record.key.call) + "." +
-                           std::to_string(record.key.tensor_index);
+  const std::string name =
+      std::string(kind_name(record.key.kind)) + "." + std::string(side_name(record.key.side)) +
+      "." + std::to_string(record.key.call) + "." + std::to_string(record.key.tensor_index);
   dataset = h5::dataset_handle(H5Dcreate2(module_group(record.key.module), name.c_str(), type.get(),
                                           space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
                                "creating dataset", where);
@@ -214,9 +212,9 @@ void StepWriter::Impl::create_dataset(const Plan& plan) {
                              where);
   dataset_stored_bytes = 0;
   if (!plan.layout && record.tensor.numel() > 0) {  // a 0-d tensor: one small compact write
-    h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                       record.tensor.data),
-              "writing", where);
+    h5::check(
+        H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, record.tensor.data),
+        "writing", where);
     dataset_stored_bytes = record.tensor.nbytes();
   }
 }
@@ -325,10 +323,9 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
   };
   arena.execute([&] {
     tbb::parallel_pipeline(
-        buffers.size(),
-        tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, produce) &
-            tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compress) &
-            tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, store));
+        buffers.size(), tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, produce) &
+                            tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compress) &
+                            tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, store));
   });
 }
 
@@ -337,21 +334,21 @@ void StepWriter::Impl::write_index() {
   std::vector<IndexRow> rows;
   rows.reserve(index.size());
   for (const RecordInfo& info : index) {
-    rows.push_back(IndexRow{
-        info.key.module.c_str(), info.key.call, kind_name(info.key.kind).data(),
-        info.key.tensor_index, side_name(info.key.side).data(), info.label.c_str(),
-        dtype_name(info.dtype).data(),
-        hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())}, info.stored_bytes});
+    rows.push_back(IndexRow{info.key.module.c_str(), info.key.call, kind_name(info.key.kind).data(),
+                            info.key.tensor_index, side_name(info.key.side).data(),
+                            info.label.c_str(), dtype_name(info.dtype).data(),
+                            hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())},
+                            info.stored_bytes});
   }
   const std::string where = partial_path.string() + " /" + std::string(schema::kIndexDataset);
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle type = index_row_type();
   const hsize_t count = rows.size();
   h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
-  h5::Handle table = h5::dataset_handle(
-      H5Dcreate2(file.get(), std::string(schema::kIndexDataset).c_str(), type.get(), space.get(),
-                 H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-      "creating the index", where);
+  h5::Handle table =
+      h5::dataset_handle(H5Dcreate2(file.get(), std::string(schema::kIndexDataset).c_str(),
+                                    type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "creating the index", where);
   if (!rows.empty()) {
     h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
               "writing the index", where);
@@ -405,23 +402,23 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   for (const auto& [key, value] : provenance) {
     h5::write_string_attribute(impl.file.get(), key, value, where);
   }
-  impl.tensors = h5::group_handle(H5Gcreate2(impl.file.get(),
-                                             std::string(schema::kTensorsGroup).c_str(),
-                                             H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                                  "creating /tensors", where);
-  impl.graphs = h5::group_handle(H5Gcreate2(impl.file.get(),
-                                            std::string(schema::kGraphsGroup).c_str(),
-                                            H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                                 "creating /graphs", where);
+  impl.tensors =
+      h5::group_handle(H5Gcreate2(impl.file.get(), std::string(schema::kTensorsGroup).c_str(),
+                                  H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                       "creating /tensors", where);
+  impl.graphs =
+      h5::group_handle(H5Gcreate2(impl.file.get(), std::string(schema::kGraphsGroup).c_str(),
+                                  H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                       "creating /graphs", where);
   {
     // Creation order is tracked so that readers list modules in model order.
     h5::Handle gcpl = h5::plist_handle(H5Pcreate(H5P_GROUP_CREATE), "creating gcpl", where);
     h5::check(H5Pset_link_creation_order(gcpl.get(), H5P_CRT_ORDER_TRACKED | H5P_CRT_ORDER_INDEXED),
               "tracking creation order", where);
-    impl.modules = h5::group_handle(H5Gcreate2(impl.file.get(),
-                                               std::string(schema::kModulesGroup).c_str(),
-                                               H5P_DEFAULT, gcpl.get(), H5P_DEFAULT),
-                                    "creating /modules", where);
+    impl.modules =
+        h5::group_handle(H5Gcreate2(impl.file.get(), std::string(schema::kModulesGroup).c_str(),
+                                    H5P_DEFAULT, gcpl.get(), H5P_DEFAULT),
+                         "creating /modules", where);
   }
   const std::size_t tokens = 2 * static_cast<std::size_t>(impl.arena.max_concurrency());
   impl.buffers.resize(tokens);
@@ -469,7 +466,8 @@ void StepWriter::write(std::span<const Record> records) {
     }
     Impl::Plan plan{&record, std::nullopt};
     if (!shape.empty() && record.tensor.numel() > 0) {
-      plan.layout = ChunkLayout::plan(shape, dtype_size(record.tensor.dtype), impl.options.chunk_bytes);
+      plan.layout =
+          ChunkLayout::plan(shape, dtype_size(record.tensor.dtype), impl.options.chunk_bytes);
     }
     plans.push_back(std::move(plan));
   }

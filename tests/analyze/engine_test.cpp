@@ -50,7 +50,8 @@ formats::Record record(Side side, DType dtype, std::vector<std::int64_t> shape, 
   return r;
 }
 
-void write_dump(const std::filesystem::path& dir, const formats::Record& r, std::size_t chunk_bytes) {
+void write_dump(const std::filesystem::path& dir, const formats::Record& r,
+                std::size_t chunk_bytes) {
   formats::WriterOptions options;
   options.chunk_bytes = chunk_bytes;
   formats::StepWriter writer(dir, 0, {{"mode", "two_pass"}}, options);
@@ -76,8 +77,13 @@ TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
 
   TempDir dir;
   // Eager float32 in 40 KB chunks, compiled bfloat16 in 12 KB chunks: boundaries never align.
-  write_dump(dir.path() / "eager", record(Side::kEager, DType::kFloat32, {static_cast<std::int64_t>(n)}, eager.data()), 40000);
-  write_dump(dir.path() / "compiled", record(Side::kCompiled, DType::kBFloat16, {static_cast<std::int64_t>(n)}, compiled_bf16.data()), 12000);
+  write_dump(dir.path() / "eager",
+             record(Side::kEager, DType::kFloat32, {static_cast<std::int64_t>(n)}, eager.data()),
+             40000);
+  write_dump(dir.path() / "compiled",
+             record(Side::kCompiled, DType::kBFloat16, {static_cast<std::int64_t>(n)},
+                    compiled_bf16.data()),
+             12000);
   const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", {});
   ASSERT_EQ(result.steps.size(), 1u);
   ASSERT_EQ(result.steps[0].rows.size(), 1u);
@@ -137,7 +143,6 @@ TEST(Engine, ProgressReachesTheTotal) {
   EXPECT_EQ(last_total, 800000u);
   EXPECT_EQ(last_done, last_total);
 }
-
 
 // The capture's /modules attributes (which compiled functions a wrapped module became, its graph
 // breaks, notes) reach the step report and the JSON, both sides merged.

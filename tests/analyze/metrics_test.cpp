@@ -47,7 +47,7 @@ TEST(Metrics, NanFollowsTorch) {
   EXPECT_TRUE(std::isnan(m.max_abs));
   EXPECT_TRUE(std::isnan(m.mean_abs));
   EXPECT_TRUE(std::isnan(m.max_rel));
-  EXPECT_FALSE(m.allclose);  // NaN is never close, even to NaN
+  EXPECT_FALSE(m.allclose);     // NaN is never close, even to NaN
   EXPECT_EQ(m.worst_index, 1);  // the first NaN difference is the worst element
   EXPECT_EQ(m.nan_eager, 1u);
   EXPECT_EQ(m.nan_compiled, 1u);

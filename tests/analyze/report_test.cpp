@@ -5,11 +5,11 @@
 // differences are multiples of 2^-28 and never round to 2.300e-07. So these goldens render a
 // report holding the spec's numbers; tests/python/test_analyze.py reproduces the spec's multi-rank
 // example from real dumps.
+#include "dynaprobe/analyze/report.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
-
-#include "dynaprobe/analyze/report.h"
 
 namespace dynaprobe::analyze {
 namespace {
@@ -52,16 +52,20 @@ TEST(Report, StdoutIsTheSpecExample) {
       "\n"
       "  FORWARD INPUT\n"
       "  --------------------------------------------------------------------\n"
-      "  pass  layers.0                                             [OK] max_abs=0.000e+00  mean_abs=0.000e+00  max_rel=0.000e+00  shape=(2, 128, 4096)\n"
+      "  pass  layers.0                                             [OK] max_abs=0.000e+00  "
+      "mean_abs=0.000e+00  max_rel=0.000e+00  shape=(2, 128, 4096)\n"
       "\n"
       "  FORWARD OUTPUT\n"
       "  --------------------------------------------------------------------\n"
-      "  pass  layers.0                                             [OK] max_abs=2.300e-07  mean_abs=1.200e-08  max_rel=5.100e-06  shape=(2, 128, 4096)\n"
+      "  pass  layers.0                                             [OK] max_abs=2.300e-07  "
+      "mean_abs=1.200e-08  max_rel=5.100e-06  shape=(2, 128, 4096)\n"
       "\n"
       "  BACKWARD\n"
       "  --------------------------------------------------------------------\n"
-      "  pass  layers.0.grad_input                                  [OK] max_abs=1.100e-07  mean_abs=9.000e-09  max_rel=4.200e-06  shape=(2, 128, 4096)\n"
-      "  pass  layers.0.grad_output                                 [OK] max_abs=0.000e+00  mean_abs=0.000e+00  max_rel=0.000e+00  shape=(2, 128, 4096)\n"
+      "  pass  layers.0.grad_input                                  [OK] max_abs=1.100e-07  "
+      "mean_abs=9.000e-09  max_rel=4.200e-06  shape=(2, 128, 4096)\n"
+      "  pass  layers.0.grad_output                                 [OK] max_abs=0.000e+00  "
+      "mean_abs=0.000e+00  max_rel=0.000e+00  shape=(2, 128, 4096)\n"
       "\n"
       "========================================================================\n"
       "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)\n"
@@ -77,7 +81,8 @@ TEST(Report, CsvIsTheSpecExample) {
   ignored.note = "IGNORED";
   report.rows.push_back(ignored);
   const std::string expected =
-      "module_name,check_type,tensor_index,status,max_abs_diff,mean_abs_diff,max_rel_diff,shape,note\n"
+      "module_name,check_type,tensor_index,status,max_abs_diff,mean_abs_diff,max_rel_diff,shape,"
+      "note\n"
       "LOSS,loss,0,PASS,1.200000e-06,N/A,N/A,eager=6.912340 compiled=6.912341,\n"
       "layers.0,fwd_input,0,PASS,0.000000e+00,0.000000e+00,0.000000e+00,\"(2, 128, 4096)\",\n"
       "layers.0,fwd_output,0,PASS,2.300000e-07,1.200000e-08,5.100000e-06,\"(2, 128, 4096)\",\n"
@@ -105,8 +110,10 @@ TEST(Report, FailingRowsAreFlaggedAndResultFails) {
   report.rows[1].metrics->max_abs = 0.5;
   report.tolerances = {1e-5, 0.01};
   const std::string text = render_text(report);
-  EXPECT_NE(text.find("  FAIL  layers.0                                             [!!] max_abs=5.000e-01"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(
+          "  FAIL  layers.0                                             [!!] max_abs=5.000e-01"),
+      std::string::npos)
       << text;
   EXPECT_NE(text.find("  RESULT: FAILED  (atol=1e-5 rtol=0.01)\n"), std::string::npos) << text;
   EXPECT_FALSE(report.all_pass());
@@ -123,11 +130,15 @@ TEST(Report, SeveralTensorsOfAModuleEachGetALine) {
   report.rows = {first, second};
   const std::string text = render_text(report);
   // The module's line takes the worst status; the second tensor continues under the first.
-  EXPECT_NE(text.find("  FAIL  block                                                [OK] max_abs=0.000e+00"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(
+          "  FAIL  block                                                [OK] max_abs=0.000e+00"),
+      std::string::npos)
       << text;
-  EXPECT_NE(text.find("\n" + std::string(61, ' ') + "[!!] max_abs=1.000e+00  mean_abs=5.000e-01  max_rel=2.000e+00  shape=(7,)\n"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("\n" + std::string(61, ' ') +
+                "[!!] max_abs=1.000e+00  mean_abs=5.000e-01  max_rel=2.000e+00  shape=(7,)\n"),
+      std::string::npos)
       << text;
 }
 

@@ -18,14 +18,15 @@ TEST(DType, NamesRoundTripAndAcceptTorchPrefix) {
 }
 
 TEST(DType, HalfToFloatCoversNormalsSubnormalsInfAndNan) {
-  const std::uint16_t bits[] = {0x3c00, 0xc000, 0x0001, 0x03ff, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0x8000};
+  const std::uint16_t bits[] = {0x3c00, 0xc000, 0x0001, 0x03ff, 0x7bff,
+                                0x7c00, 0xfc00, 0x7e00, 0x8000};
   float out[9];
   convert_to_float32(DType::kFloat16, bits, 9, out);
   EXPECT_EQ(out[0], 1.0f);
   EXPECT_EQ(out[1], -2.0f);
-  EXPECT_EQ(out[2], std::ldexp(1.0f, -24));             // smallest subnormal
-  EXPECT_EQ(out[3], std::ldexp(1023.0f, -24));          // largest subnormal
-  EXPECT_EQ(out[4], 65504.0f);                          // largest normal
+  EXPECT_EQ(out[2], std::ldexp(1.0f, -24));     // smallest subnormal
+  EXPECT_EQ(out[3], std::ldexp(1023.0f, -24));  // largest subnormal
+  EXPECT_EQ(out[4], 65504.0f);                  // largest normal
   EXPECT_EQ(out[5], std::numeric_limits<float>::infinity());
   EXPECT_EQ(out[6], -std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isnan(out[7]));
@@ -33,7 +34,8 @@ TEST(DType, HalfToFloatCoversNormalsSubnormalsInfAndNan) {
 }
 
 TEST(DType, BFloat16IsTheUpperHalfOfFloat32) {
-  const float values[] = {1.5f, -3.25f, std::ldexp(1.0f, -100), std::numeric_limits<float>::infinity()};
+  const float values[] = {1.5f, -3.25f, std::ldexp(1.0f, -100),
+                          std::numeric_limits<float>::infinity()};
   for (float value : values) {
     std::uint32_t bits;
     std::memcpy(&bits, &value, 4);
@@ -52,11 +54,11 @@ TEST(DType, Float8VariantsDecodeLikeTorch) {
     float value;
   };
   const Case cases[] = {
-      {DType::kFloat8E4M3FN, 0x38, 1.0f},     {DType::kFloat8E4M3FN, 0x7e, 448.0f},
+      {DType::kFloat8E4M3FN, 0x38, 1.0f},         {DType::kFloat8E4M3FN, 0x7e, 448.0f},
       {DType::kFloat8E4M3FN, 0x01, 0.001953125f}, {DType::kFloat8E4M3FN, 0xc0, -2.0f},
-      {DType::kFloat8E5M2, 0x3c, 1.0f},       {DType::kFloat8E5M2, 0x7b, 57344.0f},
-      {DType::kFloat8E4M3FNUZ, 0x40, 1.0f},   {DType::kFloat8E5M2FNUZ, 0x40, 1.0f},
-      {DType::kFloat8E8M0FNU, 0x7f, 1.0f},    {DType::kFloat8E8M0FNU, 0x80, 2.0f},
+      {DType::kFloat8E5M2, 0x3c, 1.0f},           {DType::kFloat8E5M2, 0x7b, 57344.0f},
+      {DType::kFloat8E4M3FNUZ, 0x40, 1.0f},       {DType::kFloat8E5M2FNUZ, 0x40, 1.0f},
+      {DType::kFloat8E8M0FNU, 0x7f, 1.0f},        {DType::kFloat8E8M0FNU, 0x80, 2.0f},
   };
   for (const auto& c : cases) {
     float out;

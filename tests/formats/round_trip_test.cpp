@@ -1,6 +1,5 @@
 // Every dtype and shape case written by StepWriter reads back bit for bit through StepReader.
 #include <gtest/gtest.h>
-
 #include <sys/resource.h>
 
 #include <cstring>
@@ -123,7 +122,8 @@ TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
   std::vector<Record> records;
   for (std::uint32_t call = 0; call < 2; ++call) {
     for (Side side : {Side::kEager, Side::kCompiled}) {
-      Record r = make_record(4, "layers.0.mlp", Kind::kGradInput, 1, side, DType::kFloat32, {16}, data);
+      Record r =
+          make_record(4, "layers.0.mlp", Kind::kGradInput, 1, side, DType::kFloat32, {16}, data);
       r.key.call = call;
       r.label = "grad of x";
       records.push_back(r);
@@ -133,7 +133,9 @@ TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
                                 DType::kFloat32, {}, data));
   StepWriter writer(dir.path(), 4, {{"backend", "aot_eager"}, {"rank", "1"}});
   writer.write(records);
-  writer.write_graph({"__compiled_fn_3.Forward_Graph.0a1b2c3d", "forward", "def forward(x):\n  return x\n",
+  writer.write_graph({"__compiled_fn_3.Forward_Graph.0a1b2c3d",
+                      "forward",
+                      "def forward(x):\n  return x\n",
                       {{"modules", "layers.0.mlp"}}});
   // Written out of name order: readers must list modules in the order they were written.
   writer.write_module({"layers.1", {{"role", "ignored"}}});
@@ -171,14 +173,16 @@ TEST(RoundTrip, StreamingDeliversChunksInElementOrder) {
   WriterOptions options;
   options.chunk_bytes = 64 << 10;
   StepWriter writer(dir.path(), 0, {}, options);
-  writer.write(make_record(0, "x", Kind::kFwdInput, 0, Side::kEager, DType::kFloat32, {1 << 20}, data));
+  writer.write(
+      make_record(0, "x", Kind::kFwdInput, 0, Side::kEager, DType::kFloat32, {1 << 20}, data));
   StepReader reader(writer.commit());
   const TensorStream stream = reader.open(reader.records().at(0));
   EXPECT_EQ(stream.chunk_count(), 64u);
   std::uint64_t expected_first = 0;
   stream_chunks(stream, [&](ChunkExtent extent, const std::byte* chunk) {
     EXPECT_EQ(extent.first_element, expected_first);
-    EXPECT_EQ(std::memcmp(chunk, data.data() + extent.first_element * 4, extent.element_count * 4), 0);
+    EXPECT_EQ(std::memcmp(chunk, data.data() + extent.first_element * 4, extent.element_count * 4),
+              0);
     expected_first += extent.element_count;
   });
   EXPECT_EQ(expected_first, 1u << 20);
@@ -188,7 +192,8 @@ TEST(RoundTrip, TensorLargerThanTwoGiB) {
   TempDir dir;
   const std::uint64_t bytes = (std::uint64_t{2} << 30) + 12345;
   std::vector<std::byte> data(bytes);
-  for (std::uint64_t i = 0; i < bytes; ++i) data[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  for (std::uint64_t i = 0; i < bytes; ++i)
+    data[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
   {
     StepWriter writer(dir.path(), 0, {});
     writer.write(make_record(0, "big", Kind::kFwdOutput, 0, Side::kCompiled, DType::kUInt8,

@@ -108,9 +108,9 @@ struct CompareOptions {
   // Each tolerance not given is the dump's own (its atol/rtol provenance), else 1e-4 / 1e-3.
   std::optional<double> atol;
   std::optional<double> rtol;
-  std::optional<std::int64_t> step;      // only this step
-  std::string module_glob;               // only modules matching (fnmatch), empty: all
-  int threads = 0;                       // 0: all cores
+  std::optional<std::int64_t> step;  // only this step
+  std::string module_glob;           // only modules matching (fnmatch), empty: all
+  int threads = 0;                   // 0: all cores
   // Called now and then with uncompressed bytes compared so far and in total.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };

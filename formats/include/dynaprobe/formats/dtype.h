@@ -30,11 +30,11 @@ enum class DType : std::uint8_t {
 };
 
 inline constexpr DType kAllDTypes[] = {
-    DType::kFloat64,      DType::kFloat32,       DType::kFloat16,    DType::kBFloat16,
-    DType::kFloat8E4M3FN, DType::kFloat8E4M3FNUZ, DType::kFloat8E5M2, DType::kFloat8E5M2FNUZ,
-    DType::kFloat8E8M0FNU, DType::kInt8,          DType::kInt16,      DType::kInt32,
-    DType::kInt64,        DType::kUInt8,         DType::kUInt16,     DType::kUInt32,
-    DType::kUInt64,       DType::kBool,
+    DType::kFloat64,       DType::kFloat32,        DType::kFloat16,    DType::kBFloat16,
+    DType::kFloat8E4M3FN,  DType::kFloat8E4M3FNUZ, DType::kFloat8E5M2, DType::kFloat8E5M2FNUZ,
+    DType::kFloat8E8M0FNU, DType::kInt8,           DType::kInt16,      DType::kInt32,
+    DType::kInt64,         DType::kUInt8,          DType::kUInt16,     DType::kUInt32,
+    DType::kUInt64,        DType::kBool,
 };
 
 std::string_view dtype_name(DType dtype);

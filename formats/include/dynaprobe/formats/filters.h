@@ -14,7 +14,8 @@ void register_zstd_filter();
 // HDF5's shuffle: byte b of element i goes to position b * n + i (n = size / element_size);
 // trailing bytes that do not fill an element are copied unchanged. `dst` and `src` must not
 // overlap.
-void shuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size, std::size_t element_size);
+void shuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
+                   std::size_t element_size);
 void unshuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
                      std::size_t element_size);
 

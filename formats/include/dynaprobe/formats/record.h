@@ -13,7 +13,14 @@
 namespace dynaprobe::formats {
 
 // What a tensor is, relative to its module (the spec's check types, plus param_grad and loss).
-enum class Kind : std::uint8_t { kFwdInput, kFwdOutput, kGradInput, kGradOutput, kParamGrad, kLoss };
+enum class Kind : std::uint8_t {
+  kFwdInput,
+  kFwdOutput,
+  kGradInput,
+  kGradOutput,
+  kParamGrad,
+  kLoss
+};
 // Which execution produced it.
 enum class Side : std::uint8_t { kEager, kCompiled, kReference };
 
@@ -29,7 +36,7 @@ inline constexpr std::string_view kLossModule = "LOSS";
 // step file the record lives in.
 struct RecordKey {
   std::int64_t step = 0;
-  std::string module;  // "layers.0.mlp"; never "_orig_mod"; no '/'
+  std::string module;      // "layers.0.mlp"; never "_orig_mod"; no '/'
   std::uint32_t call = 0;  // n-th call of the module within the step
   Kind kind = Kind::kFwdOutput;
   std::uint32_t tensor_index = 0;

@@ -44,7 +44,8 @@ inline constexpr std::string_view kStepFilePrefix = "step_";
 inline constexpr std::string_view kStepFileSuffix = ".h5";
 inline constexpr std::string_view kPartialSuffix = ".partial";
 
-// Registered HDF5 filter ids (https://github.com/HDFGroup/hdf5_plugins/blob/master/docs/RegisteredFilterPlugins.md).
+// Registered HDF5 filter ids
+// (https://github.com/HDFGroup/hdf5_plugins/blob/master/docs/RegisteredFilterPlugins.md).
 inline constexpr int kShuffleFilterId = 2;   // H5Z_FILTER_SHUFFLE
 inline constexpr int kZstdFilterId = 32015;  // cd_values[0] = level (two's complement if negative)
 

@@ -12,9 +12,9 @@
 namespace dynaprobe::formats {
 
 struct WriterOptions {
-  int zstd_level = 1;                  // negative levels are zstd's fast modes
-  std::size_t chunk_bytes = 1 << 20;   // target uncompressed bytes per chunk (HDF5 chunk size)
-  int threads = 0;                     // compression threads; 0: TBB's default (all cores)
+  int zstd_level = 1;                 // negative levels are zstd's fast modes
+  std::size_t chunk_bytes = 1 << 20;  // target uncompressed bytes per chunk (HDF5 chunk size)
+  int threads = 0;                    // compression threads; 0: TBB's default (all cores)
   // Scheduling niceness of the threads compressing and writing (0: unchanged). A capture running
   // beside training sets it, so that the training threads keep the cores and the writing fills
   // the gaps; the threads get their own niceness back when they leave the writer.
