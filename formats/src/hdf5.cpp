@@ -102,9 +102,7 @@ Handle attribute_handle(hid_t id, std::string_view what, std::string_view where)
   return Handle(check(id, what, where), H5Aclose);
 }
 
-namespace {
-// The variable-length UTF-8 string type, made once: attributes are read for every dataset a
-// comparison opens. Callers hold the HDF5 lock.
+// Made once: attributes are read for every dataset a comparison opens.
 hid_t string_type(std::string_view where) {
   static const Handle type = [&] {
     Handle made = type_handle(H5Tcopy(H5T_C_S1), "creating a string type", where);
@@ -114,7 +112,13 @@ hid_t string_type(std::string_view where) {
   }();
   return type.get();
 }
-}  // namespace
+
+std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
+                                            std::string_view where) {
+  Lock lock(hdf5_mutex());
+  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) return std::nullopt;
+  return group_handle(H5Gopen2(file, path.c_str(), H5P_DEFAULT), "opening " + path, where);
+}
 
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
                             std::string_view where) {

@@ -30,12 +30,6 @@ h5::Handle bool_type() {
   return type;
 }
 
-h5::Handle vlen_string() {
-  h5::Handle type = copy_type(H5T_C_S1);
-  h5::check(H5Tset_size(type.get(), H5T_VARIABLE), "defining a string", kWhere);
-  h5::check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "defining a string", kWhere);
-  return type;
-}
 }  // namespace
 
 h5::Handle stored_type(DType dtype) {
@@ -115,19 +109,19 @@ DType dtype_of_hdf5_type(hid_t type, std::string_view where) {
 h5::Handle index_row_type() {
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle row = h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(IndexRow)), "defining", kWhere);
-  h5::Handle text = vlen_string();
+  const hid_t text = h5::string_type(kWhere);
   h5::Handle shape = h5::type_handle(H5Tvlen_create(H5T_NATIVE_INT64), "defining", kWhere);
   auto field = [&](std::string_view name, std::size_t offset, hid_t type) {
     h5::check(H5Tinsert(row.get(), std::string(name).c_str(), offset, type), "defining /index",
               kWhere);
   };
-  field(schema::kIndexModule, offsetof(IndexRow, module), text.get());
+  field(schema::kIndexModule, offsetof(IndexRow, module), text);
   field(schema::kIndexCall, offsetof(IndexRow, call), H5T_NATIVE_UINT32);
-  field(schema::kIndexKind, offsetof(IndexRow, kind), text.get());
+  field(schema::kIndexKind, offsetof(IndexRow, kind), text);
   field(schema::kIndexTensorIndex, offsetof(IndexRow, tensor_index), H5T_NATIVE_UINT32);
-  field(schema::kIndexSide, offsetof(IndexRow, side), text.get());
-  field(schema::kIndexLabel, offsetof(IndexRow, label), text.get());
-  field(schema::kIndexDtype, offsetof(IndexRow, dtype), text.get());
+  field(schema::kIndexSide, offsetof(IndexRow, side), text);
+  field(schema::kIndexLabel, offsetof(IndexRow, label), text);
+  field(schema::kIndexDtype, offsetof(IndexRow, dtype), text);
   field(schema::kIndexShape, offsetof(IndexRow, shape), shape.get());
   field(schema::kIndexStoredBytes, offsetof(IndexRow, stored_bytes), H5T_NATIVE_UINT64);
   return row;

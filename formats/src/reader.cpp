@@ -510,22 +510,19 @@ std::vector<Graph> StepReader::graphs() const {
   const std::string where = impl_->path.string();
   h5::Lock lock(h5::hdf5_mutex());
   const hid_t file = impl_->file->get();
-  const std::string group_name = "/" + std::string(schema::kGraphsGroup);
   std::vector<Graph> graphs;
-  if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return graphs;
-  h5::Handle group =
-      h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT), "opening /graphs", where);
-  const auto names = h5::link_names(group.get(), false, where);
+  const auto group =
+      h5::open_group_if_present(file, "/" + std::string(schema::kGraphsGroup), where);
+  if (!group) return graphs;
+  const auto names = h5::link_names(group->get(), false, where);
   for (const std::string& name : names) {
     const std::string context = where + " /graphs/" + name;
-    h5::Handle dataset = h5::dataset_handle(H5Dopen2(group.get(), name.c_str(), H5P_DEFAULT),
+    h5::Handle dataset = h5::dataset_handle(H5Dopen2(group->get(), name.c_str(), H5P_DEFAULT),
                                             "opening graph", context);
-    h5::Handle type = h5::type_handle(H5Tcopy(H5T_C_S1), "string type", context);
-    H5Tset_size(type.get(), H5T_VARIABLE);
-    H5Tset_cset(type.get(), H5T_CSET_UTF8);
     char* text = nullptr;
-    h5::check<FormatError>(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
-                           "reading graph text", context);
+    h5::check<FormatError>(
+        H5Dread(dataset.get(), h5::string_type(context), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
+        "reading graph text", context);
     Graph graph{name, "", text ? text : "", {}};
     H5free_memory(text);
     for (const std::string& key : h5::attribute_names(dataset.get(), context)) {
@@ -545,15 +542,14 @@ std::vector<ModuleInfo> StepReader::modules() const {
   const std::string where = impl_->path.string();
   h5::Lock lock(h5::hdf5_mutex());
   const hid_t file = impl_->file->get();
-  const std::string group_name = "/" + std::string(schema::kModulesGroup);
   std::vector<ModuleInfo> modules;
-  if (H5Lexists(file, group_name.c_str(), H5P_DEFAULT) <= 0) return modules;
-  h5::Handle group =
-      h5::group_handle(H5Gopen2(file, group_name.c_str(), H5P_DEFAULT), "opening /modules", where);
-  const auto names = h5::link_names(group.get(), true, where);
+  const auto group =
+      h5::open_group_if_present(file, "/" + std::string(schema::kModulesGroup), where);
+  if (!group) return modules;
+  const auto names = h5::link_names(group->get(), true, where);
   for (const std::string& name : names) {
     const std::string context = where + " /modules/" + name;
-    h5::Handle module = h5::group_handle(H5Gopen2(group.get(), name.c_str(), H5P_DEFAULT),
+    h5::Handle module = h5::group_handle(H5Gopen2(group->get(), name.c_str(), H5P_DEFAULT),
                                          "opening module", context);
     ModuleInfo info{name, {}};
     for (const std::string& key : h5::attribute_names(module.get(), context)) {

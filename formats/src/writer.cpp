@@ -491,17 +491,15 @@ void StepWriter::write_graph(const Graph& graph) {
   const std::string where = impl.partial_path.string() + " /graphs/" + graph.name;
   h5::Lock lock(h5::hdf5_mutex());
   try {
-    h5::Handle type = h5::type_handle(H5Tcopy(H5T_C_S1), "creating string type", where);
-    h5::check(H5Tset_size(type.get(), H5T_VARIABLE), "creating string type", where);
-    h5::check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "creating string type", where);
+    const hid_t type = h5::string_type(where);
     h5::Handle space = h5::space_handle(H5Screate(H5S_SCALAR), "creating dataspace", where);
     h5::Handle dataset =
-        h5::dataset_handle(H5Dcreate2(impl.graphs.get(), graph.name.c_str(), type.get(),
-                                      space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+        h5::dataset_handle(H5Dcreate2(impl.graphs.get(), graph.name.c_str(), type, space.get(),
+                                      H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                            "creating graph dataset", where);
     const char* text = graph.text.c_str();
-    h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
-              "writing graph", where);
+    h5::check(H5Dwrite(dataset.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, &text), "writing graph",
+              where);
     h5::write_string_attribute(dataset.get(), schema::kGraphKindAttr, graph.kind, where);
     for (const auto& [key, value] : graph.attributes) {
       if (key == schema::kGraphKindAttr) {

@@ -23,7 +23,6 @@ def _find_cli():
     candidates = [
         os.path.join(os.path.dirname(sys.executable), "dynaprobe"),
         os.path.join(REPO, "build", "analyze", "dynaprobe"),
-        os.path.join(REPO, "build-lead", "analyze", "dynaprobe"),
     ]
     return next((path for path in candidates if os.path.isfile(path) and os.access(path, os.X_OK)), None)
 

@@ -300,7 +300,6 @@ def test_dropout_in_train_mode_sees_the_same_mask_on_both_sides():
     model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 8))
     checker = PrecisionChecker()
     checker.wrap_all_children(model, depth=0)
-    rng_before = torch.get_rng_state()
     result = checker.compare(lambda m: train_step(m, torch.randn(16, 8)), model)
     assert rows_of(result, "fwd_output", "1")[0].status == "PASS"
     assert result.all_pass

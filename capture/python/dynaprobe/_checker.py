@@ -280,7 +280,12 @@ class PrecisionChecker:
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
-        """Marks a module for compilation and comparison (the root model too)."""
+        """Marks a module for compilation and comparison (the root model too).
+
+        ``name`` is accepted for compatibility with the original tool and not used: reports name
+        modules by their path in the model given to install()/compare(), so that every process
+        and every dump agrees on them.
+        """
         if not any(m is module for m in self._wrapped):
             self._wrapped.append(module)
         return module

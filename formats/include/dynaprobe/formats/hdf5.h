@@ -6,6 +6,7 @@
 #include <hdf5.h>
 
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -75,6 +76,14 @@ Handle space_handle(hid_t id, std::string_view what, std::string_view where);
 Handle type_handle(hid_t id, std::string_view what, std::string_view where);
 Handle plist_handle(hid_t id, std::string_view what, std::string_view where);
 Handle attribute_handle(hid_t id, std::string_view what, std::string_view where);
+
+// The variable-length UTF-8 string type (attributes, graph text, /index fields), made once and
+// owned by formats; do not close it. Callers hold the HDF5 lock.
+hid_t string_type(std::string_view where);
+
+// The group at `path` if the file has one (older or other files may lack optional groups).
+std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
+                                            std::string_view where);
 
 // Scalar string attributes (variable-length UTF-8), the form h5py reads as str.
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
