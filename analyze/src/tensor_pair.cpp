@@ -237,9 +237,10 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
                          const std::function<void(std::size_t, const TensorMetrics&)>& done,
                          std::atomic<std::uint64_t>& progress_bytes) {
   if (count == 0) return;
-  // One pair, held whole: its streams (open datasets), every stored chunk of both tensors, and
-  // decoding buffers. Kept from pair to pair, so buffers are reused and the datasets of a pair
-  // are closed by the fetch stage (which holds the HDF5 lock) when the slot is taken again.
+  // One pair, held whole: its streams (open datasets, or single-chunk records read by their file
+  // offset), every stored chunk of both tensors, and decoding buffers. Kept from pair to pair, so
+  // buffers are reused and the datasets of a pair are closed by the fetch stage (which holds the
+  // HDF5 lock) when the slot is taken again.
   struct Slot {
     std::optional<TensorStream> eager, compiled;
     Tolerances tolerances;

@@ -230,4 +230,61 @@ void unshuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
   std::memcpy(dst + tail, src + tail, size - tail);
 }
 
+namespace {
+constexpr std::uint64_t kPrime1 = 0x9E3779B185EBCA87ULL;
+constexpr std::uint64_t kPrime2 = 0xC2B2AE3D27D4EB4FULL;
+constexpr std::uint64_t kPrime3 = 0x165667B19E3779F9ULL;
+constexpr std::uint64_t kPrime4 = 0x85EBCA77C2B2AE63ULL;
+constexpr std::uint64_t kPrime5 = 0x27D4EB2F165667C5ULL;
+
+std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+std::uint64_t load64(const std::byte* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);  // dumps are little-endian, like the hosts dynaprobe supports
+  return v;
+}
+std::uint32_t load32(const std::byte* p) {
+  std::uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+std::uint64_t xxh_round(std::uint64_t acc, std::uint64_t input) {
+  return rotl(acc + input * kPrime2, 31) * kPrime1;
+}
+std::uint64_t xxh_merge(std::uint64_t acc, std::uint64_t lane) {
+  return (acc ^ xxh_round(0, lane)) * kPrime1 + kPrime4;
+}
+}  // namespace
+
+std::uint64_t xxh64(const std::byte* data, std::size_t size) {
+  const std::byte* p = data;
+  const std::byte* const end = data + size;
+  std::uint64_t h;
+  if (size >= 32) {
+    std::uint64_t v1 = kPrime1 + kPrime2, v2 = kPrime2, v3 = 0, v4 = 0 - kPrime1;
+    for (; end - p >= 32; p += 32) {
+      v1 = xxh_round(v1, load64(p));
+      v2 = xxh_round(v2, load64(p + 8));
+      v3 = xxh_round(v3, load64(p + 16));
+      v4 = xxh_round(v4, load64(p + 24));
+    }
+    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+    for (const std::uint64_t lane : {v1, v2, v3, v4}) h = xxh_merge(h, lane);
+  } else {
+    h = kPrime5;
+  }
+  h += size;
+  for (; end - p >= 8; p += 8) h = rotl(h ^ xxh_round(0, load64(p)), 27) * kPrime1 + kPrime4;
+  if (end - p >= 4) {
+    h = rotl(h ^ (load32(p) * kPrime1), 23) * kPrime2 + kPrime3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl(h ^ (std::to_integer<std::uint64_t>(*p) * kPrime5), 11) * kPrime1;
+  h ^= h >> 33;
+  h *= kPrime2;
+  h ^= h >> 29;
+  h *= kPrime3;
+  return h ^ (h >> 32);
+}
+
 }  // namespace dynaprobe::formats

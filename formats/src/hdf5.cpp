@@ -195,4 +195,15 @@ std::vector<std::string> link_names(hid_t group, bool creation_order, std::strin
   return names;
 }
 
+int file_descriptor(hid_t file) {
+  Lock lock(hdf5_mutex());
+  const hid_t fapl = H5Fget_access_plist(file);
+  if (fapl < 0) return -1;
+  const bool sec2 = H5Pget_driver(fapl) == H5FD_SEC2;
+  H5Pclose(fapl);
+  void* handle = nullptr;
+  if (!sec2 || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
+  return *static_cast<int*>(handle);
+}
+
 }  // namespace dynaprobe::formats::h5

@@ -106,7 +106,7 @@ DType dtype_of_hdf5_type(hid_t type, std::string_view where) {
                     std::to_string(H5Tget_class(type)) + " and size " + std::to_string(size));
 }
 
-h5::Handle index_row_type() {
+h5::Handle index_row_type(bool with_chunk_location) {
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle row = h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(IndexRow)), "defining", kWhere);
   const hid_t text = h5::string_type(kWhere);
@@ -124,6 +124,11 @@ h5::Handle index_row_type() {
   field(schema::kIndexDtype, offsetof(IndexRow, dtype), text);
   field(schema::kIndexShape, offsetof(IndexRow, shape), shape.get());
   field(schema::kIndexStoredBytes, offsetof(IndexRow, stored_bytes), H5T_NATIVE_UINT64);
+  if (with_chunk_location) {
+    field(schema::kIndexChunkOffset, offsetof(IndexRow, chunk_offset), H5T_NATIVE_UINT64);
+    field(schema::kIndexChunkFilterMask, offsetof(IndexRow, chunk_filter_mask), H5T_NATIVE_UINT32);
+    field(schema::kIndexChunkHash, offsetof(IndexRow, chunk_hash), H5T_NATIVE_UINT64);
+  }
   return row;
 }
 

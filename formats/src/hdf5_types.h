@@ -26,7 +26,11 @@ struct IndexRow {
   const char* dtype;
   hvl_t shape;
   std::uint64_t stored_bytes;
+  std::uint64_t chunk_offset;  // since format 1.1
+  std::uint32_t chunk_filter_mask;
+  std::uint64_t chunk_hash;
 };
-h5::Handle index_row_type();
+// The /index row type; without the chunk location fields for files of format 1.0.
+h5::Handle index_row_type(bool with_chunk_location = true);
 
 }  // namespace dynaprobe::formats

@@ -50,18 +50,6 @@ ZSTD_CCtx* thread_compressor(int level) {
   return context.get();
 }
 
-// Step files are written through HDF5's default (sec2) driver; its file descriptor, or -1.
-int file_descriptor(hid_t file) {
-  h5::Lock lock(h5::hdf5_mutex());
-  const hid_t fapl = H5Fget_access_plist(file);
-  if (fapl < 0) return -1;
-  const bool sec2 = H5Pget_driver(fapl) == H5FD_SEC2;
-  H5Pclose(fapl);
-  void* handle = nullptr;
-  if (!sec2 || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
-  return *static_cast<int*>(handle);
-}
-
 // Starts writing the file's dirty pages to disk and returns without waiting for them. Errors
 // are ignored: commit()'s fsync reports them.
 void start_writeback(int fd) {
@@ -148,10 +136,11 @@ struct StepWriter::Impl {
   };
   // The dataset being written by the serial output stage.
   h5::Handle dataset;
-  std::uint64_t dataset_stored_bytes = 0;
+  RecordInfo dataset_info;  // stored_bytes and the chunk location so far
 
   hid_t module_group(const std::string& module);
   void create_dataset(const Plan& plan);
+  void locate_only_chunk(std::uint64_t hash);
   void finish_dataset(const Plan& plan);
   void write_all(const std::vector<Plan>& plans);
   void write_index();
@@ -210,20 +199,34 @@ void StepWriter::Impl::create_dataset(const Plan& plan) {
                                "creating dataset", where);
   h5::write_string_attribute(dataset.get(), schema::kDtypeAttr, dtype_name(record.tensor.dtype),
                              where);
-  dataset_stored_bytes = 0;
+  dataset_info = RecordInfo{record.key, record.label, record.tensor.dtype, record.tensor.shape};
   if (!plan.layout && record.tensor.numel() > 0) {  // a 0-d tensor: one small compact write
     h5::check(
         H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, record.tensor.data),
         "writing", where);
-    dataset_stored_bytes = record.tensor.nbytes();
+    dataset_info.stored_bytes = record.tensor.nbytes();
   }
+}
+
+// Notes in /index where the just-written only chunk of `dataset` lies, for readers to pread it.
+void StepWriter::Impl::locate_only_chunk(std::uint64_t hash) {
+  const std::vector<hsize_t> origin(dataset_info.shape.size(), 0);
+  unsigned filter_mask = 0;
+  haddr_t offset = HADDR_UNDEF;
+  hsize_t size = 0;
+  if (H5Dget_chunk_info_by_coord(dataset.get(), origin.data(), &filter_mask, &offset, &size) < 0 ||
+      offset == HADDR_UNDEF || size != dataset_info.stored_bytes) {
+    return;  // not located: readers open the dataset
+  }
+  dataset_info.chunk_offset = offset;
+  dataset_info.chunk_filter_mask = filter_mask;
+  dataset_info.chunk_hash = hash;
 }
 
 void StepWriter::Impl::finish_dataset(const Plan& plan) {
   const Record& record = *plan.record;
   dataset.close(partial_path.string() + " " + dataset_path(record.key));
-  index.push_back(RecordInfo{record.key, record.label, record.tensor.dtype, record.tensor.shape,
-                             dataset_stored_bytes});
+  index.push_back(std::move(dataset_info));
 }
 
 void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
@@ -238,6 +241,7 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
     const std::byte* payload = nullptr;
     std::size_t payload_size = 0;
     unsigned filter_mask = 0;
+    std::uint64_t payload_hash = 0;  // of a record's only chunk, for /index
   };
   std::size_t next_plan = 0;
   std::size_t next_chunk = 0;
@@ -293,9 +297,10 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
       item.payload = work.compressed.data();
       item.payload_size = size;
     }
+    if (layout.chunk_count() == 1) item.payload_hash = xxh64(item.payload, item.payload_size);
     return item;
   };
-  if (!fd) fd = file_descriptor(file.get());
+  if (!fd) fd = h5::file_descriptor(file.get());
   const auto store = [&](Item item) {
     struct ReturnBuffers {
       Impl& impl;
@@ -312,7 +317,8 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
                                item.payload_size, item.payload),
                 "writing chunk " + std::to_string(item.chunk),
                 partial_path.string() + " " + dataset_path(item.plan->record->key));
-      dataset_stored_bytes += item.payload_size;
+      dataset_info.stored_bytes += item.payload_size;
+      if (item.plan->layout->chunk_count() == 1) locate_only_chunk(item.payload_hash);
       unsynced_bytes += item.payload_size;
       if (unsynced_bytes >= kWritebackBytes) {
         start_writeback(*fd);
@@ -338,7 +344,8 @@ void StepWriter::Impl::write_index() {
                             info.key.tensor_index, side_name(info.key.side).data(),
                             info.label.c_str(), dtype_name(info.dtype).data(),
                             hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())},
-                            info.stored_bytes});
+                            info.stored_bytes, info.chunk_offset, info.chunk_filter_mask,
+                            info.chunk_hash});
   }
   const std::string where = partial_path.string() + " /" + std::string(schema::kIndexDataset);
   h5::Lock lock(h5::hdf5_mutex());

@@ -30,6 +30,11 @@ fs::path write_step(const fs::path& dir, const testing::FixtureStep& content,
   return writer.commit();
 }
 
+// 4 KiB chunks: the fixture's 16 KiB records span four, so they are read through their datasets.
+// (A single-chunk record is read at the file offset /index gives, verified by its hash: see
+// LocatedChunk* below; its dataset's attributes are not consulted.)
+constexpr WriterOptions kSeveralChunks{.chunk_bytes = 4096};
+
 // Raw HDF5 access for damaging files, outside dynaprobe's writer.
 h5::Handle open_for_tampering(const fs::path& file) {
   h5::init();  // silences HDF5's own error printing
@@ -111,7 +116,7 @@ TEST(BadInput, GarbageAfterTheHdf5SignatureIsFormatError) {
 TEST(BadInput, WrongDtypeAttributeIsFormatErrorNamingTheDataset) {
   const testing::TempDir tmp;
   const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
-  const fs::path file = write_step(tmp.path(), content);
+  const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
   const RecordKey& key = content.records[1].key;
   const std::string dataset = dataset_path(key);
   struct Case {
@@ -139,7 +144,7 @@ TEST(BadInput, WrongDtypeAttributeIsFormatErrorNamingTheDataset) {
 TEST(BadInput, NonStringDtypeAttributeIsFormatError) {
   const testing::TempDir tmp;
   const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
-  const fs::path file = write_step(tmp.path(), content);
+  const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
   const std::string dataset = dataset_path(content.records[0].key);
   {
     h5::Handle handle = open_for_tampering(file);
@@ -184,7 +189,7 @@ TEST(BadInput, MalformedFormatVersionIsFormatError) {
 TEST(BadInput, MissingRecordIsFormatErrorNamingTheRecord) {
   const testing::TempDir tmp;
   const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
-  const fs::path file = write_step(tmp.path(), content);
+  const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
   const RecordKey& deleted = content.records[2].key;
   {
     h5::Handle handle = open_for_tampering(file);
@@ -262,6 +267,45 @@ TEST(BadInput, CorruptCompressedChunkIsFormatErrorNotGarbage) {
   EXPECT_CONTAINS(message, dataset_path(key));
   EXPECT_CONTAINS(message, "chunk " + std::to_string(chunk) + " is corrupt");
   EXPECT_EQ(reader.read(*reader.find(content.records[0].key)), content.data[0]);
+}
+
+// A record stored as one chunk is read at the offset /index gives. Damaged bytes there are an
+// error, whether zstd compressed them or they were stored as they are (no zstd checksum then).
+TEST(BadInput, CorruptSingleChunkRecordIsFormatErrorNotGarbage) {
+  for (const bool compressible : {true, false}) {
+    SCOPED_TRACE(compressible ? "compressed chunk" : "chunk stored as it is");
+    const testing::TempDir tmp;
+    const auto data = testing::random_bytes(16 << 10, 5, compressible);
+    const std::vector<Record> records{
+        testing::make_record(0, "layers.0", Kind::kFwdOutput, 0, Side::kEager, DType::kFloat32,
+                             {64, 64}, data),
+        testing::make_record(0, "layers.1", Kind::kFwdOutput, 0, Side::kEager, DType::kFloat32,
+                             {64, 64}, data)};
+    StepWriter writer(tmp.path(), 0, {});
+    writer.write(records);
+    const fs::path file = writer.commit();
+    RecordInfo info = *StepReader(file).find(records[0].key);
+    ASSERT_NE(info.chunk_offset, 0u);
+    ASSERT_EQ(info.chunk_filter_mask, compressible ? 0u : 0b11u);
+    {
+      std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+      const auto middle = static_cast<std::streamoff>(info.chunk_offset + info.stored_bytes / 2);
+      char byte = 0;
+      stream.seekg(middle);
+      stream.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x10);  // one bit, as a bad sector or a bit flip would
+      stream.seekp(middle);
+      stream.write(&byte, 1);
+      ASSERT_TRUE(stream.good());
+    }
+    const StepReader reader(file);
+    const std::string message =
+        error_of<FormatError>([&] { reader.read(*reader.find(records[0].key)); });
+    EXPECT_CONTAINS(message, file.string());
+    EXPECT_CONTAINS(message, dataset_path(records[0].key));
+    EXPECT_CONTAINS(message, "chunk 0 is corrupt");
+    EXPECT_EQ(reader.read(*reader.find(records[1].key)), data);
+  }
 }
 
 TEST(BadInput, MissingFileIsIoError) {

@@ -1,10 +1,13 @@
 // Every dtype and shape case written by StepWriter reads back bit for bit through StepReader.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <zstd.h>
 
 #include <cstring>
+#include <fstream>
 
 #include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/writer.h"
 #include "test_util.h"
@@ -106,6 +109,71 @@ TEST(RoundTrip, IncompressibleChunksAreStoredAsTheyAre) {
   expect_round_trip(tensors);
 }
 
+// The contract readers in other languages may rely on: /index locates every record stored as one
+// chunk (compressed or not), and the XXH64 it gives is that of the bytes at that offset.
+TEST(RoundTrip, SingleChunkRecordsAreLocatedInTheIndex) {
+  std::vector<Written> tensors;
+  tensors.push_back(make("small", DType::kFloat32, {8, 128}, 21));
+  tensors.push_back(make("noise", DType::kBFloat16, {3, 70}, 22, /*compressible=*/false));
+  tensors.push_back(make("large", DType::kFloat32, {4, 300000}, 23));
+  tensors.push_back(make("scalar", DType::kFloat32, {}, 24));
+  tensors.push_back(make("empty", DType::kFloat32, {4, 0}, 25));
+  expect_round_trip(tensors);  // reads every record back, located or not
+
+  TempDir dir;
+  std::vector<Record> records;
+  for (auto& t : tensors) {
+    t.record.tensor.data = t.data.empty() ? nullptr : t.data.data();
+    records.push_back(t.record);
+  }
+  StepWriter writer(dir.path(), 0, {});
+  writer.write(records);
+  const auto path = writer.commit();
+  const StepReader reader(path);
+  std::ifstream file(path, std::ios::binary);
+  for (const auto& t : tensors) {
+    SCOPED_TRACE(t.record.key.module);
+    const RecordInfo& info = *reader.find(t.record.key);
+    const bool one_chunk = t.record.key.module == "small" || t.record.key.module == "noise";
+    if (!one_chunk) {
+      EXPECT_EQ(info.chunk_offset, 0u);
+      continue;
+    }
+    ASSERT_NE(info.chunk_offset, 0u);
+    std::vector<std::byte> stored(info.stored_bytes);
+    file.seekg(static_cast<std::streamoff>(info.chunk_offset));
+    file.read(reinterpret_cast<char*>(stored.data()), static_cast<std::streamsize>(stored.size()));
+    ASSERT_TRUE(file.good());
+    EXPECT_EQ(xxh64(stored.data(), stored.size()), info.chunk_hash);
+    // Incompressible bytes are stored as they are: both filters skipped.
+    if (t.record.key.module == "noise") {
+      EXPECT_EQ(info.chunk_filter_mask, 0b11u);
+      EXPECT_EQ(stored, t.data);
+    } else {
+      EXPECT_EQ(info.chunk_filter_mask, 0u);
+      EXPECT_LT(stored.size(), t.data.size());
+    }
+  }
+}
+
+// xxh64() is XXH64: zstd stores the low 32 bits of the XXH64 of a frame's content as its content
+// checksum, an independent implementation to check ours against, at every tail length.
+TEST(RoundTrip, Xxh64AgreesWithZstdContentChecksums) {
+  const auto data = random_bytes(4096 + 64, 31, /*compressible=*/false);
+  ZSTD_CCtx* context = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(context, ZSTD_c_checksumFlag, 1);
+  std::vector<std::byte> frame(ZSTD_compressBound(data.size()));
+  for (std::size_t size : {0, 1, 3, 4, 7, 8, 31, 32, 33, 63, 100, 4096, 4096 + 61}) {
+    const std::size_t framed =
+        ZSTD_compress2(context, frame.data(), frame.size(), data.data(), size);
+    ASSERT_FALSE(ZSTD_isError(framed));
+    std::uint32_t checksum = 0;
+    std::memcpy(&checksum, frame.data() + framed - 4, 4);
+    EXPECT_EQ(static_cast<std::uint32_t>(xxh64(data.data(), size)), checksum) << size << " bytes";
+  }
+  ZSTD_freeCCtx(context);
+}
+
 TEST(RoundTrip, NegativeAndHighZstdLevels) {
   for (int level : {-5, 1, 19}) {
     WriterOptions options;
@@ -145,7 +213,7 @@ TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
 
   StepReader reader(path);
   EXPECT_EQ(reader.step(), 4);
-  EXPECT_EQ(reader.format_version(), "1.0");
+  EXPECT_EQ(reader.format_version(), "1.1");
   EXPECT_EQ(reader.provenance(), (Provenance{{"backend", "aot_eager"}, {"rank", "1"}}));
   EXPECT_EQ(reader.records().size(), 5u);
   for (const Record& r : records) {

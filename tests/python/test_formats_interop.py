@@ -85,7 +85,7 @@ def assert_same_values(got, want, what):
 def test_h5py_reads_every_value_bit_for_bit(written):
     path, tensors = written
     with h5py.File(path, "r") as f:
-        assert f.attrs["dynaprobe_format_version"] == "1.0"
+        assert f.attrs["dynaprobe_format_version"] == "1.1"
         assert f.attrs["backend"] == "aot_eager"
         for module, dtype, array in tensors:
             dataset = f[dataset_name(module)]
@@ -125,12 +125,67 @@ def test_h5py_reads_the_index_and_graphs(written):
 def test_dynaprobe_reads_back_what_it_wrote(written):
     path, tensors = written
     info = _C.read_step(path)
-    assert info["step"] == 0 and info["format_version"] == "1.0"
+    assert info["step"] == 0 and info["format_version"] == "1.1"
     assert info["provenance"]["torch_version"] == "2.13.0"
+    assert_every_record_reads_back(path, tensors)
+
+
+def assert_every_record_reads_back(path, tensors):
     for module, dtype, array in tensors:
         got_dtype, shape, data = _C.read_record(path, module, 0, "fwd_output", 0, "eager")
         assert got_dtype == dtype and shape == array.shape
-        assert data == np.ascontiguousarray(array).tobytes()
+        assert data == np.ascontiguousarray(array).tobytes(), module
+
+
+def located_records(path):
+    """{module: (chunk_offset, stored_bytes, chunk_filter_mask)} of the index rows that locate
+    their only chunk."""
+    with h5py.File(path, "r") as f:
+        return {row["module"].decode(): (int(row["chunk_offset"]), int(row["stored_bytes"]), int(row["chunk_filter_mask"]))
+                for row in f["index"][()] if row["chunk_offset"]}
+
+
+def test_index_locates_single_chunk_records_where_hdf5_has_them(written):
+    """The dump contract readers rely on to skip opening datasets: /index gives the file offset,
+    size and filter mask of every record stored as one chunk, as HDF5 itself reports them."""
+    path, tensors = written
+    located = located_records(path)
+    with h5py.File(path, "r") as f:
+        for module, _, array in tensors:
+            dataset = f[dataset_name(module)]
+            one_chunk = dataset.chunks is not None and array.size > 0 and dataset.id.get_num_chunks() == 1
+            assert (module in located) == one_chunk, module
+            if one_chunk:
+                info = dataset.id.get_chunk_info(0)
+                assert located[module] == (info.byte_offset, info.size, info.filter_mask), module
+    assert {"i8", "u64", "flags"} <= located.keys() and "odd" not in located
+
+
+def test_files_rewritten_by_h5repack_read_through_their_datasets(written, tmp_path):
+    """h5repack moves every chunk and copies /index as it is: the offsets it keeps are stale, and
+    dynaprobe must notice (the bytes there no longer match their hash) and read the datasets."""
+    path, tensors = written
+    repacked = str(tmp_path / "step_00000000.h5")
+    env = dict(os.environ, HDF5_PLUGIN_PATH=dynaprobe.hdf5_plugin_dir())
+    subprocess.run([shutil.which("h5repack"), path, repacked], env=env, check=True)
+    assert located_records(repacked) == located_records(path)  # the index came along unchanged
+    with h5py.File(repacked, "r") as f:
+        assert f[dataset_name("i8")].id.get_chunk_info(0).byte_offset != located_records(path)["i8"][0]
+    assert_every_record_reads_back(repacked, tensors)
+
+
+def test_format_1_0_files_without_chunk_locations_still_read(written, tmp_path):
+    path, tensors = written
+    old = str(tmp_path / "step_00000000.h5")
+    shutil.copy(path, old)
+    with h5py.File(old, "r+") as f:
+        index = f["index"][()]
+        fields = [name for name in index.dtype.names if not name.startswith("chunk_")]
+        del f["index"]
+        f.create_dataset("index", data=np.array(index[fields].tolist(), dtype=[(n, index.dtype[n]) for n in fields]))
+        f.attrs["dynaprobe_format_version"] = "1.0"
+    assert _C.read_step(old)["format_version"] == "1.0"
+    assert_every_record_reads_back(old, tensors)
 
 
 @pytest.mark.parametrize("plugin_dir", ["dynaprobe", "hdf5plugin"])

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace dynaprobe::formats {
 
@@ -18,5 +19,10 @@ void shuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
                    std::size_t element_size);
 void unshuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
                      std::size_t element_size);
+
+// XXH64 with seed 0 (the hash of xxHash, whose low 32 bits zstd stores as a frame's content
+// checksum): /index keeps it for the stored bytes of each single-chunk record, so a reader that
+// fetches such a chunk by its file offset can tell the right bytes from stale ones.
+std::uint64_t xxh64(const std::byte* data, std::size_t size);
 
 }  // namespace dynaprobe::formats

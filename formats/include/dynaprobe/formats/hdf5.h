@@ -85,6 +85,10 @@ hid_t string_type(std::string_view where);
 std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
                                             std::string_view where);
 
+// The POSIX file descriptor of a file opened through HDF5's default (sec2) driver, or -1. It lives
+// as long as the file is open; pread/pwrite on it need no HDF5 lock.
+int file_descriptor(hid_t file);
+
 // Scalar string attributes (variable-length UTF-8), the form h5py reads as str.
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
                             std::string_view where);

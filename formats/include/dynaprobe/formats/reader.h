@@ -20,6 +20,13 @@ struct RecordInfo {
   DType dtype = DType::kFloat32;
   std::vector<std::int64_t> shape;
   std::uint64_t stored_bytes = 0;  // bytes on disk after compression
+  // A tensor stored as one chunk: where that chunk lies in the step file, its HDF5 filter mask
+  // and the XXH64 of its stored bytes, so that reading it takes one pread instead of opening its
+  // dataset (the cost that dominates small records). chunk_offset 0: not known (several chunks,
+  // 0-d or empty tensors, files of format 1.0); the dataset is read through HDF5.
+  std::uint64_t chunk_offset = 0;
+  std::uint32_t chunk_filter_mask = 0;
+  std::uint64_t chunk_hash = 0;
 
   std::uint64_t numel() const;
   std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }

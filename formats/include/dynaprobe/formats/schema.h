@@ -17,7 +17,7 @@ namespace dynaprobe::formats::schema {
 
 // A reader refuses files whose major version is newer than kFormatMajor.
 inline constexpr int kFormatMajor = 1;
-inline constexpr int kFormatMinor = 0;
+inline constexpr int kFormatMinor = 1;  // 1.1: /index locates single-chunk records
 
 inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
 inline constexpr std::string_view kStepAttr = "step";
@@ -38,6 +38,9 @@ inline constexpr std::string_view kIndexLabel = "label";
 inline constexpr std::string_view kIndexDtype = "dtype";
 inline constexpr std::string_view kIndexShape = "shape";
 inline constexpr std::string_view kIndexStoredBytes = "stored_bytes";
+inline constexpr std::string_view kIndexChunkOffset = "chunk_offset";  // since 1.1
+inline constexpr std::string_view kIndexChunkFilterMask = "chunk_filter_mask";
+inline constexpr std::string_view kIndexChunkHash = "chunk_hash";
 
 inline constexpr std::string_view kRankDirPrefix = "rank";
 inline constexpr std::string_view kStepFilePrefix = "step_";
