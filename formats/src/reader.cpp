@@ -114,8 +114,87 @@ struct TensorStream::State {
   std::optional<ChunkLayout> layout;
   int shuffle_bit = -1;  // position of each filter in the pipeline (its filter-mask bit)
   int zstd_bit = -1;
-  std::optional<RawChunk> only_chunk;  // already read (by its file offset): fetch() copies it
+  // A record whose only chunk /index locates: fetch() preads it, no HDF5 call, no lock.
+  struct Located {
+    int fd = -1;
+    std::string file_name, dataset;
+    std::uint64_t offset = 0, size = 0, hash = 0;
+    std::uint32_t filter_mask = 0;
+  };
+  std::optional<Located> located;
 };
+
+namespace {
+
+std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file,
+                                                const std::string& dataset_name,
+                                                const std::string& file_name,
+                                                std::optional<DType> expected_dtype);
+
+constexpr std::uint32_t kAllFiltersSkipped = 0b11;  // shuffle (bit 0) and zstd (bit 1)
+
+// Reads the dataset whole through HDF5's own filter pipeline.
+void read_whole(const TensorStream::State& s, RawChunk& raw) {
+  h5::Lock lock(h5::hdf5_mutex());
+  h5::Handle type = stored_type(s.dtype);
+  raw.bytes.resize(s.numel * dtype_size(s.dtype));
+  raw.filter_mask = kAllFiltersSkipped;
+  h5::check<FormatError>(
+      H5Dread(s.dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.bytes.data()),
+      "reading dataset", s.where);
+}
+
+bool pread_all(int fd, std::byte* data, std::size_t size, std::uint64_t offset) {
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd, data + done, size - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    done += static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+// Whether the dataset's only chunk lies at `offset` with `size` bytes.
+bool only_chunk_lies_at(const TensorStream::State& state, std::uint64_t offset,
+                        std::uint64_t size) {
+  if (!state.layout || state.layout->chunk_count() != 1) return false;
+  h5::Lock lock(h5::hdf5_mutex());
+  const std::vector<hsize_t> origin(state.shape.size(), 0);
+  unsigned filter_mask = 0;
+  haddr_t address = HADDR_UNDEF;
+  hsize_t stored = 0;
+  return H5Dget_chunk_info_by_coord(state.dataset.get(), origin.data(), &filter_mask, &address,
+                                    &stored) >= 0 &&
+         address == offset && stored == size;
+}
+
+// Fetches a located record: one pread, checked by its hash. Bytes that do not match are either
+// damaged (HDF5 still places the chunk there: an error, even for chunks stored uncompressed,
+// which carry no zstd checksum) or stale (a tool rewrote the file, e.g. h5repack, which copies
+// /index as it is): then the dataset is read through HDF5.
+void fetch_located(const TensorStream::State& s, RawChunk& raw) {
+  const auto& at = *s.located;
+  raw.bytes.resize(at.size);
+  raw.filter_mask = at.filter_mask;
+  if (pread_all(at.fd, raw.bytes.data(), at.size, at.offset) &&
+      xxh64(raw.bytes.data(), raw.bytes.size()) == at.hash) {
+    return;
+  }
+  const auto dataset = open_state(s.file, at.dataset, at.file_name, s.dtype);
+  if (dataset->shape != s.shape) {
+    throw FormatError(s.where + ": the index says shape " + shape_string(s.shape) +
+                      ", but the dataset has shape " + shape_string(dataset->shape));
+  }
+  if (only_chunk_lies_at(*dataset, at.offset, at.size)) {
+    throw FormatError(s.where +
+                      ": chunk 0 is corrupt: its stored bytes do not match their XXH64 in "
+                      "/index (a damaged disk, or the file was edited in place)");
+  }
+  read_whole(*dataset, raw);
+}
+
+}  // namespace
 
 DType TensorStream::dtype() const { return state_->dtype; }
 const std::vector<std::int64_t>& TensorStream::shape() const { return state_->shape; }
@@ -132,21 +211,9 @@ ChunkExtent TensorStream::extent(std::size_t chunk) const {
 
 void TensorStream::fetch(std::size_t chunk, RawChunk& raw) const {
   const State& s = *state_;
-  if (s.only_chunk) {
-    raw.bytes.assign(s.only_chunk->bytes.begin(), s.only_chunk->bytes.end());
-    raw.filter_mask = s.only_chunk->filter_mask;
-    return;
-  }
+  if (s.located) return fetch_located(s, raw);
+  if (!s.layout) return read_whole(s, raw);
   h5::Lock lock(h5::hdf5_mutex());
-  if (!s.layout) {  // read whole through HDF5's own filter pipeline
-    h5::Handle type = stored_type(s.dtype);
-    raw.bytes.resize(s.numel * dtype_size(s.dtype));
-    raw.filter_mask = 0;
-    h5::check<FormatError>(
-        H5Dread(s.dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.bytes.data()),
-        "reading dataset", s.where);
-    return;
-  }
   const auto offset = s.layout->offset(chunk);
   hsize_t size = 0;
   if (H5Dget_chunk_storage_size(s.dataset.get(), offset.data(), &size) < 0 || size == 0) {
@@ -391,32 +458,19 @@ std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file
   return state;
 }
 
-// The stored bytes of a record whose only chunk /index locates, read with one pread: no HDF5
-// call, no lock. Nothing when the record is not located or the read fails.
-std::optional<RawChunk> read_located_chunk(int fd, const RecordInfo& record) {
-  if (fd < 0 || record.chunk_offset == 0 || record.stored_bytes == 0 ||
-      record.stored_bytes > record.nbytes() || record.shape.empty()) {
-    return std::nullopt;
-  }
-  RawChunk raw;
-  raw.bytes.resize(record.stored_bytes);
-  raw.filter_mask = record.chunk_filter_mask;
-  std::size_t done = 0;
-  while (done < raw.bytes.size()) {
-    const ssize_t got = ::pread(fd, raw.bytes.data() + done, raw.bytes.size() - done,
-                                static_cast<off_t>(record.chunk_offset + done));
-    if (got <= 0) {
-      if (got < 0 && errno == EINTR) continue;
-      return std::nullopt;
-    }
-    done += static_cast<std::size_t>(got);
-  }
-  return raw;
-}
-
-TensorStream located_stream(RawChunk raw, const RecordInfo& record, const std::string& file_name) {
+// A stream over a record whose only chunk /index locates; nothing is read until fetch().
+TensorStream located_stream(std::shared_ptr<h5::Handle> file, int fd, const RecordInfo& record,
+                            const std::string& file_name) {
   auto state = std::make_shared<TensorStream::State>();
-  state->where = file_name + " " + dataset_path(record.key);
+  state->file = std::move(file);
+  state->located = TensorStream::State::Located{fd,
+                                                file_name,
+                                                dataset_path(record.key),
+                                                record.chunk_offset,
+                                                record.stored_bytes,
+                                                record.chunk_hash,
+                                                record.chunk_filter_mask};
+  state->where = file_name + " " + state->located->dataset;
   state->dtype = record.dtype;
   state->shape = record.shape;
   state->numel = record.numel();
@@ -424,23 +478,12 @@ TensorStream located_stream(RawChunk raw, const RecordInfo& record, const std::s
       record.shape, std::vector<hsize_t>(record.shape.begin(), record.shape.end()));
   state->shuffle_bit = 0;  // the filter pipeline of dynaprobe's writer: shuffle, then zstd
   state->zstd_bit = 1;
-  state->only_chunk = std::move(raw);
   return TensorStream(std::move(state));
 }
 
-// Whether the dataset's only chunk still lies where /index says. If so, bytes there that do not
-// match the index's hash are damaged; if not, a tool rewrote the file (h5repack copies /index
-// as it is) and the dataset is the truth.
-bool chunk_lies_where_indexed(const TensorStream::State& state, const RecordInfo& record) {
-  if (!state.layout || state.layout->chunk_count() != 1) return false;
-  h5::Lock lock(h5::hdf5_mutex());
-  const std::vector<hsize_t> origin(record.shape.size(), 0);
-  unsigned filter_mask = 0;
-  haddr_t offset = HADDR_UNDEF;
-  hsize_t size = 0;
-  return H5Dget_chunk_info_by_coord(state.dataset.get(), origin.data(), &filter_mask, &offset,
-                                    &size) >= 0 &&
-         offset == record.chunk_offset && size == record.stored_bytes;
+bool is_located(int fd, const RecordInfo& record) {
+  return fd >= 0 && record.chunk_offset != 0 && record.stored_bytes != 0 &&
+         record.stored_bytes <= record.nbytes() && !record.shape.empty();
 }
 
 }  // namespace
@@ -633,9 +676,8 @@ std::vector<ModuleInfo> StepReader::modules() const {
 TensorStream StepReader::open(const RecordInfo& record) const {
   // Most records of a step are small, and opening a dataset costs more than reading and checking
   // its bytes: a single-chunk record is read at the offset /index gives, checked by its hash.
-  std::optional<RawChunk> located = read_located_chunk(impl_->fd, record);
-  if (located && xxh64(located->bytes.data(), located->bytes.size()) == record.chunk_hash) {
-    return located_stream(std::move(*located), record, impl_->path.string());
+  if (is_located(impl_->fd, record)) {
+    return located_stream(impl_->file, impl_->fd, record, impl_->path.string());
   }
   const std::string name = dataset_path(record.key);
   const auto state = [&] {
@@ -649,11 +691,6 @@ TensorStream StepReader::open(const RecordInfo& record) const {
     throw FormatError(impl_->path.string() + " " + name + ": the index says shape " +
                       shape_string(record.shape) + ", but the dataset has shape " +
                       shape_string(state->shape));
-  }
-  if (located && chunk_lies_where_indexed(*state, record)) {
-    throw FormatError(state->where +
-                      ": chunk 0 is corrupt: its stored bytes do not match their XXH64 in "
-                      "/index (a damaged disk, or the file was edited in place)");
   }
   return TensorStream(state);
 }
