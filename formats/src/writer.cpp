@@ -15,6 +15,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <unordered_map>
 
 #include "chunk_layout.h"
 #include "dynaprobe/formats/filters.h"
@@ -75,6 +76,40 @@ bool shrinks_enough(ZSTD_CCtx* compressor, const std::byte* raw, std::size_t siz
                                                 work.size() - sample_bytes, sample, sample_bytes);
   return !ZSTD_isError(compressed) &&
          static_cast<double>(compressed) * min_ratio <= static_cast<double>(sample_bytes);
+}
+
+// A cheap fingerprint of a tensor's bytes for finding repeats: its first, middle and last 64
+// bytes. Equal fingerprints are then compared byte for byte.
+std::uint64_t fingerprint(const TensorView& tensor) {
+  const auto* data = static_cast<const std::byte*>(tensor.data);
+  const std::size_t size = tensor.nbytes(), window = std::min<std::size_t>(size, 64);
+  std::uint64_t h = xxh64(data, window);
+  h = h * 31 + xxh64(data + (size - window) / 2, window);
+  return h * 31 + xxh64(data + size - window, window);
+}
+
+// For each record, the position of the first record of `records` with the same dtype, shape and
+// bytes (its own position if none before it has them).
+std::vector<std::size_t> first_with_same_bytes(std::span<const Record> records) {
+  std::vector<std::size_t> first(records.size());
+  std::unordered_multimap<std::uint64_t, std::size_t> seen;
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    first[i] = i;
+    const TensorView& tensor = records[i].tensor;
+    if (tensor.shape.empty() || tensor.numel() == 0) continue;  // compact or empty: no data
+    const std::uint64_t key = fingerprint(tensor);
+    const auto [begin, end] = seen.equal_range(key);
+    for (auto it = begin; it != end; ++it) {
+      const TensorView& other = records[it->second].tensor;
+      if (other.dtype == tensor.dtype && other.shape == tensor.shape &&
+          std::memcmp(other.data, tensor.data, tensor.nbytes()) == 0) {
+        first[i] = it->second;
+        break;
+      }
+    }
+    if (first[i] == i) seen.emplace(key, i);
+  }
+  return first;
 }
 
 // Starts writing the file's dirty pages to disk and returns without waiting for them. Errors
@@ -168,6 +203,13 @@ struct StepWriter::Impl {
   hid_t module_group(const std::string& module);
   void create_dataset(const Plan& plan);
   void locate_only_chunk(std::uint64_t hash);
+  // Stores `record` as a hard link to the dataset `stored` describes; returns its index row.
+  RecordInfo link(const Record& record, RecordInfo stored);
+  // Records of earlier batches stored as they are in one chunk, by fingerprint: index positions.
+  std::unordered_multimap<std::uint64_t, std::size_t> stored_as_is;
+  std::vector<std::byte> read_back;
+  std::optional<std::size_t> find_stored_copy(const TensorView& tensor);
+  void remember_stored(const TensorView& tensor, std::size_t index_position);
   void finish_dataset(const Plan& plan);
   void write_all(const std::vector<Plan>& plans);
   void write_index();
@@ -233,6 +275,45 @@ void StepWriter::Impl::create_dataset(const Plan& plan) {
         "writing", where);
     dataset_info.stored_bytes = record.tensor.nbytes();
   }
+}
+
+// The index position of a record written by an earlier write() with the same dtype, shape and
+// bytes, stored as they are in one chunk: its bytes are read back from the file and compared.
+std::optional<std::size_t> StepWriter::Impl::find_stored_copy(const TensorView& tensor) {
+  if (tensor.shape.empty() || tensor.numel() == 0 || stored_as_is.empty()) return std::nullopt;
+  const auto [begin, end] = stored_as_is.equal_range(fingerprint(tensor));
+  for (auto it = begin; it != end; ++it) {
+    const RecordInfo& info = index[it->second];
+    if (info.dtype != tensor.dtype || info.shape != tensor.shape || !fd || *fd < 0) continue;
+    read_back.resize(info.stored_bytes);
+    if (::pread(*fd, read_back.data(), read_back.size(), static_cast<off_t>(info.chunk_offset)) ==
+            static_cast<ssize_t>(read_back.size()) &&
+        std::memcmp(read_back.data(), tensor.data, read_back.size()) == 0) {
+      return it->second;
+    }
+  }
+  return std::nullopt;
+}
+
+void StepWriter::Impl::remember_stored(const TensorView& tensor, std::size_t index_position) {
+  const RecordInfo& info = index[index_position];
+  if (info.chunk_offset != 0 && info.chunk_filter_mask == kSkipAllFilters &&
+      info.stored_bytes == tensor.nbytes()) {
+    stored_as_is.emplace(fingerprint(tensor), index_position);
+  }
+}
+
+RecordInfo StepWriter::Impl::link(const Record& record, RecordInfo stored) {
+  const std::string path = dataset_path(record.key);
+  const std::string target = dataset_path(stored.key);
+  h5::Lock lock(h5::hdf5_mutex());
+  module_group(record.key.module);
+  h5::check(H5Lcreate_hard(file.get(), target.c_str(), file.get(), path.c_str(), H5P_DEFAULT,
+                           H5P_DEFAULT),
+            "linking to " + target, partial_path.string() + " " + path);
+  stored.key = record.key;
+  stored.label = record.label;
+  return stored;
 }
 
 // Notes in /index where the just-written only chunk of `dataset` lies, for readers to pread it.
@@ -504,15 +585,49 @@ void StepWriter::write(std::span<const Record> records) {
     if (record.tensor.numel() > 0 && record.tensor.data == nullptr) {
       throw UsageError("record " + to_string(key) + " has elements but no data pointer");
     }
+  }
+  // A record whose bytes repeat an earlier one's (eager and compiled agreeing bit for bit, a
+  // block's output that is the next block's input) is stored once: its dataset is a hard link to
+  // the first one's, its index row repeats that one's location. Repeats within the batch are
+  // compared in memory; repeats of records of earlier batches, read back from the file, when
+  // those were stored as they are in one chunk (most float32 data: see min_compression_ratio).
+  const std::vector<std::size_t> first = first_with_same_bytes(records);
+  std::vector<std::optional<std::size_t>> stored(records.size());  // index row with the bytes
+  std::vector<std::size_t> plan_of(records.size());
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    if (first[i] != i) continue;
+    stored[i] = impl.find_stored_copy(records[i].tensor);
+    if (stored[i]) continue;
+    const Record& record = records[i];
     Impl::Plan plan{&record, std::nullopt};
-    if (!shape.empty() && record.tensor.numel() > 0) {
-      plan.layout =
-          ChunkLayout::plan(shape, dtype_size(record.tensor.dtype), impl.options.chunk_bytes);
+    if (!record.tensor.shape.empty() && record.tensor.numel() > 0) {
+      plan.layout = ChunkLayout::plan(record.tensor.shape, dtype_size(record.tensor.dtype),
+                                      impl.options.chunk_bytes);
     }
+    plan_of[i] = plans.size();
     plans.push_back(std::move(plan));
   }
   try {
-    impl.write_all(plans);
+    const std::size_t written_before = impl.index.size();
+    impl.write_all(plans);  // appends the index rows of `plans`, in plan order
+    // The batch's index rows in record order, the links' rows repeating their dataset's.
+    std::vector<RecordInfo> rows(records.size());
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      const std::size_t source = first[i];
+      if (source == i && !stored[i]) {
+        rows[i] = std::move(impl.index[written_before + plan_of[i]]);
+        continue;
+      }
+      // A repeat of an earlier record of the batch, or (itself first) of an earlier batch's.
+      const RecordInfo& target = source < i ? rows[source] : impl.index[*stored[i]];
+      rows[i] = impl.link(records[i], target);
+    }
+    impl.index.resize(written_before);
+    for (std::size_t i = 0; i < records.size(); ++i) {
+      impl.index.push_back(std::move(rows[i]));
+      if (first[i] == i && !stored[i])
+        impl.remember_stored(records[i].tensor, impl.index.size() - 1);
+    }
   } catch (...) {
     impl.broken = true;
     throw;

@@ -8,6 +8,7 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/writer.h"
 #include "test_util.h"
@@ -154,6 +155,86 @@ TEST(RoundTrip, SingleChunkRecordsAreLocatedInTheIndex) {
       EXPECT_LT(stored.size(), t.data.size());
     }
   }
+}
+
+// Records of one write() with the same dtype, shape and bytes are stored once: the later ones
+// are hard links to the first dataset, their index rows point at its chunk. Anything that
+// differs (one byte, the dtype, the shape) is stored on its own.
+TEST(RoundTrip, RecordsWithTheSameBytesAreStoredOnce) {
+  const auto data = random_bytes(64 << 10, 41, /*compressible=*/false);
+  auto changed = data;
+  changed[data.size() / 3] ^= std::byte{1};
+  const auto record = [](std::string module, Side side, DType dtype,
+                         std::vector<std::int64_t> shape, const std::vector<std::byte>& bytes) {
+    return make_record(0, std::move(module), Kind::kFwdOutput, 0, side, dtype, std::move(shape),
+                       bytes);
+  };
+  const std::vector<Record> records{
+      record("a", Side::kEager, DType::kFloat32, {128, 128}, data),
+      record("a", Side::kCompiled, DType::kFloat32, {128, 128}, data),     // repeat of a/eager
+      record("b", Side::kEager, DType::kFloat32, {128, 128}, changed),     // one bit differs
+      record("c", Side::kEager, DType::kInt32, {128, 128}, data),          // another dtype
+      record("d", Side::kEager, DType::kFloat32, {64, 256}, data),         // another shape
+      record("e", Side::kEager, DType::kFloat32, {4, 128, 32}, data),      // several chunks
+      record("e", Side::kCompiled, DType::kFloat32, {4, 128, 32}, data)};  // repeat of e/eager
+  TempDir dir;
+  WriterOptions options;
+  options.chunk_bytes = 16 << 10;  // e spans four chunks; the others do too, as 2-D (128, 128)
+  StepWriter writer(dir.path(), 0, {}, options);
+  writer.write(records);
+  const auto path = writer.commit();
+  const StepReader reader(path);
+  for (const Record& r : records) {
+    const auto* bytes = static_cast<const std::byte*>(r.tensor.data);
+    EXPECT_EQ(reader.read(*reader.find(r.key)),
+              std::vector<std::byte>(bytes, bytes + r.tensor.nbytes()))
+        << to_string(r.key);
+  }
+  // Which records share one dataset: HDF5's object addresses tell.
+  h5::init();
+  h5::Handle file =
+      h5::file_handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "opening", path.string());
+  const auto address = [&](const Record& r) {
+    H5O_info_t info;
+    EXPECT_GE(H5Oget_info_by_name(file.get(), dataset_path(r.key).c_str(), &info, H5P_DEFAULT), 0);
+    return info.addr;
+  };
+  EXPECT_EQ(address(records[1]), address(records[0]));
+  EXPECT_EQ(address(records[6]), address(records[5]));
+  for (std::size_t i : {2, 3, 4, 5}) EXPECT_NE(address(records[i]), address(records[0])) << i;
+  EXPECT_EQ(reader.find(records[1].key)->stored_bytes, reader.find(records[0].key)->stored_bytes);
+  ASSERT_EQ(reader.records().size(), records.size());
+  for (std::size_t i = 0; i < records.size(); ++i) {  // the index lists records as written
+    EXPECT_EQ(reader.records()[i].key, records[i].key) << i;
+  }
+}
+
+// Across write() calls, a repeat is found when the earlier record was stored as it is in one
+// chunk (its bytes are read back from the file to compare): float32 activations and gradients
+// that do not compress, the bulk of a capture.
+TEST(RoundTrip, RepeatsOfRecordsOfEarlierWritesAreStoredOnce) {
+  const auto noise = random_bytes(64 << 10, 43, /*compressible=*/false);
+  const auto text = random_bytes(64 << 10, 44, /*compressible=*/true);
+  const auto record = [](std::string module, Side side, const std::vector<std::byte>& bytes) {
+    return make_record(0, std::move(module), Kind::kParamGrad, 0, side, DType::kFloat32, {128, 128},
+                       bytes);
+  };
+  TempDir dir;
+  StepWriter writer(dir.path(), 0, {});
+  writer.write(record("a", Side::kEager, noise));
+  writer.write(record("b", Side::kEager, text));
+  writer.write(record("a", Side::kCompiled, noise));  // repeat of a/eager, stored as it is
+  writer.write(record("b", Side::kCompiled, text));   // repeat of a compressed record: stored
+  const auto path = writer.commit();
+  const StepReader reader(path);
+  const auto info = [&](const char* module, Side side) {
+    return *reader.find(RecordKey{0, module, 0, Kind::kParamGrad, 0, side});
+  };
+  EXPECT_EQ(info("a", Side::kEager).chunk_filter_mask, 0b11u);
+  EXPECT_EQ(info("a", Side::kCompiled).chunk_offset, info("a", Side::kEager).chunk_offset);
+  EXPECT_NE(info("b", Side::kCompiled).chunk_offset, info("b", Side::kEager).chunk_offset);
+  EXPECT_EQ(reader.read(info("a", Side::kCompiled)), noise);
+  EXPECT_EQ(reader.read(info("b", Side::kCompiled)), text);
 }
 
 // xxh64() is XXH64: zstd stores the low 32 bits of the XXH64 of a frame's content as its content

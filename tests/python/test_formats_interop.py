@@ -174,6 +174,21 @@ def test_files_rewritten_by_h5repack_read_through_their_datasets(written, tmp_pa
     assert_every_record_reads_back(repacked, tensors)
 
 
+def test_records_with_the_same_bytes_are_one_dataset_under_two_names(tmp_path):
+    data = RNG.standard_normal((64, 64)).astype(np.float32)
+    path = _C.write_step(str(tmp_path), 0, {}, [
+        ("a", 0, "fwd_output", 0, "eager", "", "float32", data),
+        ("a", 0, "fwd_output", 0, "compiled", "", "float32", data),
+        ("b", 0, "fwd_output", 0, "eager", "", "float32", data + 1)])
+    with h5py.File(path, "r") as f:
+        eager, compiled, other = f[dataset_name("a")], f[dataset_name("a", side="compiled")], f[dataset_name("b")]
+        assert eager == compiled and eager != other  # h5py compares HDF5 objects
+        np.testing.assert_array_equal(compiled[()], data)
+        np.testing.assert_array_equal(other[()], data + 1)
+    for side, want in [("eager", data), ("compiled", data)]:
+        assert _C.read_record(path, "a", 0, "fwd_output", 0, side)[2] == want.tobytes()
+
+
 def test_format_1_0_files_without_chunk_locations_still_read(written, tmp_path):
     path, tensors = written
     old = str(tmp_path / "step_00000000.h5")
