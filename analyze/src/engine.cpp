@@ -19,6 +19,7 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "dynaprobe/formats/writer.h"
 #include "tensor_pair.h"
 
 namespace dynaprobe::analyze {
@@ -50,7 +51,18 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
   }
   OpenDump dump;
   dump.unfinished = files.unfinished;
-  for (const fs::path& file : files.steps) {
+  std::vector<fs::path> candidates = files.steps;
+  if (only_step) {
+    // The step is in the file name: open that file only, not every step of a long run (a checker
+    // compares each step as it ends). Files renamed by hand are all opened and asked.
+    const fs::path name = formats::step_file_name(*only_step);
+    std::vector<fs::path> named;
+    for (const fs::path& file : files.steps) {
+      if (file.filename() == name) named.push_back(file);
+    }
+    if (!named.empty()) candidates = std::move(named);
+  }
+  for (const fs::path& file : candidates) {
     auto reader = std::make_shared<StepReader>(file);
     if (only_step && reader->step() != *only_step) continue;
     const std::int64_t step = reader->step();

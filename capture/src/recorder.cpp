@@ -4,14 +4,18 @@
 #include "dynaprobe/capture/recorder.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/view_as_real.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <exception>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -108,19 +112,75 @@ std::size_t host_bytes(const at::Tensor& tensor) {
   return static_cast<std::size_t>(tensor.numel()) * static_cast<std::size_t>(tensor.element_size());
 }
 
-// Copies `tensor` into freshly allocated, contiguous CPU memory: any device, any strides (views,
+// Host memory for snapshots, recycled. The background thread frees each snapshot once written,
+// and glibc returns memory freed on another thread to that thread's arena: without recycling,
+// every snapshot page-faults fresh memory in (which the kernel zeroes first) and the training
+// thread pays about twice a memcpy per byte. Freed blocks are kept by exact size (a training
+// step records the same sizes step after step), up to `cap` bytes; the rest goes back to malloc.
+class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
+ public:
+  explicit SnapshotPool(std::size_t cap) : cap_(cap) {}
+  ~SnapshotPool() {
+    for (auto& [size, block] : free_) std::free(block);
+  }
+
+  // An uninitialised contiguous CPU tensor; its memory comes back here when the tensor dies.
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType type) {
+    const std::size_t bytes =
+        std::max<std::size_t>(c10::multiply_integers(sizes) * c10::elementSize(type), 1);
+    void* block = take(bytes);
+    if (block == nullptr) block = std::aligned_alloc(kAlignment, round_up(bytes));
+    if (block == nullptr) throw std::bad_alloc();
+    std::weak_ptr<SnapshotPool> pool = weak_from_this();
+    return at::from_blob(
+        block, sizes,
+        [pool, bytes](void* data) {
+          if (auto alive = pool.lock()) return alive->give_back(data, bytes);
+          std::free(data);
+        },
+        at::TensorOptions().dtype(type).device(at::kCPU));
+  }
+
+ private:
+  static constexpr std::size_t kAlignment = 64;
+  static std::size_t round_up(std::size_t bytes) {
+    return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  }
+  void* take(std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    auto found = free_.find(bytes);
+    if (found == free_.end()) return nullptr;
+    void* block = found->second;
+    free_.erase(found);
+    kept_ -= bytes;
+    return block;
+  }
+  void give_back(void* block, std::size_t bytes) {
+    {
+      std::lock_guard lock(mutex_);
+      if (kept_ + bytes <= cap_) {
+        free_.emplace(bytes, block);
+        kept_ += bytes;
+        return;
+      }
+    }
+    std::free(block);
+  }
+
+  std::size_t cap_;
+  std::mutex mutex_;
+  std::multimap<std::size_t, void*> free_;
+  std::size_t kept_ = 0;
+};
+
+// Copies `tensor` into contiguous CPU memory from `pool`: any device, any strides (views,
 // expanded and transposed tensors), conjugate and negative bits resolved, sparse made dense,
 // complex stored as real pairs (at::view_as_real, trailing dimension 2).
-at::Tensor snapshot_of(const at::Tensor& tensor) {
+at::Tensor snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   at::Tensor source = tensor.detach();
   if (source.layout() != at::kStrided) source = source.to_dense();
   // One copy: copy_ into a plain tensor materialises the lazy conj/neg bits of `source`.
-  at::Tensor copy = at::empty(source.sizes(), source.options()
-                                                  .device(at::kCPU)
-                                                  .layout(at::kStrided)
-                                                  .memory_format(at::MemoryFormat::Contiguous)
-                                                  .requires_grad(false)
-                                                  .pinned_memory(false));
+  at::Tensor copy = pool.empty(source.sizes(), source.scalar_type());
   copy.copy_(source);
   if (copy.is_complex()) copy = at::view_as_real(copy);
   return copy;
@@ -152,6 +212,8 @@ struct Recorder::Impl {
   fs::path dump_dir;
   formats::Provenance provenance;
   RecorderOptions options;
+  // Keeps up to a quarter of the budget of written snapshots' memory for the next snapshots.
+  std::shared_ptr<SnapshotPool> pool;
 
   // Caller side: guarded by `call_mutex`, held for the whole of each public call so that calls
   // from several threads (e.g. autograd's device threads running hooks) take turns.
@@ -339,6 +401,7 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
   impl.dump_dir = std::move(dump_dir);
   impl.provenance = std::move(provenance);
   impl.options = options;
+  impl.pool = std::make_shared<SnapshotPool>(options.memory_budget_bytes / 4);
   impl.worker = std::thread([&impl] { impl.run(); });
 }
 
@@ -413,7 +476,7 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
 
   RecordItem item;
-  item.snapshot = snapshot_of(tensor);
+  item.snapshot = snapshot_of(tensor, *impl.pool);
   item.bytes = bytes;
   item.record.key = key;
   item.record.label = std::move(label);

@@ -750,6 +750,13 @@ def test_step_option_selects_one_step(tmp_path, dynaprobe_cli):
     assert proc.returncode == 1 and "FAIL  layers.0" in proc.stdout
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "7")
     assert proc.returncode == 2 and "step 7" in proc.stderr
+    # --step reads that step's file only (a checker compares each step of a long run as it ends):
+    # damage to another step does not stop it.
+    (tmp_path / "dump" / "step_00000001.h5").write_bytes(b"damaged" * 100)
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "0")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
+    assert proc.returncode == 3 and "step_00000001.h5" in proc.stderr
 
 
 def test_step_missing_from_one_dump_is_warned_about(tmp_path, dynaprobe_cli):

@@ -19,7 +19,8 @@ namespace dynaprobe::capture {
 struct RecorderOptions {
   // Host bytes of snapshots waiting to be written. record() waits (the caller blocks) while the
   // queue holds more; nothing is dropped. A single tensor larger than the budget is still taken
-  // once the queue is empty.
+  // once the queue is empty. The memory of written snapshots is kept for the next ones (up to a
+  // quarter of the budget), so that snapshotting does not page-fault fresh memory in each step.
   std::size_t memory_budget_bytes = std::size_t{1} << 30;
   // Compression and writes run at a lower priority (niceness 10) than the training threads: on
   // a machine whose cores training keeps busy, capture fills the gaps instead of slowing it.
