@@ -47,10 +47,10 @@ struct RawChunk {
   std::uint32_t filter_mask = 0;
 };
 
-// One stored tensor, read chunk by chunk. fetch() reads a chunk's stored bytes and takes the
-// HDF5 lock; decode() needs no lock and may run on many threads at once. Datasets that do not
-// use dynaprobe's chunk layout (other tools' files, other filters) are one "chunk" read whole
-// through HDF5's own pipeline.
+// One stored tensor, read chunk by chunk. fetch() reads a chunk's stored bytes: with one pread
+// for a record /index locates, else through HDF5 under its lock; decode() needs no lock and may
+// run on many threads at once. Datasets that do not use dynaprobe's chunk layout (other tools'
+// files, other filters) are one "chunk" read whole through HDF5's own pipeline.
 class TensorStream {
  public:
   DType dtype() const;
