@@ -1,5 +1,10 @@
 #include "dynaprobe/formats/hdf5.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <vector>
+
 #include "dynaprobe/formats/filters.h"
 
 namespace dynaprobe::formats::h5 {
@@ -204,6 +209,29 @@ int file_descriptor(hid_t file) {
   void* handle = nullptr;
   if (!sec2 || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
   return *static_cast<int*>(handle);
+}
+
+bool read_at(int fd, std::byte* data, std::size_t size, std::uint64_t offset) {
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd, data + done, size - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    done += static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+std::optional<ChunkLocation> first_chunk_location(hid_t dataset, std::size_t rank) {
+  const std::vector<hsize_t> origin(rank, 0);
+  unsigned filter_mask = 0;
+  haddr_t offset = HADDR_UNDEF;
+  hsize_t size = 0;
+  if (H5Dget_chunk_info_by_coord(dataset, origin.data(), &filter_mask, &offset, &size) < 0 ||
+      offset == HADDR_UNDEF) {
+    return std::nullopt;
+  }
+  return ChunkLocation{offset, size, filter_mask};
 }
 
 }  // namespace dynaprobe::formats::h5

@@ -131,42 +131,15 @@ std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file
                                                 const std::string& file_name,
                                                 std::optional<DType> expected_dtype);
 
-constexpr std::uint32_t kAllFiltersSkipped = 0b11;  // shuffle (bit 0) and zstd (bit 1)
-
 // Reads the dataset whole through HDF5's own filter pipeline.
 void read_whole(const TensorStream::State& s, RawChunk& raw) {
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle type = stored_type(s.dtype);
   raw.bytes.resize(s.numel * dtype_size(s.dtype));
-  raw.filter_mask = kAllFiltersSkipped;
+  raw.filter_mask = schema::kAllFiltersSkipped;
   h5::check<FormatError>(
       H5Dread(s.dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, raw.bytes.data()),
       "reading dataset", s.where);
-}
-
-bool pread_all(int fd, std::byte* data, std::size_t size, std::uint64_t offset) {
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t got = ::pread(fd, data + done, size - done, static_cast<off_t>(offset + done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    done += static_cast<std::size_t>(got);
-  }
-  return true;
-}
-
-// Whether the dataset's only chunk lies at `offset` with `size` bytes.
-bool only_chunk_lies_at(const TensorStream::State& state, std::uint64_t offset,
-                        std::uint64_t size) {
-  if (!state.layout || state.layout->chunk_count() != 1) return false;
-  h5::Lock lock(h5::hdf5_mutex());
-  const std::vector<hsize_t> origin(state.shape.size(), 0);
-  unsigned filter_mask = 0;
-  haddr_t address = HADDR_UNDEF;
-  hsize_t stored = 0;
-  return H5Dget_chunk_info_by_coord(state.dataset.get(), origin.data(), &filter_mask, &address,
-                                    &stored) >= 0 &&
-         address == offset && stored == size;
 }
 
 // Fetches a located record: one pread, checked by its hash. Bytes that do not match are either
@@ -177,7 +150,7 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
   const auto& at = *s.located;
   raw.bytes.resize(at.size);
   raw.filter_mask = at.filter_mask;
-  if (pread_all(at.fd, raw.bytes.data(), at.size, at.offset) &&
+  if (h5::read_at(at.fd, raw.bytes.data(), at.size, at.offset) &&
       xxh64(raw.bytes.data(), raw.bytes.size()) == at.hash) {
     return;
   }
@@ -186,7 +159,13 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
     throw FormatError(s.where + ": the index says shape " + shape_string(s.shape) +
                       ", but the dataset has shape " + shape_string(dataset->shape));
   }
-  if (only_chunk_lies_at(*dataset, at.offset, at.size)) {
+  // HDF5 still places the chunk there: the bytes are damaged.
+  const auto chunk = [&]() -> std::optional<h5::ChunkLocation> {
+    if (!dataset->layout || dataset->layout->chunk_count() != 1) return std::nullopt;
+    h5::Lock lock(h5::hdf5_mutex());
+    return h5::first_chunk_location(dataset->dataset.get(), dataset->shape.size());
+  }();
+  if (chunk && chunk->offset == at.offset && chunk->size == at.size) {
     throw FormatError(s.where +
                       ": chunk 0 is corrupt: its stored bytes do not match their XXH64 in "
                       "/index (a damaged disk, or the file was edited in place)");

@@ -28,7 +28,6 @@ namespace dynaprobe::formats {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr unsigned kSkipAllFilters = 0b11;  // shuffle (filter 0) and zstd (filter 1) skipped
 constexpr int kMaxRank = H5S_MAX_RANK;
 
 // Work buffers of one pipeline token, reused from chunk to chunk and step to step.
@@ -286,8 +285,7 @@ std::optional<std::size_t> StepWriter::Impl::find_stored_copy(const TensorView& 
     const RecordInfo& info = index[it->second];
     if (info.dtype != tensor.dtype || info.shape != tensor.shape || !fd || *fd < 0) continue;
     read_back.resize(info.stored_bytes);
-    if (::pread(*fd, read_back.data(), read_back.size(), static_cast<off_t>(info.chunk_offset)) ==
-            static_cast<ssize_t>(read_back.size()) &&
+    if (h5::read_at(*fd, read_back.data(), read_back.size(), info.chunk_offset) &&
         std::memcmp(read_back.data(), tensor.data, read_back.size()) == 0) {
       return it->second;
     }
@@ -297,7 +295,7 @@ std::optional<std::size_t> StepWriter::Impl::find_stored_copy(const TensorView& 
 
 void StepWriter::Impl::remember_stored(const TensorView& tensor, std::size_t index_position) {
   const RecordInfo& info = index[index_position];
-  if (info.chunk_offset != 0 && info.chunk_filter_mask == kSkipAllFilters &&
+  if (info.chunk_offset != 0 && info.chunk_filter_mask == schema::kAllFiltersSkipped &&
       info.stored_bytes == tensor.nbytes()) {
     stored_as_is.emplace(fingerprint(tensor), index_position);
   }
@@ -318,16 +316,10 @@ RecordInfo StepWriter::Impl::link(const Record& record, RecordInfo stored) {
 
 // Notes in /index where the just-written only chunk of `dataset` lies, for readers to pread it.
 void StepWriter::Impl::locate_only_chunk(std::uint64_t hash) {
-  const std::vector<hsize_t> origin(dataset_info.shape.size(), 0);
-  unsigned filter_mask = 0;
-  haddr_t offset = HADDR_UNDEF;
-  hsize_t size = 0;
-  if (H5Dget_chunk_info_by_coord(dataset.get(), origin.data(), &filter_mask, &offset, &size) < 0 ||
-      offset == HADDR_UNDEF || size != dataset_info.stored_bytes) {
-    return;  // not located: readers open the dataset
-  }
-  dataset_info.chunk_offset = offset;
-  dataset_info.chunk_filter_mask = filter_mask;
+  const auto chunk = h5::first_chunk_location(dataset.get(), dataset_info.shape.size());
+  if (!chunk || chunk->size != dataset_info.stored_bytes) return;  // readers open the dataset
+  dataset_info.chunk_offset = chunk->offset;
+  dataset_info.chunk_filter_mask = chunk->filter_mask;
   dataset_info.chunk_hash = hash;
 }
 
@@ -406,7 +398,7 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
       // not worth it: store the bytes as they are
       item.payload = raw;
       item.payload_size = chunk_bytes;
-      item.filter_mask = kSkipAllFilters;
+      item.filter_mask = schema::kAllFiltersSkipped;
     } else {
       item.payload = work.compressed.data();
       item.payload_size = size;

@@ -156,10 +156,12 @@ def test_small_budget_writes_everything(tmp_path):
 
 def test_waiting_calls_release_the_gil(tmp_path):
     """While end_step() waits for the writer, other Python threads keep running."""
-    recorder = _C.Recorder(str(tmp_path), {})
+    # bf16-rounded values compress (random float32 would be stored as they are, in no time) and
+    # zstd level 12 is slow: end_step() waits for the writer for a good while.
+    recorder = _C.Recorder(str(tmp_path), {}, zstd_level=12)
     recorder.begin_step(0)
     for i in range(8):
-        recorder.record("m", i, "fwd_output", 0, "eager", torch.randn(1 << 21))  # 8 MiB each
+        recorder.record("m", i, "fwd_output", 0, "eager", torch.randn(1 << 20).bfloat16().float())
     ticks = []
     stop = threading.Event()
 
@@ -179,8 +181,8 @@ def test_waiting_calls_release_the_gil(tmp_path):
         stop.set()
         thread.join()
     during = [t for t in ticks if start < t < end]
-    # With the GIL held, the ticker could not run at all while end_step() waits (64 MiB to
-    # compress and write: tens of milliseconds at least).
+    # With the GIL held, the ticker could not run at all while end_step() waits (32 MiB to
+    # compress at level 12: a tenth of a second and more).
     assert len(during) >= 3, f"{len(during)} ticks in {end - start:.3f} s of end_step()"
 
 

@@ -5,6 +5,8 @@
 
 #include <hdf5.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -88,6 +90,18 @@ std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
 // The POSIX file descriptor of a file opened through HDF5's default (sec2) driver, or -1. It lives
 // as long as the file is open; pread/pwrite on it need no HDF5 lock.
 int file_descriptor(hid_t file);
+
+// Reads exactly `size` bytes at `offset` of `fd` (retrying short reads); false if it cannot.
+bool read_at(int fd, std::byte* data, std::size_t size, std::uint64_t offset);
+
+// Where the chunk at the origin of a chunked dataset of rank `rank` lies in its file (HDF5's
+// H5Dget_chunk_info_by_coord), if it is written. Callers hold the HDF5 lock.
+struct ChunkLocation {
+  std::uint64_t offset = 0;
+  std::uint64_t size = 0;
+  unsigned filter_mask = 0;
+};
+std::optional<ChunkLocation> first_chunk_location(hid_t dataset, std::size_t rank);
 
 // Scalar string attributes (variable-length UTF-8), the form h5py reads as str.
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,

@@ -51,5 +51,7 @@ inline constexpr std::string_view kPartialSuffix = ".partial";
 // (https://github.com/HDFGroup/hdf5_plugins/blob/master/docs/RegisteredFilterPlugins.md).
 inline constexpr int kShuffleFilterId = 2;   // H5Z_FILTER_SHUFFLE
 inline constexpr int kZstdFilterId = 32015;  // cd_values[0] = level (two's complement if negative)
+// The filter mask of a chunk stored as it is: shuffle (filter 0) and zstd (filter 1) skipped.
+inline constexpr unsigned kAllFiltersSkipped = 0b11;
 
 }  // namespace dynaprobe::formats::schema

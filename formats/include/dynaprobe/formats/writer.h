@@ -41,6 +41,8 @@ class StepWriter {
   StepWriter& operator=(const StepWriter&) = delete;
 
   // Compresses (in parallel) and writes the records; the caller may free their data afterwards.
+  // A record with the same dtype, shape and bytes as another of this call (or as an earlier
+  // call's record stored uncompressed in one chunk) becomes a hard link to that dataset.
   // Throws UsageError for a bad key (duplicate, other step, bad module path) and IoError when
   // writing fails (disk full); after an error the writer is broken and commit() throws.
   void write(std::span<const Record> records);
