@@ -134,6 +134,10 @@ bool under(const std::string& module, const std::string& prefix) {
          module[prefix.size()] == '.';
 }
 
+bool matches(const std::string& glob, const std::string& module) {
+  return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
+}
+
 class StepBuilder {
  public:
   StepBuilder(const CompareOptions& options, Tolerances tolerances)
@@ -147,8 +151,7 @@ class StepBuilder {
     if (seen_.insert(module).second) order_.push_back(module);
   }
   bool wanted(const std::string& module) const {
-    return options_.module_glob.empty() ||
-           fnmatch(options_.module_glob.c_str(), module.c_str(), 0) == 0;
+    return options_.module_glob.empty() || matches(options_.module_glob, module);
   }
 
   const CompareOptions& options_;
@@ -302,6 +305,39 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   return report;
 }
 
+// A --module filter that selects nothing would print an empty report: a usage error instead,
+// naming the filter and a few of the modules the dumps have, so a typo is seen at once.
+void check_module_glob(const std::string& glob, const OpenDump& eager, const OpenDump& compiled) {
+  std::vector<std::string> names;  // in model order, each once
+  std::set<std::string> seen;
+  const auto add = [&](const std::string& module) {
+    if (seen.insert(module).second) names.push_back(module);
+  };
+  for (const OpenDump* dump : {&eager, &compiled}) {
+    for (const auto& [step, reader] : dump->steps) {
+      for (const auto& info : reader->modules()) add(info.module);
+      for (const RecordInfo& info : reader->records()) {
+        if (info.key.kind != Kind::kLoss) add(info.key.module);
+      }
+    }
+  }
+  if (std::any_of(names.begin(), names.end(),
+                  [&](const std::string& module) { return matches(glob, module); })) {
+    return;
+  }
+  constexpr std::size_t kShown = 8;
+  std::string listed;
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) {
+    listed += (i ? ", " : "") + names[i];
+  }
+  if (names.size() > kShown) listed += ", ... (" + std::to_string(names.size()) + " in all)";
+  throw UsageError(
+      "the module filter '" + glob + "' (--module) matches no module of the dump" +
+      (names.empty() ? std::string(", which has no modules") : "; its modules are: " + listed) +
+      ". Filters are shell-style globs matched against the whole name, e.g. "
+      "'layers.*'");
+}
+
 // Prints nothing itself: calls options.progress from a helper thread every 100 ms while the
 // comparison runs.
 class ProgressTicker {
@@ -393,11 +429,29 @@ std::string_view status_name(Status status) {
   return "?";
 }
 
-bool StepReport::all_pass() const {
-  return loss_status() == Status::kPass &&
-         std::none_of(rows.begin(), rows.end(), [](const Row& row) {
-           return row.status == Status::kFail || row.status == Status::kWarn;
-         });
+bool StepReport::all_pass() const { return counts().all_pass(); }
+
+StepCounts StepReport::counts() const {
+  StepCounts counts;
+  for (const Row& row : rows) {
+    switch (row.status) {
+      case Status::kPass:
+        ++counts.pass;
+        break;
+      case Status::kFail:
+        ++counts.fail;
+        break;
+      case Status::kWarn:
+        ++counts.warn;
+        break;
+      case Status::kSkip:
+        ++counts.skip;
+        break;
+    }
+    if (row.kind && row.eager && row.compiled) ++counts.compared;
+  }
+  counts.loss_failed = loss_status() == Status::kFail;
+  return counts;
 }
 
 Status StepReport::loss_status() const {
@@ -414,7 +468,8 @@ Status StepReport::loss_status() const {
 }
 
 bool Comparison::all_pass() const {
-  return std::all_of(steps.begin(), steps.end(), [](const StepReport& s) { return s.all_pass(); });
+  return !steps.empty() &&
+         std::all_of(steps.begin(), steps.end(), [](const StepReport& s) { return s.all_pass(); });
 }
 
 Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
@@ -472,6 +527,7 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     throw UsageError("step " + std::to_string(*options.step) + " is not in " + eager_dump.string() +
                      (same ? "" : " nor in " + compiled_dump.string()));
   }
+  if (!options.module_glob.empty()) check_module_glob(options.module_glob, eager, compiled_side);
   std::vector<Task> tasks;
   StepBuilder builder(options, tolerances);
   result.steps.reserve(steps.size());

@@ -304,6 +304,33 @@ std::string json_row(const Row& row) {
   return out + "}}";
 }
 
+std::string result_text(const StepCounts& counts) {
+  return counts.all_pass() ? "ALL PASS" : "FAILED";
+}
+
+// Why a step FAILED, before the tolerances in the RESULT line: "2 FAIL, 3 WARN; ", then ", loss
+// FAIL" and ", nothing compared" when they apply. Empty for a pass, whose line the spec fixes.
+std::string verdict_reasons(const StepCounts& counts) {
+  if (counts.all_pass()) return "";
+  std::string text =
+      std::to_string(counts.fail) + " FAIL, " + std::to_string(counts.warn) + " WARN";
+  if (counts.loss_failed) text += ", loss FAIL";
+  if (counts.nothing_compared()) text += ", nothing compared";
+  return text + "; ";
+}
+
+// A step's verdict and what it rests on, with the same counts as its RESULT line and CSV.
+std::string json_counts(const StepCounts& counts) {
+  return "{\"verdict\": " + json_string(result_text(counts)) +
+         ", \"fail\": " + std::to_string(counts.fail) +
+         ", \"warn\": " + std::to_string(counts.warn) +
+         ", \"pass\": " + std::to_string(counts.pass) +
+         ", \"skip\": " + std::to_string(counts.skip) +
+         ", \"compared\": " + std::to_string(counts.compared) +
+         ", \"loss_fail\": " + (counts.loss_failed ? "true" : "false") +
+         ", \"nothing_compared\": " + (counts.nothing_compared() ? "true" : "false") + "}";
+}
+
 }  // namespace
 
 std::string format_float(double value, const char* printf_format) {
@@ -362,8 +389,8 @@ std::string render_text(const StepReport& report) {
     }
   }
   out += "\n" + kRule + "\n";
-  out += std::string("  RESULT: ") + (report.all_pass() ? "ALL PASS" : "FAILED") +
-         "  (atol=" + format_tolerance(report.tolerances.atol) +
+  out += "  RESULT: " + result_text(report.counts()) + "  (" + verdict_reasons(report.counts()) +
+         "atol=" + format_tolerance(report.tolerances.atol) +
          " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
   out += kRule + "\n";
   return out;
@@ -421,7 +448,8 @@ std::string render_provenance(const Comparison& comparison) {
 
 std::string render_json(const std::vector<RankComparison>& ranks) {
   std::map<Status, std::size_t> counts;
-  bool all_pass = true;
+  std::size_t steps = 0, failed_steps = 0, loss_fail = 0, nothing_compared = 0, compared = 0;
+  bool all_pass = !ranks.empty();
   std::string body;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankComparison& rank = ranks[r];
@@ -446,9 +474,16 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
     body += "],\n     \"steps\": [";
     for (std::size_t s = 0; s < c.steps.size(); ++s) {
       const StepReport& step = c.steps[s];
+      const StepCounts step_counts = step.counts();
+      ++steps;
+      failed_steps += step_counts.all_pass() ? 0 : 1;
+      loss_fail += step_counts.loss_failed ? 1 : 0;
+      nothing_compared += step_counts.nothing_compared() ? 1 : 0;
+      compared += step_counts.compared;
       body += std::string(s ? "," : "") + "\n      {\"step\": " + std::to_string(step.step) +
               ", \"single_pass\": " + (step.single_pass ? "true" : "false") +
               ", \"all_pass\": " + (step.all_pass() ? "true" : "false") +
+              ", \"result\": " + json_counts(step_counts) +
               ", \"cast_dtype\": " + json_string(step.cast_dtype) +
               ", \"tolerances\": {\"atol\": " + json_number(step.tolerances.atol) +
               ", \"rtol\": " + json_number(step.tolerances.rtol) + "}" +
@@ -479,8 +514,12 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
          ", \"pass\": " + std::to_string(counts[Status::kPass]) +
          ", \"fail\": " + std::to_string(counts[Status::kFail]) +
          ", \"warn\": " + std::to_string(counts[Status::kWarn]) +
-         ", \"skip\": " + std::to_string(counts[Status::kSkip]) + "},\n  \"ranks\": [\n" + body +
-         "\n  ]\n}\n";
+         ", \"skip\": " + std::to_string(counts[Status::kSkip]) +
+         ", \"compared\": " + std::to_string(compared) +
+         ", \"loss_fail\": " + std::to_string(loss_fail) + ", \"steps\": " + std::to_string(steps) +
+         ", \"failed_steps\": " + std::to_string(failed_steps) +
+         ", \"nothing_compared_steps\": " + std::to_string(nothing_compared) +
+         "},\n  \"ranks\": [\n" + body + "\n  ]\n}\n";
 }
 
 }  // namespace dynaprobe::analyze

@@ -75,6 +75,22 @@ void bind_analyze(py::module_& m) {
       .def_property_readonly("atol", [](const analyze::StepReport& r) { return r.tolerances.atol; })
       .def_property_readonly("rtol", [](const analyze::StepReport& r) { return r.tolerances.rtol; })
       .def_property_readonly("all_pass", &analyze::StepReport::all_pass)
+      .def_property_readonly(
+          "counts",
+          [](const analyze::StepReport& r) {
+            const analyze::StepCounts c = r.counts();
+            py::dict d;
+            d["pass"] = c.pass;
+            d["fail"] = c.fail;
+            d["warn"] = c.warn;
+            d["skip"] = c.skip;
+            d["compared"] = c.compared;
+            d["loss_fail"] = c.loss_failed;
+            d["nothing_compared"] = c.nothing_compared();
+            return d;
+          },
+          "What all_pass rests on, as the RESULT line states it: rows by status (pass, fail, "
+          "warn, skip), compared (tensor rows with both sides), loss_fail, nothing_compared")
       .def_property_readonly("loss_status",
                              [](const analyze::StepReport& r) {
                                return std::string(analyze::status_name(r.loss_status()));

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "dynaprobe/analyze/report.h"
+#include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/writer.h"
 #include "formats/test_util.h"
 
@@ -193,6 +194,43 @@ TEST(Engine, ModuleAttributesOfBothSidesReachTheReportAndTheJson) {
   const auto filtered = compare(dir.path() / "eager", dir.path() / "compiled", only_layers);
   EXPECT_EQ(filtered.steps.at(0).modules.count("head"), 0u);
   EXPECT_EQ(filtered.steps.at(0).modules.count("layers.0"), 1u);
+}
+
+// A --module filter that selects no module is a usage error naming the filter and the dump's
+// modules, never an empty report that passes.
+TEST(Engine, ModuleFilterMatchingNothingIsAUsageError) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path(), 0, {{"mode", "two_pass"}});
+    writer.write(record(Side::kEager, DType::kFloat32, {3}, values.data()));
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.write_module({"layers.0", {{"role", "wrapped"}}});
+    writer.write_module({"head", {{"role", "ignored"}}});
+    writer.commit();
+  }
+  CompareOptions typo;
+  typo.module_glob = "typo*";
+  try {
+    compare(dir.path(), dir.path(), typo);
+    FAIL() << "expected a UsageError";
+  } catch (const dynaprobe::UsageError& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("'typo*'"), std::string::npos) << message;
+    EXPECT_NE(message.find("matches no module"), std::string::npos) << message;
+    EXPECT_NE(message.find("layers.0, head"), std::string::npos) << message;
+  }
+  CompareOptions good;
+  good.module_glob = "layers.?";
+  const Comparison result = compare(dir.path(), dir.path(), good);
+  EXPECT_TRUE(result.all_pass());
+  EXPECT_EQ(result.steps.at(0).counts().compared, 1u);
+  // A filter that selects only an ignored module compares nothing: not a pass.
+  CompareOptions ignored_only;
+  ignored_only.module_glob = "head";
+  const Comparison nothing = compare(dir.path(), dir.path(), ignored_only);
+  EXPECT_FALSE(nothing.all_pass());
+  EXPECT_TRUE(nothing.steps.at(0).counts().nothing_compared());
 }
 
 }  // namespace

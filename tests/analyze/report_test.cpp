@@ -115,8 +115,130 @@ TEST(Report, FailingRowsAreFlaggedAndResultFails) {
           "  FAIL  layers.0                                             [!!] max_abs=5.000e-01"),
       std::string::npos)
       << text;
-  EXPECT_NE(text.find("  RESULT: FAILED  (atol=1e-5 rtol=0.01)\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("  RESULT: FAILED  (1 FAIL, 0 WARN; atol=1e-5 rtol=0.01)\n"),
+            std::string::npos)
+      << text;
   EXPECT_FALSE(report.all_pass());
+}
+
+Row missing_row(const std::string& module, Kind kind, bool eager_side) {
+  Row row;
+  row.module = module;
+  row.kind = kind;
+  row.status = Status::kWarn;
+  row.note = eager_side ? "MISSING_fwd_in_compiled" : "MISSING_fwd_in_eager";
+  (eager_side ? row.eager : row.compiled) = TensorSide{formats::DType::kFloat32, {3}};
+  return row;
+}
+
+Row note_row(const std::string& module, Status status, const std::string& note) {
+  Row row;
+  row.module = module;
+  row.status = status;
+  row.note = note;
+  return row;
+}
+
+std::string result_line(const std::string& text) {
+  const auto start = text.find("  RESULT: ");
+  return start == std::string::npos ? "" : text.substr(start, text.find('\n', start) - start);
+}
+
+// A step where no tensor was compared on both sides (everything ignored, skipped, or present on
+// one side only) is not a pass, whatever else it holds: the RESULT line says so.
+TEST(Report, NothingComparedIsNeverAPass) {
+  StepReport only_loss;
+  only_loss.loss_eager = 1.0;
+  only_loss.loss_compiled = 1.0;
+  EXPECT_FALSE(only_loss.all_pass());
+  EXPECT_TRUE(only_loss.counts().nothing_compared());
+  EXPECT_EQ(result_line(render_text(only_loss)),
+            "  RESULT: FAILED  (0 FAIL, 0 WARN, nothing compared; atol=1e-4 rtol=1e-3)");
+
+  StepReport only_skips;
+  only_skips.rows.push_back(note_row("head", Status::kSkip, "IGNORED"));
+  only_skips.rows.push_back(note_row("body", Status::kSkip, "SKIP_inside_compiled"));
+  EXPECT_FALSE(only_skips.all_pass());
+  EXPECT_EQ(result_line(render_text(only_skips)),
+            "  RESULT: FAILED  (0 FAIL, 0 WARN, nothing compared; atol=1e-4 rtol=1e-3)");
+
+  StepReport one_sided;
+  one_sided.rows.push_back(missing_row("layers.0", Kind::kFwdOutput, true));
+  one_sided.rows.push_back(missing_row("layers.1", Kind::kFwdOutput, false));
+  EXPECT_EQ(one_sided.counts().compared, 0u);
+  EXPECT_EQ(result_line(render_text(one_sided)),
+            "  RESULT: FAILED  (0 FAIL, 2 WARN, nothing compared; atol=1e-4 rtol=1e-3)");
+
+  // One compared tensor is enough; skipped rows beside it do not count.
+  StepReport compared = only_skips;
+  compared.rows.push_back(tensor_row("layers.0", Kind::kFwdOutput, 0, 0, 0));
+  EXPECT_TRUE(compared.all_pass());
+  EXPECT_EQ(result_line(render_text(compared)), "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)");
+
+  // A comparison without any step is not a pass either.
+  EXPECT_FALSE(Comparison{}.all_pass());
+}
+
+// The RESULT line of a failed step counts its FAIL and WARN rows (module notes included) and says
+// when the loss check failed; the CSV holds exactly those statuses.
+TEST(Report, FailedResultLineCountsFailAndWarnRowsAndTheLoss) {
+  StepReport report = spec_example();
+  report.rows[1].status = Status::kFail;
+  report.rows[2].status = Status::kFail;
+  report.rows.push_back(missing_row("layers.1", Kind::kFwdOutput, true));
+  report.rows.push_back(note_row("layers.2", Status::kWarn, "NOT_COMPILED"));
+  report.rows.push_back(note_row("layers.3", Status::kSkip, "IGNORED"));
+  EXPECT_EQ(result_line(render_text(report)),
+            "  RESULT: FAILED  (2 FAIL, 2 WARN; atol=1e-4 rtol=1e-3)");
+
+  report.loss_compiled = 7.5;  // the two-pass loss check fails too
+  EXPECT_EQ(result_line(render_text(report)),
+            "  RESULT: FAILED  (2 FAIL, 2 WARN, loss FAIL; atol=1e-4 rtol=1e-3)");
+  const std::string csv = render_csv({report});
+  std::size_t fail = 0, warn = 0;
+  for (std::size_t at = 0; (at = csv.find(",FAIL,", at)) != std::string::npos; ++at) ++fail;
+  for (std::size_t at = 0; (at = csv.find(",WARN,", at)) != std::string::npos; ++at) ++warn;
+  EXPECT_EQ(fail, 3u) << csv;  // two rows and the LOSS row
+  EXPECT_EQ(warn, 2u) << csv;
+  EXPECT_NE(csv.find("LOSS,loss,0,FAIL,"), std::string::npos) << csv;
+
+  // Only the loss: no row is counted, the reason is still given.
+  StepReport loss_only = spec_example();
+  loss_only.loss_compiled = 7.5;
+  EXPECT_EQ(result_line(render_text(loss_only)),
+            "  RESULT: FAILED  (0 FAIL, 0 WARN, loss FAIL; atol=1e-4 rtol=1e-3)");
+}
+
+// A run that FAILED only because of WARN rows says so in all three reports: the RESULT line, the
+// CSV (WARN rows, no FAIL row) and the JSON (verdict FAILED with the same counts).
+TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
+  StepReport report = spec_example();
+  report.rows.push_back(missing_row("layers.1", Kind::kFwdOutput, true));
+  report.rows.push_back(note_row("layers.2", Status::kWarn, "NOT_COMPILED"));
+  EXPECT_FALSE(report.all_pass());
+  EXPECT_EQ(result_line(render_text(report)),
+            "  RESULT: FAILED  (0 FAIL, 2 WARN; atol=1e-4 rtol=1e-3)");
+  const std::string csv = render_csv({report});
+  EXPECT_EQ(csv.find(",FAIL,"), std::string::npos) << csv;
+  EXPECT_NE(csv.find("layers.1,fwd_output,0,WARN,,,,\"(3,)\",MISSING_fwd_in_compiled\n"),
+            std::string::npos)
+      << csv;
+  EXPECT_NE(csv.find("layers.2,note,0,WARN,,,,,NOT_COMPILED\n"), std::string::npos) << csv;
+
+  RankComparison rank;
+  rank.comparison.steps.push_back(report);
+  const std::string json = render_json({rank});
+  EXPECT_NE(json.find("\"result\": {\"verdict\": \"FAILED\", \"fail\": 0, \"warn\": 2, "
+                      "\"pass\": 3, \"skip\": 0, \"compared\": 3, \"loss_fail\": false, "
+                      "\"nothing_compared\": false}"),
+            std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"summary\": {\"all_pass\": false, \"rows\": 5, \"pass\": 3, "
+                      "\"fail\": 0, \"warn\": 2, \"skip\": 0, \"compared\": 3, "
+                      "\"loss_fail\": 0, \"steps\": 1, \"failed_steps\": 1, "
+                      "\"nothing_compared_steps\": 0}"),
+            std::string::npos)
+      << json;
 }
 
 TEST(Report, SeveralTensorsOfAModuleEachGetALine) {

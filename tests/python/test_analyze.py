@@ -549,7 +549,7 @@ def test_failing_rows_are_marked_and_the_result_is_failed(tmp_path, dynaprobe_cl
     fail_detail = "[!!] max_abs=5.000e-01  mean_abs=8.333e-02  max_rel=5.000e-01  shape=(2, 3)"
     assert report_row("FAIL", "layers.1", fail_detail) in lines
     assert report_row("FAIL", "layers.1.grad_input", fail_detail) in lines
-    assert "  RESULT: FAILED  (atol=1e-4 rtol=1e-3)" in lines
+    assert "  RESULT: FAILED  (2 FAIL, 0 WARN; atol=1e-4 rtol=1e-3)" in lines
 
 
 def test_further_tensors_of_a_module_continue_under_its_line(tmp_path, dynaprobe_cli):
@@ -630,7 +630,7 @@ def test_tensor_missing_on_the_compiled_side_warns(tmp_path, dynaprobe_cli):
     assert report_row("WARN", "layers.0.grad_input", "MISSING_bwd_in_compiled") in lines
     assert 'layers.0,fwd_output,0,WARN,,,,"(2, 3)",MISSING_fwd_in_compiled' in csv
     assert 'layers.0,grad_input,0,WARN,,,,"(2, 3)",MISSING_bwd_in_compiled' in csv
-    assert "  RESULT: FAILED  (atol=1e-4 rtol=1e-3)" in lines
+    assert "  RESULT: FAILED  (0 FAIL, 2 WARN; atol=1e-4 rtol=1e-3)" in lines
 
 
 def test_tensor_missing_on_the_eager_side_warns(tmp_path, dynaprobe_cli):
@@ -714,7 +714,7 @@ def test_module_note_is_a_warning_that_fails_the_result(tmp_path, dynaprobe_cli)
     assert proc.returncode == 1
     assert report_row("WARN", "layers.2", "NOT_COMPILED  graph break in forward") in lines
     assert "layers.2,note,0,WARN,,,,,NOT_COMPILED: graph break in forward" in csv
-    assert "  RESULT: FAILED  (atol=1e-4 rtol=1e-3)" in lines
+    assert "  RESULT: FAILED  (0 FAIL, 1 WARN; atol=1e-4 rtol=1e-3)" in lines
 
 
 def test_exit_code_is_zero_when_everything_passes(tmp_path, dynaprobe_cli):
@@ -735,6 +735,68 @@ def test_module_glob_limits_the_comparison(tmp_path, dynaprobe_cli):
     proc, _, csv = compare_rows(dynaprobe_cli, tmp_path, tmp_path / "dump", "--module", "layers.*")
     assert proc.returncode == 1
     assert [line.split(",")[0] for line in csv[2:]] == ["layers.0", "layers.1"]
+
+
+def test_module_filter_matching_nothing_is_a_usage_error(tmp_path, dynaprobe_cli):
+    x = randn(3)
+    write_dump(tmp_path / "dump", [Rec("layers.0", "fwd_output", **same(x)), Rec("head", "fwd_output", **same(x))],
+               provenance=two_pass(), modules=[("layers.0", {"role": "wrapped"}), ("head", {"role": "wrapped"})])
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--module", "typo*")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "RESULT" not in proc.stdout
+    assert "'typo*'" in proc.stderr and "matches no module" in proc.stderr
+    assert "layers.0, head" in proc.stderr  # what the dump has, to fix the typo with
+
+
+def test_nothing_compared_is_never_a_pass(tmp_path, dynaprobe_cli):
+    # A step with the loss and an ignored module only: no tensor had both sides to compare.
+    x = randn(3)
+    write_dump(tmp_path / "dump", loss_recs(eager=1.0, compiled=1.0) + [Rec("head", "fwd_output", **same(x))],
+               provenance=two_pass(), modules=[("head", {"role": "ignored"})])
+    csv = tmp_path / "r.csv"
+    proc, report = compare_json(dynaprobe_cli, tmp_path, tmp_path / "dump", "--csv", csv)
+    assert proc.returncode == 1
+    assert "  RESULT: FAILED  (0 FAIL, 0 WARN, nothing compared; atol=1e-4 rtol=1e-3)" in proc.stdout.splitlines()
+    assert csv_lines(csv)[1:] == ["LOSS,loss,0,PASS,0.000000e+00,N/A,N/A,eager=1.000000 compiled=1.000000,",
+                                  "head,note,0,SKIP,,,,,IGNORED"]
+    step = report["ranks"][0]["steps"][0]
+    assert step["all_pass"] is False and report["summary"]["all_pass"] is False
+    assert step["result"] == {"verdict": "FAILED", "fail": 0, "warn": 0, "pass": 0, "skip": 1, "compared": 0,
+                              "loss_fail": False, "nothing_compared": True}
+    assert report["summary"]["nothing_compared_steps"] == 1 and report["summary"]["failed_steps"] == 1
+    # The Python API reads the same verdict through the binding (result.all_pass).
+    comparison = _C.compare(str(tmp_path / "dump"), str(tmp_path / "dump"))
+    assert comparison.all_pass is False and comparison.steps[0].all_pass is False
+    assert comparison.steps[0].counts["nothing_compared"] is True
+
+
+def test_stdout_csv_and_json_agree_on_what_failed(tmp_path, dynaprobe_cli):
+    # FAILED because of WARN rows only (a tensor missing on one side, a module note), then also
+    # because of a FAIL row and the loss check: all three reports give the same counts.
+    x = randn(3)
+    recs = [Rec("layers.0", "fwd_output", **same(x)), Rec("layers.1", "fwd_output", eager=x)]
+    modules = [("layers.0", {"role": "wrapped"}), ("layers.1", {"role": "wrapped"}),
+               ("layers.2", {"role": "wrapped", "note": "NOT_RUN"})]
+    write_dump(tmp_path / "warn", loss_recs(eager=1.0, compiled=1.0) + recs, provenance=two_pass(), modules=modules)
+    write_dump(tmp_path / "fail", loss_recs(eager=1.0, compiled=2.0) + recs + [Rec("layers.3", "fwd_output", eager=x, compiled=x + 1)],
+               provenance=two_pass(), modules=modules)
+    for name, fail, warn, loss_fail, line in [
+        ("warn", 0, 2, False, "  RESULT: FAILED  (0 FAIL, 2 WARN; atol=1e-4 rtol=1e-3)"),
+        ("fail", 1, 2, True, "  RESULT: FAILED  (1 FAIL, 2 WARN, loss FAIL; atol=1e-4 rtol=1e-3)"),
+    ]:
+        csv = tmp_path / f"{name}.csv"
+        proc, report = compare_json(dynaprobe_cli, tmp_path, tmp_path / name, "--csv", csv)
+        assert proc.returncode == 1
+        assert line in proc.stdout.splitlines()
+        statuses = [row.split(",")[3] for row in csv_lines(csv)[1:]]
+        assert statuses[0] == ("FAIL" if loss_fail else "PASS")  # the LOSS row
+        assert (statuses[1:].count("FAIL"), statuses[1:].count("WARN")) == (fail, warn)
+        result = report["ranks"][0]["steps"][0]["result"]
+        assert (result["verdict"], result["fail"], result["warn"], result["loss_fail"]) == ("FAILED", fail, warn, loss_fail)
+        summary = report["summary"]
+        assert (summary["all_pass"], summary["fail"], summary["warn"], summary["loss_fail"]) == (False, fail, warn, int(loss_fail))
+        statuses_json = [row["status"] for row in json_rows(report)]
+        assert (statuses_json.count("FAIL"), statuses_json.count("WARN")) == (fail, warn)
 
 
 def test_step_option_selects_one_step(tmp_path, dynaprobe_cli):
@@ -787,7 +849,7 @@ def tolerance_dump(folder, provenance):
 def test_dump_tolerances_are_used_by_default(tmp_path, dynaprobe_cli):
     tolerance_dump(tmp_path / "default", two_pass())
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "default")
-    assert proc.returncode == 1 and "  RESULT: FAILED  (atol=1e-4 rtol=1e-3)" in proc.stdout
+    assert proc.returncode == 1 and "  RESULT: FAILED  (1 FAIL, 0 WARN; atol=1e-4 rtol=1e-3)" in proc.stdout
     tolerance_dump(tmp_path / "loose", two_pass(atol="0.001", rtol="0.01"))
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "loose")
     assert proc.returncode == 0 and "  RESULT: ALL PASS  (atol=1e-3 rtol=0.01)" in proc.stdout
@@ -796,7 +858,7 @@ def test_dump_tolerances_are_used_by_default(tmp_path, dynaprobe_cli):
 def test_tolerance_options_override_the_dump(tmp_path, dynaprobe_cli):
     tolerance_dump(tmp_path / "loose", two_pass(atol="0.001", rtol="0.01"))
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "loose", "--atol", "1e-5", "--rtol", "1e-5")
-    assert proc.returncode == 1 and "  RESULT: FAILED  (atol=1e-5 rtol=1e-5)" in proc.stdout
+    assert proc.returncode == 1 and "  RESULT: FAILED  (1 FAIL, 0 WARN; atol=1e-5 rtol=1e-5)" in proc.stdout
     tolerance_dump(tmp_path / "default", two_pass())
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "default", "--atol", "1e-3")
     assert proc.returncode == 0 and "  RESULT: ALL PASS  (atol=1e-3 rtol=1e-3)" in proc.stdout
@@ -810,7 +872,7 @@ def test_one_tolerance_option_keeps_the_dump_value_of_the_other(tmp_path, dynapr
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--atol", "1e-5")
     assert proc.returncode == 0 and "  RESULT: ALL PASS  (atol=1e-5 rtol=0.01)" in proc.stdout.splitlines()
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--rtol", "0")
-    assert proc.returncode == 1 and "  RESULT: FAILED  (atol=1e-3 rtol=0)" in proc.stdout.splitlines()
+    assert proc.returncode == 1 and "  RESULT: FAILED  (1 FAIL, 0 WARN; atol=1e-3 rtol=0)" in proc.stdout.splitlines()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,20 @@ struct Row {
   bool shape_mismatch() const { return eager && compiled && eager->shape != compiled->shape; }
 };
 
+// What a step's verdict rests on; the RESULT line, the CSV and the JSON report state the same.
+struct StepCounts {
+  // Rows by status: tensor rows and module notes, as the CSV lists them after its LOSS row.
+  std::size_t pass = 0;
+  std::size_t fail = 0;
+  std::size_t warn = 0;
+  std::size_t skip = 0;
+  std::size_t compared = 0;  // tensor rows with both sides present (passing or failing)
+  bool loss_failed = false;  // the LOSS check (the CSV's LOSS row) is a FAIL
+
+  bool nothing_compared() const { return compared == 0; }
+  bool all_pass() const { return fail == 0 && warn == 0 && !loss_failed && compared > 0; }
+};
+
 struct StepReport {
   std::int64_t step = 0;
   std::optional<double> loss_eager;
@@ -79,9 +93,12 @@ struct StepReport {
   // selected by CompareOptions::module_glob.
   std::map<std::string, std::map<std::string, std::string>> modules;
 
-  // True when the loss check and every row pass (skipped and ignored rows do not count), as the
-  // RESULT line says.
+  // True when the loss check and every row pass (skipped and ignored rows do not count) and at
+  // least one tensor was compared (both sides present), as the RESULT line says: a step where
+  // nothing was compared is never a pass.
   bool all_pass() const;
+  // The counts behind all_pass() and the RESULT line (docs/report-format.md).
+  StepCounts counts() const;
   // The LOSS check: two-pass compares the two losses with the tolerances; single-pass has only
   // the compiled loss and PASSes when it is finite; without a recorded loss there is no check.
   Status loss_status() const;
@@ -101,6 +118,7 @@ struct Comparison {
   std::vector<ProvenanceDifference> provenance_differences;  // only when two dumps are compared
   std::vector<std::string> warnings;  // unfinished steps, steps found on one side only, ...
 
+  // False when there is no step, or any step is not a pass.
   bool all_pass() const;
 };
 
@@ -117,7 +135,9 @@ struct CompareOptions {
 
 // Compares the eager side of `eager_dump` with the compiled side of `compiled_dump` (the same path
 // for a single-pass dump holding both). A dump is a rank folder of step files or one step file.
-// Throws IoError / FormatError for unreadable or invalid dumps; mismatches are results.
+// Throws IoError / FormatError for unreadable or invalid dumps; mismatches are results. Throws
+// UsageError when options.module_glob matches no module of any step (a typo must not read as an
+// empty pass) or options.step is in neither dump.
 Comparison compare(const std::filesystem::path& eager_dump,
                    const std::filesystem::path& compiled_dump, const CompareOptions& options);
 
