@@ -63,7 +63,9 @@ def assert_report(out, sections, result="ALL PASS"):
     assert positions == sorted(positions), out
     for section in {"FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"} - set(sections):
         assert f"\n  {section}\n" not in out, f"unexpected {section} section:\n{out}"
-    assert f"  RESULT: {result}  (atol=" in out, out
+    # A FAILED line says why before the tolerances (docs/report-format.md).
+    reasons = r"\d+ FAIL, \d+ WARN(, loss FAIL)?(, nothing compared)?; " if result == "FAILED" else ""
+    assert re.search(rf"^  RESULT: {result}  \({reasons}atol=", out, re.M), out
 
 
 def test_every_example_has_a_test():
@@ -193,4 +195,4 @@ def test_record_tensors_cpp_writes_a_dump_the_cli_compares(tmp_path):
     cli = subprocess.run([cli_path(), "compare", dump, "--step", "0"], capture_output=True, text=True)
     assert cli.returncode == 1, cli.stdout + cli.stderr
     assert "  pass  layer " in cli.stdout and "  FAIL  layer " in cli.stdout
-    assert "RESULT: FAILED  (atol=1e-4 rtol=1e-3)" in cli.stdout
+    assert "RESULT: FAILED  (1 FAIL, 0 WARN; atol=1e-4 rtol=1e-3)" in cli.stdout
