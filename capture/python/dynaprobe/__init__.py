@@ -13,14 +13,16 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from dynaprobe._C import DumpIOError, FormatError, format_version
 from dynaprobe._checker import PrecisionChecker
-from dynaprobe._result import CompareResult, Row
+from dynaprobe._result import CompareResult, ModuleDiff, Row, TensorDiff
 
 __all__ = [
     "CompareResult",
     "DumpIOError",
     "FormatError",
+    "ModuleDiff",
     "PrecisionChecker",
     "Row",
+    "TensorDiff",
     "format_version",
     "hdf5_plugin_dir",
 ]

@@ -1,10 +1,19 @@
-"""The result of a comparison: a value, never an exception."""
+"""The result of a comparison: a value, never an exception.
+
+``CompareResult`` holds the engine's report of one step (its ``rows``) and, as msProbe's
+``CompareResult`` does, one ``ModuleDiff`` per module (its ``diffs``): a view of the same rows.
+``TensorDiff``, ``ModuleDiff`` and ``CompareResult`` take msProbe's field names, so code written
+against msprobe.pytorch.compile_accuracy_checker.precision_checker can build and read them
+(docs/moving-from-msprobe.md).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
 
 from dynaprobe import _C
 
@@ -33,6 +42,7 @@ class Row:
     eager_dtype: Optional[str] = None
     compiled_dtype: Optional[str] = None
     metrics: dict = field(default_factory=dict)
+    compiled_shape: Optional[tuple] = None  # differs from ``shape`` in a shape mismatch
 
     @property
     def passed(self) -> bool:
@@ -60,26 +70,227 @@ def _row_from_dict(d: dict) -> Row:
         eager_dtype=d["eager"]["dtype"] if d["eager"] else None,
         compiled_dtype=d["compiled"]["dtype"] if d["compiled"] else None,
         metrics=metrics,
+        compiled_shape=d["compiled"]["shape"] if d["compiled"] else None,
     )
+
+
+_TENSOR_KINDS = ("fwd_input", "fwd_output", "grad_input", "grad_output", "param_grad")
+
+
+@dataclass
+class TensorDiff:
+    """One tensor compared eager against compiled: msProbe's ``TensorDiff``.
+
+    Attributes:
+        max_abs: ``abs(eager - compiled).max()``; ``inf`` for a shape mismatch.
+        mean_abs: ``abs(eager - compiled).mean()``; ``inf`` for a shape mismatch.
+        max_rel: ``(abs(eager - compiled) / (abs(eager) + 1e-8)).max()``; ``inf`` for a shape
+            mismatch.
+        allclose: whether the tensor is within tolerance: its report row passes.
+        shape: the tensor's shape; for a shape mismatch ``(eager shape, compiled shape)``.
+    """
+
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    allclose: bool
+    shape: tuple
+
+    def __str__(self) -> str:
+        """The report's text for the tensor: ``[OK] max_abs=…  mean_abs=…  max_rel=…  shape=…``
+        (``[!!]`` when it is not ``allclose``)."""
+        ok = "OK" if self.allclose else "!!"
+        return (
+            f"[{ok}] max_abs={self.max_abs:.3e}  mean_abs={self.mean_abs:.3e}  "
+            f"max_rel={self.max_rel:.3e}  shape={self.shape}"
+        )
+
+
+def _is_skip_note(note: str) -> bool:
+    # msProbe's rule, which the spec's report follows: SKIP_* and IGNORED are skipped.
+    return note.startswith("SKIP") or note == "IGNORED"
+
+
+@dataclass
+class ModuleDiff:
+    """Everything compared for one module: msProbe's ``ModuleDiff``, plus ``param_grad`` and
+    ``rows``.
+
+    Each list is None when nothing of that kind was compared. A module called several times in
+    the step lists the tensors of every call, call by call.
+
+    Attributes:
+        name: the module's path in the model (the class name for the root model).
+        fwd_input: the module's input tensors.
+        fwd_output: its output tensors.
+        grad_input: the gradients leaving it through its inputs.
+        grad_output: the gradients it received from downstream.
+        note: why the module was skipped (``IGNORED``, ``SKIP_...``) or not (fully) compared
+            (``MISSING_...``, ``NOT_COMPILED``, ``NOT_RUN``, ``HOOK_ERROR``); empty otherwise.
+        param_grad: the gradients of its parameters (dynaprobe only).
+        rows: the report rows this view was made from (dynaprobe only; empty when built by hand):
+            calls, labels, statuses, every note and its reason.
+    """
+
+    name: str
+    fwd_input: Optional[List[TensorDiff]] = None
+    fwd_output: Optional[List[TensorDiff]] = None
+    grad_input: Optional[List[TensorDiff]] = None
+    grad_output: Optional[List[TensorDiff]] = None
+    note: str = ""
+    param_grad: Optional[List[TensorDiff]] = None
+    rows: List[Row] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def passed(self) -> bool:
+        """True when the module is skipped (a ``SKIP_...`` or ``IGNORED`` note), or has no note
+        and every tensor is ``allclose``. A warning note (``MISSING_...``, ``NOT_COMPILED``, ...)
+        fails, as its WARN row fails the report."""
+        if self.note:
+            return _is_skip_note(self.note)
+        return all(
+            tensor.allclose for kind in _TENSOR_KINDS for tensor in getattr(self, kind) or ()
+        )
+
+
+def _tensor_diff(row: Row) -> Optional[TensorDiff]:
+    """A tensor row as a TensorDiff; None when one side lacks the tensor (the row's note says
+    why) or the row is a note about the whole module."""
+    if row.check_type not in _TENSOR_KINDS or row.eager_dtype is None or row.compiled_dtype is None:
+        return None
+    if row.metrics:
+        return TensorDiff(
+            row.max_abs, row.mean_abs, row.max_rel, bool(row.metrics["allclose"]), row.shape
+        )
+    return TensorDiff(
+        row.max_abs,
+        row.mean_abs,
+        row.max_rel,
+        False,  # a shape mismatch
+        (row.shape, row.compiled_shape),
+    )
+
+
+def _module_note(rows: List[Row]) -> str:
+    """The one note a ModuleDiff has room for: the first warning's (the module fails), else a
+    skip note when every row of the module is skipped. A skip note on some tensors of a module
+    whose other tensors were compared stays in ``rows``: as the module's note it would make code
+    that treats SKIP notes as passes overlook those tensors."""
+    for row in rows:
+        if row.status == "WARN":
+            return row.note
+    return rows[0].note if all(row.status == "SKIP" for row in rows) else ""
+
+
+def _module_diffs(rows: List[Row]) -> List[ModuleDiff]:
+    """One ModuleDiff per module, in the order of the report."""
+    diffs: Dict[str, ModuleDiff] = {}
+    for row in rows:
+        if row.module not in diffs:
+            diffs[row.module] = ModuleDiff(name=row.module)
+        diff = diffs[row.module]
+        diff.rows.append(row)
+        tensor = _tensor_diff(row)
+        if tensor is not None:
+            if getattr(diff, row.check_type) is None:
+                setattr(diff, row.check_type, [])
+            getattr(diff, row.check_type).append(tensor)
+    for diff in diffs.values():
+        diff.note = _module_note(diff.rows)
+    return list(diffs.values())
+
+
+def _dtype(name: str) -> Optional[torch.dtype]:
+    """``"torch.bfloat16"`` -> ``torch.bfloat16``; None for ``""``."""
+    value = getattr(torch, name.removeprefix("torch."), None) if name else None
+    return value if isinstance(value, torch.dtype) else None
 
 
 class CompareResult:
     """What ``collect()`` and ``compare()`` return: the rows of one step and its verdict.
 
-    ``bool(result)`` is ``result.all_pass``; iterating yields the rows. The same step can be
-    compared again later from its dump with ``dynaprobe compare <dump_dir> --step <step>``.
+    ``bool(result)`` is ``result.all_pass``; iterating yields the rows; ``diffs`` shows them as
+    msProbe's ``ModuleDiff`` values. The same step can be compared again later from its dump
+    with ``dynaprobe compare <dump_dir> --step <step>``.
+
+    Built with msProbe's fields, ``CompareResult(loss_eager, loss_compiled, diffs, cast_dtype)``,
+    it is a plain value with no report behind it: ``all_pass`` comes from ``diffs``, and the
+    members that need the engine's report (``text()``, ``csv()``, ``step``, ...) raise
+    ValueError.
+
+    Args:
+        loss_eager: the eager loss (NaN when there is none, as in single-pass).
+        loss_compiled: the compiled loss.
+        diffs: one ModuleDiff per module.
+        cast_dtype: the autocast dtype of the check, if any.
     """
 
-    def __init__(self, report: Any, dump_dir: str, dump_file: str, comparison: Any = None):
+    def __init__(
+        self,
+        loss_eager: float,
+        loss_compiled: float,
+        diffs: Optional[List[ModuleDiff]] = None,
+        cast_dtype: Optional[torch.dtype] = None,
+    ):
+        if isinstance(loss_eager, _C.StepReport):
+            # The engine's form, CompareResult(report, dump_dir, dump_file, comparison), until
+            # every caller uses from_report().
+            self._init_from_report(loss_eager, loss_compiled, diffs, cast_dtype)
+            return
+        self._report = None
+        self._comparison = None
+        self.dump_dir: Optional[str] = None
+        self.dump_file: Optional[str] = None
+        self.rows: List[Row] = []
+        self.loss_eager = float(loss_eager)
+        self.loss_compiled = float(loss_compiled)
+        self.diffs = [] if diffs is None else diffs
+        self.cast_dtype = cast_dtype
+
+    @classmethod
+    def from_report(
+        cls, report: Any, dump_dir: str, dump_file: str, comparison: Any = None
+    ) -> "CompareResult":
+        """The result of one step of the engine's comparison.
+
+        Args:
+            report: the engine's StepReport of the step.
+            dump_dir: the dump folder.
+            dump_file: the step's file.
+            comparison: the engine's Comparison the report belongs to (else made on demand).
+        """
+        result = cls.__new__(cls)
+        result._init_from_report(report, dump_dir, dump_file, comparison)
+        return result
+
+    def _init_from_report(
+        self, report: Any, dump_dir: str, dump_file: str, comparison: Any
+    ) -> None:
         self._report = report
         self._comparison = comparison  # the engine's Comparison of this step (merged CSV)
         self.dump_dir = dump_dir
         self.dump_file = dump_file
         self.rows = [_row_from_dict(d) for d in report.rows]
+        # The eager loss is NaN in single-pass, which does not run the whole model eagerly.
+        eager = None if report.single_pass else report.loss_eager
+        self.loss_eager = math.nan if eager is None else eager
+        self.loss_compiled = math.nan if report.loss_compiled is None else report.loss_compiled
+        self.diffs = _module_diffs(self.rows)
+        self.cast_dtype = _dtype(report.cast_dtype)
+
+    def _engine_report(self) -> Any:
+        if self._report is None:
+            raise ValueError(
+                "this CompareResult was built from values (loss_eager, loss_compiled, diffs), "
+                "not returned by collect() or compare(): it has no report, step or dump. Use a "
+                "result of collect()/compare(), or read its values (str() of a TensorDiff is "
+                "its report line)"
+            )
+        return self._report
 
     @property
     def step(self) -> int:
-        return self._report.step
+        return self._engine_report().step
 
     @property
     def modules(self) -> dict:
@@ -88,7 +299,9 @@ class CompareResult:
         ``NOT_RUN``, ...) and, for compiled modules, ``compiled_functions`` (Dynamo's
         ``__compiled_fn_<n>`` names, comma-separated: the graphs of the dump and of
         ``graph_dir`` carry them), ``graph_breaks``, ``graph_break_reasons`` and ``calls``."""
-        return {name: dict(attributes) for name, attributes in self._report.modules.items()}
+        return {
+            name: dict(attributes) for name, attributes in self._engine_report().modules.items()
+        }
 
     def _step_comparison(self) -> Any:
         if self._comparison is None:
@@ -106,22 +319,18 @@ class CompareResult:
 
     @property
     def all_pass(self) -> bool:
-        """True when the loss check and every row pass; skipped and ignored rows do not count."""
+        """True when the loss check and every row pass; skipped and ignored rows do not count.
+
+        Built from values: True when every ModuleDiff in ``diffs`` passes (``ModuleDiff.passed``);
+        there is no loss check without tolerances.
+        """
+        if self._report is None:
+            return all(diff.passed for diff in self.diffs)
         return self._report.all_pass
 
     @property
-    def loss_eager(self) -> float:
-        """The eager loss; NaN in single-pass, which does not run the whole model eagerly."""
-        value = None if self._report.single_pass else self._report.loss_eager
-        return math.nan if value is None else value
-
-    @property
-    def loss_compiled(self) -> float:
-        value = self._report.loss_compiled
-        return math.nan if value is None else value
-
-    @property
     def loss_diff(self) -> float:
+        """``abs(loss_eager - loss_compiled)``: NaN when either is NaN (single-pass)."""
         return abs(self.loss_eager - self.loss_compiled)
 
     @property
@@ -131,11 +340,11 @@ class CompareResult:
 
     def text(self) -> str:
         """The stdout report."""
-        return self._report.render_text()
+        return self._engine_report().render_text()
 
     def csv(self) -> str:
         """The 9-column CSV report."""
-        return _C.render_csv([self._report])
+        return _C.render_csv([self._engine_report()])
 
     def __bool__(self) -> bool:
         return self.all_pass
@@ -147,5 +356,14 @@ class CompareResult:
         return len(self.rows)
 
     def __repr__(self) -> str:
+        if self._report is None:
+            verdict = "ALL PASS" if self.all_pass else "FAILED"
+            return (
+                f"<CompareResult loss_eager={self.loss_eager} loss_compiled="
+                f"{self.loss_compiled} {verdict} diffs={len(self.diffs)}>"
+            )
         verdict = "ALL PASS" if self.all_pass else f"FAILED ({len(self.failures)} rows)"
-        return f"<CompareResult step={self.step} {verdict} rows={len(self.rows)} dump={self.dump_file}>"
+        return (
+            f"<CompareResult step={self.step} {verdict} rows={len(self.rows)} "
+            f"dump={self.dump_file}>"
+        )
