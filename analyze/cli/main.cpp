@@ -1,14 +1,23 @@
 // The dynaprobe command line: compare dumps, list them, extract their graphs.
 // Exit codes: 0 all pass, 1 mismatches found, 2 usage error, 3 I/O or format error.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
@@ -26,15 +35,35 @@ constexpr int kExitMismatch = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitIo = 3;
 
+// Writes a report or a graph. O_NOFOLLOW: a symbolic link at the name (planted in an output
+// folder) is refused rather than followed, so nothing is written outside the folder given.
 void write_text_file(const fs::path& path, const std::string& text) {
   if (path.has_parent_path()) {
     std::error_code error;
     fs::create_directories(path.parent_path(), error);
   }
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-  out.close();
-  if (!out) throw dynaprobe::IoError("cannot write " + path.string());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int code = errno;
+    throw dynaprobe::IoError("cannot write " + path.string() + ": " +
+                             (code == ELOOP ? std::string("it is a symbolic link, which dynaprobe "
+                                                          "does not follow; remove it")
+                                            : std::string(std::strerror(code))));
+  }
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string reason = std::strerror(errno);
+      ::close(fd);
+      throw dynaprobe::IoError("cannot write " + path.string() + ": " + reason);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    throw dynaprobe::IoError("cannot write " + path.string() + ": " + std::strerror(errno));
+  }
 }
 
 // "report.csv" -> "report_rank1.csv", for per-rank CSVs of a run folder.
@@ -78,6 +107,7 @@ struct CompareCommand {
 void setup_compare(CLI::App& app, CompareCommand& cmd) {
   auto* sub = app.add_subcommand(
       "compare", "Compare the eager and the compiled side of a dump and print the report");
+  sub->fallthrough();  // --time-limit and --memory-limit may follow the command
   sub->footer(
       "DUMP is a run folder (rank<R>/ folders), a dump folder (step_<N>.h5 files) or one step\n"
       "file, holding both sides (single-pass, two-pass). With DUMP2, the eager side comes from\n"
@@ -199,6 +229,7 @@ struct LsCommand {
 void setup_ls(CLI::App& app, LsCommand& cmd) {
   auto* sub = app.add_subcommand(
       "ls", "List a dump's steps, provenance, modules, records and graphs (no tensor data read)");
+  sub->fallthrough();
   sub->footer(
       "For each step file: its provenance (torch version, backend, mode, tolerances, host, ...),\n"
       "the modules the capture knew of (role, calls, compiled functions, graph breaks, notes),\n"
@@ -210,6 +241,14 @@ void setup_ls(CLI::App& app, LsCommand& cmd) {
   sub->add_option("DUMP", cmd.dump, "Run folder, dump folder or step file")
       ->type_name("")
       ->required();
+}
+
+// A name from the file, printable on one line (formats::printable_name); valid until the next
+// call, so use it once per printf.
+const char* printable(const std::string& name) {
+  static thread_local std::string buffer;
+  buffer = formats::printable_name(name);
+  return buffer.c_str();
 }
 
 std::string human_bytes(std::uint64_t bytes) {
@@ -232,9 +271,9 @@ int run_ls(const LsCommand& cmd) {
     for (const auto& file : files.steps) {
       formats::StepReader reader(file);
       std::printf("%s  (step %lld, format %s)\n", file.c_str(),
-                  static_cast<long long>(reader.step()), reader.format_version().c_str());
+                  static_cast<long long>(reader.step()), printable(reader.format_version()));
       for (const auto& [key, value] : reader.provenance()) {
-        std::printf("  %-16s %s\n", (key + ":").c_str(), value.c_str());
+        std::printf("  %-16s %s\n", (formats::printable_name(key) + ":").c_str(), printable(value));
       }
       const auto modules = reader.modules();
       if (!modules.empty()) {
@@ -242,9 +281,10 @@ int run_ls(const LsCommand& cmd) {
         for (const auto& module : modules) {
           std::string attributes;
           for (const auto& [key, value] : module.attributes) {
-            attributes += (attributes.empty() ? "" : ", ") + key + "=" + value;
+            attributes += (attributes.empty() ? "" : ", ") + formats::printable_name(key) + "=" +
+                          formats::printable_name(value);
           }
-          std::printf("    %-40s %s\n", module.module.c_str(), attributes.c_str());
+          std::printf("    %-40s %s\n", printable(module.module), attributes.c_str());
         }
       }
       std::printf("  %-32s %4s %-11s %5s %-9s %-15s %-20s %10s %10s %6s\n", "module", "call",
@@ -254,9 +294,10 @@ int run_ls(const LsCommand& cmd) {
         total += record.nbytes();
         stored += record.stored_bytes;
         std::printf(
-            "  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n", record.key.module.c_str(),
-            record.key.call, std::string(formats::kind_name(record.key.kind)).c_str(),
-            record.key.tensor_index, std::string(formats::side_name(record.key.side)).c_str(),
+            "  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n",
+            printable(record.key.module), record.key.call,
+            std::string(formats::kind_name(record.key.kind)).c_str(), record.key.tensor_index,
+            std::string(formats::side_name(record.key.side)).c_str(),
             std::string(formats::dtype_name(record.dtype)).c_str(),
             formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
             human_bytes(record.stored_bytes).c_str(),
@@ -267,14 +308,17 @@ int run_ls(const LsCommand& cmd) {
       std::printf("  %zu records, %s of tensors stored in %s\n", reader.records().size(),
                   human_bytes(total).c_str(), human_bytes(stored).c_str());
       for (const auto& graph : reader.graphs()) {
-        std::printf("  graph %s (%s, %zu bytes)\n", graph.name.c_str(), graph.kind.c_str(),
-                    graph.text.size());
+        std::printf("  graph %s (%s, %zu bytes)\n", formats::printable_name(graph.name).c_str(),
+                    formats::printable_name(graph.kind).c_str(), graph.text.size());
       }
     }
     for (const auto& file : files.unfinished) {
       std::printf("%s  (unfinished: the writer stopped during this step; it is skipped)\n",
                   file.c_str());
     }
+    // As compare does: a dump without a committed step is an error, not an empty listing.
+    std::fflush(stdout);
+    analyze::require_committed_steps(rank.path, files);
   }
   return kExitPass;
 }
@@ -288,6 +332,7 @@ struct GraphsCommand {
 void setup_graphs(CLI::App& app, GraphsCommand& cmd) {
   auto* sub = app.add_subcommand(
       "graphs", "Write the Dynamo and AOTAutograd graphs stored in a dump as .py files");
+  sub->fallthrough();
   sub->footer(
       "Files are named as PyTorch names them, one per graph:\n"
       "  __compiled_fn_<n>.Captured_Graph.<hash>.py   what Dynamo traced\n"
@@ -316,6 +361,15 @@ std::string safe_file_name(const std::string& name) {
     safe += ok ? c : '_';
   }
   if (safe.empty() || safe.front() == '.') safe = "_" + safe;
+  // File names are limited to 255 bytes: a longer name keeps its first 200 characters and gets a
+  // hash of the whole name, so different long names stay different files.
+  constexpr std::size_t kMaxStem = 200;
+  if (safe.size() > kMaxStem) {
+    char hash[20];
+    std::snprintf(hash, sizeof(hash), ".%016llx",
+                  static_cast<unsigned long long>(std::hash<std::string>{}(name)));
+    safe = safe.substr(0, kMaxStem) + hash;
+  }
   return safe;
 }
 
@@ -327,7 +381,9 @@ int run_graphs(const GraphsCommand& cmd) {
                                 ? fs::path(cmd.output) / ("rank" + std::to_string(rank.rank))
                                 : fs::path(cmd.output);
     std::map<std::string, std::string> texts;
-    for (const auto& file : formats::list_dump(rank.path).steps) {
+    const auto files = formats::list_dump(rank.path);
+    analyze::require_committed_steps(rank.path, files);
+    for (const auto& file : files.steps) {
       formats::StepReader reader(file);
       for (const auto& graph : reader.graphs()) {
         std::string name = safe_file_name(graph.name);
@@ -351,6 +407,132 @@ int run_graphs(const GraphsCommand& cmd) {
   return kExitPass;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Containment. Dumps are untrusted input, and HDF5 1.10 itself can crash (segmentation faults in
+// its global heap and variable-length conversions) or loop forever on a damaged or crafted file,
+// below anything dynaprobe can check first. So each command runs in a child process, under a
+// memory limit (RLIMIT_AS) and a wall-clock limit, while this process only waits: a child that
+// dies by a signal or runs past the limit becomes exit code 3 with the name of the file it was
+// reading. A child process was chosen over checking files up front (the crashes are inside HDF5's
+// own parsing, which cannot be pre-validated) and over threads (a crash takes the whole process).
+// It costs one fork (about a millisecond) per command; the report is written by the child.
+struct Limits {
+  double seconds = 3600;         // 0: no time limit
+  std::uint64_t memory_mib = 0;  // 0: the machine's physical memory
+  bool isolate = true;
+};
+
+// The file the child is reading, in memory shared with this process.
+struct SharedFile {
+  std::atomic_flag busy = ATOMIC_FLAG_INIT;
+  char path[4096];
+};
+SharedFile* shared_file = nullptr;
+
+void note_open(const fs::path& path) {
+  if (!shared_file) return;
+  while (shared_file->busy.test_and_set(std::memory_order_acquire)) {
+  }
+  std::snprintf(shared_file->path, sizeof(shared_file->path), "%s", path.c_str());
+  shared_file->busy.clear(std::memory_order_release);
+}
+
+std::uint64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), size = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0
+             ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(size)
+             : 0;
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;  // its shadow memory needs a huge address space
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+int run_contained(const Limits& limits, const std::string& what, const std::function<int()>& run) {
+  if (!limits.isolate) return run();
+  void* memory = ::mmap(nullptr, sizeof(SharedFile), PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED) return run();
+  shared_file = new (memory) SharedFile();
+  std::cout.flush();
+  std::fflush(nullptr);
+  // Forked before any thread exists (TBB and HDF5 start theirs in the child).
+  const pid_t child = ::fork();
+  if (child < 0) return run();
+  if (child == 0) {
+    const std::uint64_t bytes = limits.memory_mib ? limits.memory_mib << 20 : physical_memory();
+    if (bytes && !kAddressSanitizer) {
+      const rlimit limit{static_cast<rlim_t>(bytes), static_cast<rlim_t>(bytes)};
+      ::setrlimit(RLIMIT_AS, &limit);
+    }
+    formats::set_open_observer(note_open);
+    const int code = run();
+    std::cout.flush();
+    std::fflush(nullptr);
+    ::_exit(code);  // no atexit handlers: HDF5's could trip over the damage again
+  }
+  const auto start = std::chrono::steady_clock::now();
+  int status = 0;
+  bool timed_out = false;
+  auto pause = std::chrono::microseconds(500);
+  for (;;) {
+    const pid_t done = ::waitpid(child, &status, WNOHANG);
+    if (done == child) break;
+    if (done < 0 && errno != EINTR) {
+      std::cerr << "dynaprobe: error: lost the worker process: " << std::strerror(errno) << "\n";
+      return kExitIo;
+    }
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (limits.seconds > 0 && elapsed > limits.seconds) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, &status, 0);
+      timed_out = true;
+      break;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+  if (!timed_out && WIFEXITED(status)) return WEXITSTATUS(status);
+  const std::string file = shared_file->path[0] ? std::string(shared_file->path) : what;
+  std::cout.flush();
+  if (timed_out) {
+    std::cerr << "dynaprobe: error: " << file << ": reading did not finish within "
+              << limits.seconds
+              << " s and was stopped (HDF5 loops forever on some damaged files); the file is "
+                 "damaged, or raise --time-limit for a very large dump\n";
+  } else {
+    const int signal = WTERMSIG(status);
+    std::cerr << "dynaprobe: error: " << file << ": reading it crashed the reader (signal "
+              << signal << ", " << ::strsignal(signal)
+              << "); the file is damaged or not a dynaprobe dump"
+              << (signal == SIGKILL || signal == SIGABRT
+                      ? " (or it needed more memory than --memory-limit allows)"
+                      : "")
+              << "\n";
+  }
+  return kExitIo;
+}
+
+void add_limit_options(CLI::App& app, Limits& limits) {
+  app.add_option("--time-limit", limits.seconds,
+                 "Stop reading after this many seconds and exit 3 (default 3600; 0: none)")
+      ->type_name("S")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--memory-limit", limits.memory_mib,
+                 "Address-space limit of the reading process in MiB, exit 3 past it (default: "
+                 "the machine's memory)")
+      ->type_name("MIB");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -366,6 +548,8 @@ int main(int argc, char** argv) {
       "Exit codes: 0 all pass, 1 differences found (compare: a FAIL or WARN row, or the loss),\n"
       "2 usage error, 3 I/O or format error (missing, unreadable or corrupt dump).");
   app.require_subcommand(1);
+  Limits limits;
+  add_limit_options(app, limits);
   CompareCommand compare;
   LsCommand ls;
   GraphsCommand graphs;
@@ -382,18 +566,34 @@ int main(int argc, char** argv) {
     app.exit(e);
     return kExitUsage;
   }
-  try {
-    if (app.got_subcommand("compare")) return run_compare(compare);
-    if (app.got_subcommand("ls")) return run_ls(ls);
-    return run_graphs(graphs);
-  } catch (const dynaprobe::UsageError& e) {
-    std::cerr << "dynaprobe: error: " << e.what() << "\n";
-    return kExitUsage;
-  } catch (const dynaprobe::Error& e) {
-    std::cerr << "dynaprobe: error: " << e.what() << "\n";
-    return kExitIo;
-  } catch (const std::exception& e) {
-    std::cerr << "dynaprobe: error: " << e.what() << "\n";
-    return kExitIo;
-  }
+  const auto run = [&]() -> int {
+    try {
+      if (app.got_subcommand("compare")) return run_compare(compare);
+      if (app.got_subcommand("ls")) return run_ls(ls);
+      return run_graphs(graphs);
+    } catch (const dynaprobe::UsageError& e) {
+      std::cerr << "dynaprobe: error: " << e.what() << "\n";
+      return kExitUsage;
+    } catch (const dynaprobe::Error& e) {
+      std::cerr << "dynaprobe: error: " << e.what() << "\n";
+      return kExitIo;
+    } catch (const std::bad_alloc&) {
+      std::cerr << "dynaprobe: error: out of memory while reading "
+                << (shared_file && shared_file->path[0] ? shared_file->path : "the dump")
+                << " (the file is damaged, or raise --memory-limit)\n";
+      return kExitIo;
+    } catch (const std::exception& e) {
+      std::cerr << "dynaprobe: error: " << e.what() << "\n";
+      return kExitIo;
+    }
+  };
+  const std::string dumps =
+      app.got_subcommand("compare")
+          ? compare.dump + (compare.dump2.empty() ? "" : " or " + compare.dump2)
+      : app.got_subcommand("ls") ? ls.dump
+                                 : graphs.dump;
+  // DYNAPROBE_NO_ISOLATION=1 runs in this process, e.g. under a debugger.
+  const char* no_isolation = std::getenv("DYNAPROBE_NO_ISOLATION");
+  limits.isolate = !(no_isolation && std::string(no_isolation) == "1");
+  return run_contained(limits, dumps, run);
 }

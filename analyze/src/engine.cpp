@@ -31,6 +31,12 @@ using formats::StepReader;
 
 namespace {
 
+std::string format_double(double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%g", value);
+  return buffer;
+}
+
 constexpr Kind kTensorKinds[] = {Kind::kFwdInput, Kind::kFwdOutput, Kind::kGradInput,
                                  Kind::kGradOutput, Kind::kParamGrad};
 
@@ -44,11 +50,7 @@ struct OpenDump {
 
 OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) {
   const formats::DumpFiles files = formats::list_dump(path);
-  if (files.steps.empty() && files.unfinished.empty()) {
-    throw FormatError(path.string() +
-                      ": no step files (step_<N>.h5): expected a dump folder, a step file or a "
-                      "run folder with rank<R>/ folders");
-  }
+  require_committed_steps(path, files);
   OpenDump dump;
   dump.unfinished = files.unfinished;
   std::vector<fs::path> candidates = files.steps;
@@ -74,19 +76,76 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
   return dump;
 }
 
-std::optional<double> parse_double(const formats::Provenance& provenance, const std::string& key) {
-  auto found = provenance.find(key);
-  if (found == provenance.end()) return std::nullopt;
-  try {
-    return std::stod(found->second);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
 std::string provenance_value(const formats::Provenance& provenance, const std::string& key) {
   auto found = provenance.find(key);
   return found == provenance.end() ? std::string() : found->second;
+}
+
+// A tolerance must be a finite number >= 0: NaN would fail every element and infinity pass every
+// one, silently.
+bool valid_tolerance(double value) { return std::isfinite(value) && value >= 0; }
+
+// The dump's own tolerance (its provenance), if it has one. One that is not a valid tolerance is
+// damage, reported as such rather than replaced by a default.
+std::optional<double> dump_tolerance(const formats::Provenance& provenance, const std::string& key,
+                                     const fs::path& dump) {
+  auto found = provenance.find(key);
+  if (found == provenance.end()) return std::nullopt;
+  double value = NAN;
+  const std::string& text = found->second;
+  const auto parsed = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (parsed.ec != std::errc() || parsed.ptr != text.data() + text.size() ||
+      !valid_tolerance(value)) {
+    throw FormatError(dump.string() + ": provenance " + key + "=" + formats::quoted_name(text) +
+                      " is not a finite number >= 0; give the tolerance with --" + key);
+  }
+  return value;
+}
+
+// Which sides a dump holds records of.
+struct SidesHeld {
+  bool eager = false;
+  bool compiled = false;
+};
+SidesHeld sides_held(const OpenDump& dump) {
+  SidesHeld held;
+  for (const auto& [step, reader] : dump.steps) {
+    for (const RecordInfo& info : reader->records()) {
+      (info.key.side == Side::kEager ? held.eager : held.compiled) |=
+          info.key.side != Side::kReference;
+    }
+  }
+  return held;
+}
+
+// Two dumps given in the wrong order (or both of one side) would compare nothing or the wrong
+// things; their provenance ("mode" of a one-sided capture) and their records tell.
+void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
+                 const OpenDump& compiled, const formats::Provenance& eager_provenance,
+                 const formats::Provenance& compiled_provenance) {
+  const std::string eager_mode = provenance_value(eager_provenance, "mode");
+  const std::string compiled_mode = provenance_value(compiled_provenance, "mode");
+  const SidesHeld e = sides_held(eager), c = sides_held(compiled);
+  const bool eager_is_compiled = eager_mode == "compiled_only" || (!e.eager && e.compiled);
+  const bool compiled_is_eager = compiled_mode == "eager_only" || (!c.compiled && c.eager);
+  if (eager_is_compiled && compiled_is_eager) {
+    throw UsageError("the two sides look swapped: " + eager_path.string() +
+                     " holds the compiled side (mode=" + formats::printable_name(eager_mode) +
+                     ") and " + compiled_path.string() +
+                     " the eager side (mode=" + formats::printable_name(compiled_mode) +
+                     "); give the eager dump first: dynaprobe compare " + compiled_path.string() +
+                     " " + eager_path.string());
+  }
+  if (eager_is_compiled) {
+    throw UsageError(eager_path.string() + " is given as the eager side but holds only the " +
+                     "compiled side (mode=" + formats::printable_name(eager_mode) +
+                     "); give an eager capture first, then the compiled one");
+  }
+  if (compiled_is_eager) {
+    throw UsageError(compiled_path.string() + " is given as the compiled side but holds only " +
+                     "the eager side (mode=" + formats::printable_name(compiled_mode) +
+                     "); give the eager capture first, then the compiled one");
+  }
 }
 
 // The loss of one side, as a double.
@@ -415,6 +474,21 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
 
 }  // namespace
 
+void require_committed_steps(const fs::path& path, const formats::DumpFiles& files) {
+  if (!files.steps.empty()) return;
+  if (files.unfinished.empty()) {
+    throw FormatError(path.string() +
+                      ": no step files (step_<N>.h5): expected a dump folder, a step file or a "
+                      "run folder with rank<R>/ folders");
+  }
+  throw FormatError(path.string() + ": no committed step, only " +
+                    std::to_string(files.unfinished.size()) + " unfinished one(s) (" +
+                    files.unfinished.front().filename().string() +
+                    (files.unfinished.size() > 1 ? ", ..." : "") +
+                    "): the writer stopped before committing any step, so there is nothing to "
+                    "read");
+}
+
 std::string_view status_name(Status status) {
   switch (status) {
     case Status::kPass:
@@ -474,6 +548,13 @@ bool Comparison::all_pass() const {
 
 Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                    const CompareOptions& options) {
+  for (const auto& [name, value] :
+       {std::pair{"atol", options.atol}, std::pair{"rtol", options.rtol}}) {
+    if (value && !valid_tolerance(*value)) {
+      throw UsageError(std::string(name) + " must be a finite number >= 0, but received " +
+                       format_double(*value));
+    }
+  }
   std::error_code error;
   const bool same = fs::equivalent(eager_dump, compiled_dump, error);
   const OpenDump eager = open_dump(eager_dump, options.step);
@@ -514,11 +595,21 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
       if (a != b) result.provenance_differences.push_back({key, a, b});
     }
   }
+  if (!same) {
+    check_sides(eager_dump, eager, compiled_dump, compiled, result.eager_provenance,
+                result.compiled_provenance);
+  }
   Tolerances tolerances;
-  tolerances.atol = options.atol.value_or(
-      parse_double(result.compiled_provenance, "atol").value_or(tolerances.atol));
-  tolerances.rtol = options.rtol.value_or(
-      parse_double(result.compiled_provenance, "rtol").value_or(tolerances.rtol));
+  const fs::path& tolerance_source = same ? eager_dump : compiled_dump;
+  // The dump's value is read only when the option is not given, so a damaged one can be replaced.
+  tolerances.atol = options.atol
+                        ? *options.atol
+                        : dump_tolerance(result.compiled_provenance, "atol", tolerance_source)
+                              .value_or(tolerances.atol);
+  tolerances.rtol = options.rtol
+                        ? *options.rtol
+                        : dump_tolerance(result.compiled_provenance, "rtol", tolerance_source)
+                              .value_or(tolerances.rtol);
 
   std::set<std::int64_t> steps;
   for (const auto& [step, reader] : eager.steps) steps.insert(step);

@@ -68,7 +68,7 @@ int severity(Status status) {
 }
 
 std::string display_name(const Row& row, bool backward) {
-  std::string name = row.module;
+  std::string name = formats::printable_name(row.module);
   if (backward && row.kind) name += "." + std::string(formats::kind_name(*row.kind));
   if (row.call > 0) name += " (call " + std::to_string(row.call) + ")";
   return name;
@@ -93,13 +93,18 @@ Numbers numbers(const Row& row) {
 }
 
 std::string detail_text(const Row& row) {
-  if (!row.note.empty()) return row.note + (row.reason.empty() ? "" : "  " + row.reason);
+  if (!row.note.empty()) {
+    return formats::printable_name(row.note) +
+           (row.reason.empty() ? "" : "  " + formats::printable_name(row.reason));
+  }
   const Numbers n = numbers(row);
   std::string text = std::string(row.status == Status::kPass ? "[OK]" : "[!!]") +
                      " max_abs=" + format_float(n.max_abs, "%.3e") +
                      "  mean_abs=" + format_float(n.mean_abs, "%.3e") +
                      "  max_rel=" + format_float(n.max_rel, "%.3e") + "  shape=" + shape_text(row);
-  if (row.kind == Kind::kParamGrad && !row.label.empty()) text += "  param=" + row.label;
+  if (row.kind == Kind::kParamGrad && !row.label.empty()) {
+    text += "  param=" + formats::printable_name(row.label);
+  }
   return text;
 }
 
@@ -143,8 +148,10 @@ std::string csv_line(const std::vector<std::string>& fields) {
 }
 
 std::string row_note(const Row& row) {
-  if (row.note.empty()) return row.reason;
-  return row.reason.empty() ? row.note : row.note + ": " + row.reason;
+  const std::string note = formats::printable_name(row.note);
+  const std::string reason = formats::printable_name(row.reason);
+  if (note.empty()) return reason;
+  return reason.empty() ? note : note + ": " + reason;
 }
 
 // The 9 CSV columns of each row of a step, LOSS first. `merged` uses the multi-rank example's
@@ -167,8 +174,8 @@ std::vector<std::vector<std::string>> csv_rows(const StepReport& report, bool me
   }
   const std::string empty = merged ? "N/A" : "";
   for (const Row& row : report.rows) {
-    std::string module =
-        row.module + (row.call > 0 ? " (call " + std::to_string(row.call) + ")" : "");
+    std::string module = formats::printable_name(row.module) +
+                         (row.call > 0 ? " (call " + std::to_string(row.call) + ")" : "");
     const std::string status(status_name(row.status));
     if (!row.kind) {
       rows.push_back(
@@ -194,8 +201,11 @@ const std::vector<std::string> kCsvHeader = {"module_name",  "check_type",   "te
                                              "status",       "max_abs_diff", "mean_abs_diff",
                                              "max_rel_diff", "shape",        "note"};
 
-// JSON helpers: non-finite numbers become the strings "nan", "inf", "-inf".
-std::string json_string(const std::string& text) {
+// JSON helpers: non-finite numbers become the strings "nan", "inf", "-inf". Strings are the
+// printable_name() of the text, as in the text report, so they are valid UTF-8 without control
+// characters whatever bytes a damaged dump holds.
+std::string json_string(const std::string& raw) {
+  const std::string text = formats::printable_name(raw);
   std::string out = "\"";
   for (unsigned char c : text) {
     switch (c) {
@@ -431,7 +441,7 @@ std::string render_provenance(const Comparison& comparison) {
     for (const char* key : kKeys) {
       auto found = provenance->find(key);
       if (found != provenance->end() && !found->second.empty()) {
-        out += std::string(" ") + key + "=" + found->second;
+        out += std::string(" ") + key + "=" + formats::printable_name(found->second);
       }
     }
     out += "\n";
@@ -439,9 +449,11 @@ std::string render_provenance(const Comparison& comparison) {
   if (comparison.provenance_differences.empty()) return out;
   out += "Provenance differs between the eager and the compiled dump:\n";
   for (const auto& difference : comparison.provenance_differences) {
-    out += "  " + difference.key +
-           ": eager=" + (difference.eager.empty() ? "(none)" : difference.eager) +
-           "  compiled=" + (difference.compiled.empty() ? "(none)" : difference.compiled) + "\n";
+    out += "  " + formats::printable_name(difference.key) + ": eager=" +
+           (difference.eager.empty() ? "(none)" : formats::printable_name(difference.eager)) +
+           "  compiled=" +
+           (difference.compiled.empty() ? "(none)" : formats::printable_name(difference.compiled)) +
+           "\n";
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -37,9 +38,12 @@ std::uint64_t product(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
+std::atomic<OpenObserver> open_observer{nullptr};
+
 // Opens an HDF5 file read-only, telling "cannot read" (IoError) from "not a valid HDF5 file"
 // (FormatError).
 std::shared_ptr<h5::Handle> open_file(const fs::path& path) {
+  if (const OpenObserver observer = open_observer.load()) observer(path);
   h5::init();
   const std::string where = path.string();
   std::error_code error;
@@ -499,6 +503,18 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     throw FormatError(where + ": format version '" + impl.format_version +
                       "' is not of the form <major>.<minor>");
   }
+  int minor = 0;
+  if (parsed.ptr < text + impl.format_version.size() && *parsed.ptr == '.') {
+    const char* end = text + impl.format_version.size();
+    if (std::from_chars(parsed.ptr + 1, end, minor).ec != std::errc() || minor < 0) {
+      throw FormatError(where + ": format version '" + impl.format_version +
+                        "' is not of the form <major>.<minor>");
+    }
+  }
+  // Only a newer version may hold kinds, sides or dtypes this reader does not know; in a file of
+  // a version it knows, an unknown name is damage.
+  const bool newer = major > schema::kFormatMajor ||
+                     (major == schema::kFormatMajor && minor > schema::kFormatMinor);
   if (major > schema::kFormatMajor) {
     throw FormatError(where + ": written in dump format " + impl.format_version +
                       ", but this dynaprobe reads format " + std::to_string(schema::kFormatMajor) +
@@ -557,14 +573,21 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     const auto side = parse_side(row.side ? row.side : "");
     const auto dtype = parse_dtype(row.dtype ? row.dtype : "");
     // A newer minor version may add kinds, sides or dtypes: such records are listed as
-    // skipped, and everything this reader understands stays readable.
+    // skipped, and everything this reader understands stays readable. In a file of a version
+    // this reader knows, an unknown name can only be damage.
     if (!kind || !side || !dtype) {
-      impl.skipped.push_back("index row " + std::to_string(i) + " (" + info.key.module +
-                             "): unknown " +
-                             (!kind   ? "kind '" + std::string(row.kind ? row.kind : "")
-                              : !side ? "side '" + std::string(row.side ? row.side : "")
-                                      : "dtype '" + std::string(row.dtype ? row.dtype : "")) +
-                             "', written by a newer dynaprobe");
+      const std::string what = "index row " + std::to_string(i) + " (module " +
+                               quoted_name(info.key.module) + "): unknown " +
+                               (!kind   ? "kind " + quoted_name(row.kind ? row.kind : "")
+                                : !side ? "side " + quoted_name(row.side ? row.side : "")
+                                        : "dtype " + quoted_name(row.dtype ? row.dtype : ""));
+      if (!newer) {
+        throw FormatError(where + ": damaged /index: " + what + ", which format " +
+                          impl.format_version +
+                          " does not have; the file is corrupt (re-capture or re-copy it)");
+      }
+      impl.skipped.push_back(what + ", written by a newer dynaprobe (format " +
+                             impl.format_version + ")");
       continue;
     }
     info.key.kind = *kind;
@@ -691,6 +714,8 @@ std::vector<std::byte> StepReader::read(const RecordInfo& record) const {
 TensorStream open_dataset(const fs::path& file, const std::string& dataset) {
   return TensorStream(open_state(open_file(file), dataset, file.string(), std::nullopt));
 }
+
+void set_open_observer(OpenObserver observer) { open_observer.store(observer); }
 
 DumpFiles list_dump(const fs::path& dump) {
   std::error_code error;

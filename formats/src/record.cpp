@@ -33,6 +33,77 @@ std::string to_string(const RecordKey& key) {
          std::to_string(key.tensor_index) + "] (" + std::string(side_name(key.side)) + ")";
 }
 
+namespace {
+
+// Length of the valid UTF-8 sequence starting at text[i] (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF), 0 when it is not one.
+std::size_t utf8_length(std::string_view text, std::size_t i) {
+  const auto byte = [&](std::size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char lead = byte(i);
+  std::size_t length = 0;
+  unsigned char low = 0x80, high = 0xbf;  // range of the second byte
+  if (lead >= 0xc2 && lead <= 0xdf) {
+    length = 2;
+  } else if (lead >= 0xe0 && lead <= 0xef) {
+    length = 3;
+    if (lead == 0xe0) low = 0xa0;
+    if (lead == 0xed) high = 0x9f;
+  } else if (lead >= 0xf0 && lead <= 0xf4) {
+    length = 4;
+    if (lead == 0xf0) low = 0x90;
+    if (lead == 0xf4) high = 0x8f;
+  } else {
+    return 0;
+  }
+  if (i + length > text.size()) return 0;
+  if (byte(i + 1) < low || byte(i + 1) > high) return 0;
+  for (std::size_t k = 2; k < length; ++k) {
+    if (byte(i + k) < 0x80 || byte(i + k) > 0xbf) return 0;
+  }
+  return length;
+}
+
+void append_hex(std::string& out, unsigned char c) {
+  static constexpr char kDigits[] = "0123456789ABCDEF";
+  out += "\\x";
+  out += kDigits[c >> 4];
+  out += kDigits[c & 15];
+}
+
+}  // namespace
+
+std::string printable_name(std::string_view name) {
+  std::string out;
+  out.reserve(name.size());
+  for (std::size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c < 0x80) {
+      if (c < 0x20 || c == 0x7f) {
+        append_hex(out, c);
+      } else {
+        out += static_cast<char>(c);
+      }
+      ++i;
+      continue;
+    }
+    const std::size_t length = utf8_length(name, i);
+    if (length == 0) {
+      append_hex(out, c);
+      ++i;
+    } else if (c == 0xc2 && static_cast<unsigned char>(name[i + 1]) < 0xa0) {  // C1 controls
+      append_hex(out, c);
+      append_hex(out, static_cast<unsigned char>(name[i + 1]));
+      i += 2;
+    } else {
+      out.append(name.substr(i, length));
+      i += length;
+    }
+  }
+  return out;
+}
+
+std::string quoted_name(std::string_view name) { return "'" + printable_name(name) + "'"; }
+
 void validate_module_path(std::string_view module) {
   if (module.empty() || module == "." || module == ".." ||
       module.find('/') != std::string_view::npos) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <tbb/concurrent_queue.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
@@ -10,7 +11,7 @@
 #include <zstd.h>
 
 #include <cerrno>
-#include <cstdio>
+#include <cstdio>  // renameat2, RENAME_NOREPLACE (glibc >= 2.28)
 #include <cstring>
 #include <map>
 #include <optional>
@@ -122,7 +123,7 @@ void start_writeback(int fd) {
 }
 
 void fsync_path(const fs::path& path, const std::string& where) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0 || ::fsync(fd) != 0) {
     const std::string reason = std::strerror(errno);
     if (fd >= 0) ::close(fd);
@@ -130,6 +131,45 @@ void fsync_path(const fs::path& path, const std::string& where) {
                   reason);
   }
   ::close(fd);
+}
+
+// A step is written to a new file only. A regular file left at the .partial name by a writer
+// that died is removed (unlink removes a name, never what a link points to); anything else there
+// (a symbolic link, a folder) is refused: nothing is ever written outside the dump folder.
+void prepare_partial_path(const fs::path& partial) {
+  struct stat info {};
+  if (::lstat(partial.c_str(), &info) != 0) {
+    if (errno == ENOENT) return;
+    throw IoError("cannot inspect " + partial.string() + ": " + std::strerror(errno));
+  }
+  if (S_ISLNK(info.st_mode) || !S_ISREG(info.st_mode)) {
+    throw IoError(partial.string() + " exists and is " +
+                  (S_ISLNK(info.st_mode) ? "a symbolic link" : "not a regular file") +
+                  "; dynaprobe never writes through links or over other files in a dump folder: "
+                  "remove it, or write to a new folder");
+  }
+  if (::unlink(partial.c_str()) != 0 && errno != ENOENT) {
+    throw IoError("cannot remove the unfinished step " + partial.string() + ": " +
+                  std::strerror(errno));
+  }
+}
+
+// Commits by renaming, without ever replacing what is at the final name (a committed step, or a
+// link planted there): renameat2(RENAME_NOREPLACE), or link + unlink where the file system lacks
+// it. Both fail with EEXIST instead of replacing.
+void rename_no_replace(const fs::path& from, const fs::path& to, const std::string& where) {
+  int result = -1;
+#if defined(__linux__) && defined(RENAME_NOREPLACE)
+  result = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
+  if (result != 0 && errno != EINVAL && errno != ENOSYS) {
+    throw IoError("cannot rename " + where + " to " + to.string() + ": " + std::strerror(errno));
+  }
+#endif
+  if (result != 0) {
+    if (::link(from.c_str(), to.c_str()) != 0 || ::unlink(from.c_str()) != 0) {
+      throw IoError("cannot rename " + where + " to " + to.string() + ": " + std::strerror(errno));
+    }
+  }
 }
 
 // Gives the threads that work in a writer's arena the writer's niceness while they are in it.
@@ -496,17 +536,22 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   if (error) {
     throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
   }
-  if (fs::exists(impl.final_path)) {
+  // symlink_status: a link (even a dangling one) at the step's name is something to refuse, not
+  // to follow.
+  if (fs::exists(fs::symlink_status(impl.final_path, error))) {
     throw UsageError("step " + std::to_string(step) + " already exists in " +
                      impl.final_path.string() +
                      "; dynaprobe never overwrites a committed step: write to a new folder");
   }
+  prepare_partial_path(impl.partial_path);
   const std::string where = impl.partial_path.string();
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle fapl = h5::plist_handle(H5Pcreate(H5P_FILE_ACCESS), "creating fapl", where);
   h5::check(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110),
             "setting file format bounds", where);
-  impl.file = h5::file_handle(H5Fcreate(where.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()),
+  // H5F_ACC_EXCL: HDF5 opens with O_CREAT | O_EXCL, which creates a new file or fails, and never
+  // follows a symbolic link planted at the name in the meantime.
+  impl.file = h5::file_handle(H5Fcreate(where.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
                               "cannot create step file", where);
   h5::write_string_attribute(
       impl.file.get(), schema::kFormatVersionAttr,
@@ -700,12 +745,7 @@ fs::path StepWriter::commit() {
     throw;
   }
   fsync_path(impl.partial_path, where);
-  std::error_code error;
-  fs::rename(impl.partial_path, impl.final_path, error);
-  if (error) {
-    throw IoError("cannot rename " + where + " to " + impl.final_path.string() + ": " +
-                  error.message());
-  }
+  rename_no_replace(impl.partial_path, impl.final_path, where);
   fsync_path(impl.final_path.parent_path(), where);
   impl.committed = true;
   return impl.final_path;

@@ -233,5 +233,90 @@ TEST(Engine, ModuleFilterMatchingNothingIsAUsageError) {
   EXPECT_TRUE(nothing.steps.at(0).counts().nothing_compared());
 }
 
+template <typename Error, typename F>
+std::string error_of(F&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+// A folder holding only a step the writer never committed is an error, not an empty pass.
+TEST(Engine, OnlyUnfinishedStepsAreAnError) {
+  TempDir dir;
+  formats::testing::write_file(dir.path() / "step_00000000.h5.partial", "killed mid-write");
+  const std::string message =
+      error_of<dynaprobe::FormatError>([&] { compare(dir.path(), dir.path(), {}); });
+  EXPECT_NE(message.find("no committed step, only 1 unfinished"), std::string::npos) << message;
+  EXPECT_NE(message.find("step_00000000.h5.partial"), std::string::npos) << message;
+}
+
+// Tolerances that would silently fail (NaN) or pass (infinity) everything are refused, from the
+// options and from the dump's provenance.
+TEST(Engine, ToleranceThatIsNotAFiniteNonNegativeNumberIsRefused) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  for (const auto& [name, atol] :
+       {std::pair{"good", "0.01"}, std::pair{"inf", "inf"}, std::pair{"junk", "1e-3x"}}) {
+    formats::StepWriter writer(dir.path() / name, 0, {{"mode", "two_pass"}, {"atol", atol}});
+    writer.write(record(Side::kEager, DType::kFloat32, {3}, values.data()));
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  }
+  const auto good = dir.path() / "good";
+  EXPECT_DOUBLE_EQ(compare(good, good, {}).steps.at(0).tolerances.atol, 0.01);
+  for (double bad : {std::nan(""), -1e-3, static_cast<double>(INFINITY)}) {
+    CompareOptions options;
+    options.atol = bad;
+    EXPECT_NE(error_of<dynaprobe::UsageError>([&] {
+                compare(good, good, options);
+              }).find("atol must be a finite number >= 0"),
+              std::string::npos);
+    CompareOptions rtol;
+    rtol.rtol = bad;
+    EXPECT_NE(error_of<dynaprobe::UsageError>([&] {
+                compare(good, good, rtol);
+              }).find("rtol must be a finite number >= 0"),
+              std::string::npos);
+  }
+  for (const char* name : {"inf", "junk"}) {
+    const auto path = dir.path() / name;
+    const std::string message = error_of<dynaprobe::FormatError>([&] { compare(path, path, {}); });
+    EXPECT_NE(message.find("provenance atol="), std::string::npos) << message;
+    CompareOptions given;  // the user's own tolerance replaces the damaged one
+    given.atol = 1e-4;
+    EXPECT_TRUE(compare(path, path, given).all_pass());
+  }
+}
+
+// Two one-sided captures given in the wrong order are a usage error: their provenance (mode) and
+// their records say which side each holds.
+TEST(Engine, SwappedSidesAreAUsageError) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path() / "eager", 0, {{"mode", "eager_only"}});
+    writer.write(record(Side::kEager, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  }
+  for (const char* name : {"compiled", "compiled2"}) {
+    formats::StepWriter writer(dir.path() / name, 0, {{"mode", "compiled_only"}});
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  }
+  const auto eager = dir.path() / "eager", compiled = dir.path() / "compiled";
+  EXPECT_TRUE(compare(eager, compiled, {}).all_pass());
+  const std::string swapped =
+      error_of<dynaprobe::UsageError>([&] { compare(compiled, eager, {}); });
+  EXPECT_NE(swapped.find("the two sides look swapped"), std::string::npos) << swapped;
+  EXPECT_NE(swapped.find("give the eager dump first"), std::string::npos) << swapped;
+  const std::string both_compiled =
+      error_of<dynaprobe::UsageError>([&] { compare(compiled, dir.path() / "compiled2", {}); });
+  EXPECT_NE(both_compiled.find("holds only the compiled side"), std::string::npos) << both_compiled;
+}
+
 }  // namespace
 }  // namespace dynaprobe::analyze

@@ -241,6 +241,44 @@ TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
       << json;
 }
 
+// Names come from files: control characters and bytes that are not UTF-8 are escaped the same
+// way in every report, so a line stays a line and the JSON stays valid UTF-8.
+TEST(Report, NamesAreEscapedInTextCsvAndJson) {
+  EXPECT_EQ(formats::printable_name("layers.0"), "layers.0");
+  EXPECT_EQ(formats::printable_name("caf\xc3\xa9 \xe2\x82\xac"),
+            "caf\xc3\xa9 \xe2\x82\xac");  // UTF-8 kept
+  EXPECT_EQ(formats::printable_name("a\nb\tc\x7f"), "a\\x0Ab\\x09c\\x7F");
+  EXPECT_EQ(formats::printable_name("bad\xcf"), "bad\\xCF");              // truncated sequence
+  EXPECT_EQ(formats::printable_name("\xc0\xaf"), "\\xC0\\xAF");           // overlong '/'
+  EXPECT_EQ(formats::printable_name("\xed\xa0\x80"), "\\xED\\xA0\\x80");  // surrogate
+  EXPECT_EQ(formats::printable_name("\xc2\x85"), "\\xC2\\x85");           // C1 control NEL
+
+  StepReport report;
+  report.rows.push_back(tensor_row("evil\nmodule\xcf", Kind::kFwdOutput, 0, 0, 0));
+  report.rows.back().label = "p\x01";
+  report.rows.push_back(note_row("note\r", Status::kWarn, "NOT_COMPILED"));
+  report.rows.back().reason = "why\n\xff";
+  const std::string text = render_text(report);
+  EXPECT_NE(text.find("  pass  evil\\x0Amodule\\xCF   "), std::string::npos) << text;
+  EXPECT_NE(text.find("  WARN  note\\x0D   "), std::string::npos) << text;
+  EXPECT_NE(text.find("NOT_COMPILED  why\\x0A\\xFF\n"), std::string::npos) << text;
+  const std::string csv = render_csv({report});
+  EXPECT_NE(csv.find("\nevil\\x0Amodule\\xCF,fwd_output,0,PASS,"), std::string::npos) << csv;
+  EXPECT_NE(csv.find("\nnote\\x0D,note,0,WARN,,,,,NOT_COMPILED: why\\x0A\\xFF\n"),
+            std::string::npos)
+      << csv;
+  RankComparison rank;
+  rank.comparison.steps.push_back(report);
+  rank.comparison.warnings.push_back("w\xcf");
+  const std::string json = render_json({rank});
+  EXPECT_NE(json.find("\"module\": \"evil\\\\x0Amodule\\\\xCF\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"label\": \"p\\\\x01\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"w\\\\xCF\""), std::string::npos) << json;
+  for (unsigned char c : json) {
+    EXPECT_TRUE(c < 0x80 && (c >= 0x20 || c == '\n')) << "raw byte " << int(c) << " in JSON";
+  }
+}
+
 TEST(Report, SeveralTensorsOfAModuleEachGetALine) {
   StepReport report;
   Row first = tensor_row("block", Kind::kFwdOutput, 0, 0, 0);

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -248,7 +250,7 @@ TEST(CrashSafety, UncreatableStepFileIsIoErrorNamingTheFile) {
     FAIL() << "created a step writer over a folder";
   } catch (const IoError& error) {
     EXPECT_PRED_FORMAT2(::testing::IsSubstring, partial.string(), error.what());
-    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "cannot create step file", error.what());
+    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "is not a regular file", error.what());
   }
 }
 
@@ -271,6 +273,64 @@ TEST(CrashSafety, CommittedStepIsNeverOverwritten) {
   // The refused writer left neither a partial file nor a changed step behind.
   EXPECT_TRUE(list_dump(tmp.path()).unfinished.empty());
   expect_step_intact(committed, 0, 4096);
+}
+
+std::string file_content(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A symbolic link planted at a step's .partial name (pointing at an existing file or at nothing)
+// is refused: the writer never writes through it, so nothing outside the dump folder changes or
+// appears.
+TEST(CrashSafety, LinkAtThePartialNameIsRefusedAndNothingOutsideIsWritten) {
+  const testing::TempDir tmp;
+  const fs::path dump = tmp.path() / "dump";
+  fs::create_directory(dump);
+  const fs::path outside = tmp.path() / "outside.txt";
+  testing::write_file(outside, "precious");
+  fs::path partial = dump / step_file_name(0);
+  partial += ".partial";
+  for (const fs::path& target : {outside, tmp.path() / "created-outside.h5"}) {
+    fs::remove(partial);
+    fs::create_symlink(target, partial);
+    try {
+      StepWriter writer(dump, 0, {});
+      FAIL() << "wrote through a link to " << target;
+    } catch (const IoError& error) {
+      EXPECT_PRED_FORMAT2(::testing::IsSubstring, "is a symbolic link", error.what());
+    }
+    EXPECT_TRUE(fs::is_symlink(partial));  // left for the user to look at
+  }
+  EXPECT_EQ(file_content(outside), "precious");
+  EXPECT_FALSE(fs::exists(tmp.path() / "created-outside.h5"));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(dump / step_file_name(0))));
+}
+
+// A link at the committed name, even a dangling one, is never replaced nor followed.
+TEST(CrashSafety, LinkAtTheCommittedNameIsNeverReplaced) {
+  const testing::TempDir tmp;
+  const fs::path target = tmp.path() / "elsewhere.h5";
+  fs::create_symlink(target, tmp.path() / step_file_name(0));
+  EXPECT_THROW(StepWriter(tmp.path(), 0, {}), UsageError);
+  EXPECT_FALSE(fs::exists(target));
+  EXPECT_TRUE(fs::is_symlink(tmp.path() / step_file_name(0)));
+}
+
+// The regular .partial file a killed writer left is replaced by a new file (not written into).
+TEST(CrashSafety, StalePartialFileIsReplaced) {
+  const testing::TempDir tmp;
+  fs::path partial = tmp.path() / step_file_name(0);
+  partial += ".partial";
+  testing::write_file(partial, "left by a writer killed mid-step");
+  const testing::FixtureStep content = testing::fixture_step(0, 4096);
+  {
+    StepWriter writer(tmp.path(), 0, {});
+    writer.write(content.records);
+    writer.commit();
+  }
+  EXPECT_FALSE(fs::exists(partial));
+  expect_step_intact(tmp.path() / step_file_name(0), 0, 4096);
 }
 
 }  // namespace

@@ -135,11 +135,17 @@ struct CompareOptions {
 
 // Compares the eager side of `eager_dump` with the compiled side of `compiled_dump` (the same path
 // for a single-pass dump holding both). A dump is a rank folder of step files or one step file.
-// Throws IoError / FormatError for unreadable or invalid dumps; mismatches are results. Throws
-// UsageError when options.module_glob matches no module of any step (a typo must not read as an
-// empty pass) or options.step is in neither dump.
+// Throws IoError / FormatError for unreadable or invalid dumps (also a dump without a committed
+// step, or whose atol/rtol provenance is not a finite number >= 0); mismatches are results.
+// Throws UsageError when options.module_glob matches no module of any step (a typo must not read
+// as an empty pass), options.step is in neither dump, a tolerance is NaN, infinite or negative,
+// or two dumps hold the other sides than they are given as (provenance mode, records).
 Comparison compare(const std::filesystem::path& eager_dump,
                    const std::filesystem::path& compiled_dump, const CompareOptions& options);
+
+// Throws FormatError unless `files` (formats::list_dump of `path`) holds a committed step: an
+// empty folder and one holding only unfinished (.partial) steps are errors for every command.
+void require_committed_steps(const std::filesystem::path& path, const formats::DumpFiles& files);
 
 // The rank dumps of a run folder ("rank<R>/" sub-folders), or the path itself when it is a dump.
 struct RankDump {

@@ -128,4 +128,11 @@ struct DumpFiles {
 };
 DumpFiles list_dump(const std::filesystem::path& dump);
 
+// Called with a file's path each time a reader opens it (StepReader, a record's dataset,
+// open_dataset), on the opening thread, before HDF5 parses anything of it. The dynaprobe CLI uses
+// it to name the file being read when HDF5 crashes or hangs on a damaged one. Set it before
+// reading starts; nullptr (the default): none. The observer must be thread-safe.
+using OpenObserver = void (*)(const std::filesystem::path& file);
+void set_open_observer(OpenObserver observer);
+
 }  // namespace dynaprobe::formats

@@ -47,6 +47,14 @@ struct RecordKey {
 
 std::string to_string(const RecordKey& key);  // "step 3 layers.0 call 0 fwd_output[1] (eager)"
 
+// A name read from a file (module, label, provenance, graph), safe to print on one line of a
+// report or a message: valid UTF-8 other than control characters is kept as it is; control
+// characters (C0, DEL, C1) and bytes that are not valid UTF-8 become "\xNN". Names dynaprobe
+// writes are unchanged. Reports of every format use it, so text, CSV and JSON agree.
+std::string printable_name(std::string_view name);
+// printable_name in single quotes, for messages: 'layers.0'.
+std::string quoted_name(std::string_view name);
+
 // Throws UsageError unless `module` can name an HDF5 group (non-empty, no '/', not "." or "..").
 void validate_module_path(std::string_view module);
 
