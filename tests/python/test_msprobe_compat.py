@@ -532,23 +532,6 @@ def test_values_of_a_result_rebuild_its_verdict(backend):
 
 
 # --------------------------------------------------------------------------- record_loss
-class RecordLossChecker(PrecisionChecker):
-    """PrecisionChecker with record_loss() as proposed for _checker.py (issue 20): the same
-    lines, added by subclassing until _checker.py has them; then this class goes."""
-
-    _recorded_loss = None
-
-    def record_loss(self, loss):
-        self._recorded_loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
-
-    def collect(self, loss=None):
-        if loss is None:
-            loss = self._recorded_loss
-        self._recorded_loss = None
-        return super().collect(loss)
-
-
-Checker = PrecisionChecker if hasattr(PrecisionChecker, "record_loss") else RecordLossChecker
 
 
 def checked_step(model, x):
@@ -560,7 +543,7 @@ def checked_step(model, x):
 @pytest.mark.parametrize("as_number", [False, True])
 def test_record_loss_gives_collect_its_loss(as_number):
     model = MLP(4)
-    checker = Checker()
+    checker = PrecisionChecker()
     checker.wrap(model.up)
     checker.install(model)
     loss = checked_step(model, torch.randn(2, 4))
@@ -576,7 +559,7 @@ def test_record_loss_gives_collect_its_loss(as_number):
 
 def test_a_loss_given_to_collect_wins_over_the_recorded_one():
     model = MLP(4)
-    checker = Checker()
+    checker = PrecisionChecker()
     checker.wrap(model.up)
     checker.install(model)
     loss = checked_step(model, torch.randn(2, 4))

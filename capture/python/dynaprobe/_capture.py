@@ -15,6 +15,7 @@ which never touches ``.grad``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 from typing import Any, Callable, Optional
@@ -46,36 +47,90 @@ def tensor_leaves(value: Any) -> list:
     dataclasses (e.g. model outputs), in a stable order. Labels are pytree key paths."""
     out = []
 
-    def visit(item: Any, label: str) -> None:
-        if isinstance(item, torch.Tensor):
-            out.append((label, item))
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            for f in dataclasses.fields(item):
-                visit(getattr(item, f.name), f"{label}.{f.name}")
-        elif isinstance(item, dict):
-            for key, sub in item.items():
-                visit(sub, f"{label}[{key!r}]")
-        elif isinstance(item, (list, tuple)):
-            for i, sub in enumerate(item):
-                visit(sub, f"{label}[{i}]")
+    def collect(label: str, tensor: torch.Tensor) -> torch.Tensor:
+        out.append((label, tensor))
+        return tensor
 
-    visit(value, "")
+    _map_nested(value, "", collect)
     return out
 
 
+def map_output_tensors(value: Any, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn(index, tensor)`` in place of each tensor, indexed as tensor_leaves
+    indexes them. Containers holding a replaced tensor are copies (tuples and lists rebuilt,
+    dicts and dataclasses such as ``ModelOutput`` shallow-copied); the others are ``value``'s own.
+    """
+    counter = iter(range(1 << 62))
+    return _map_nested(value, "", lambda _, tensor: fn(next(counter), tensor))
+
+
+def _map_nested(item: Any, label: str, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
+    """Depth-first over tensors in tuples, lists, dicts and dataclasses: fn(label, tensor) for
+    each; returns ``item`` when fn replaced nothing inside it, else a copy holding the results."""
+    if isinstance(item, torch.Tensor):
+        return fn(label, item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        changed = {}
+        for f in dataclasses.fields(item):
+            sub = getattr(item, f.name)
+            mapped = _map_nested(sub, f"{label}.{f.name}", fn)
+            if mapped is not sub:
+                changed[f.name] = mapped
+        if not changed:
+            return item
+        result = copy.copy(item)
+        for name, mapped in changed.items():
+            try:
+                setattr(result, name, mapped)  # ModelOutput keeps its dict view in step
+            except dataclasses.FrozenInstanceError:
+                object.__setattr__(result, name, mapped)
+        return result
+    if isinstance(item, dict):
+        changed = {}
+        for key, sub in item.items():
+            mapped = _map_nested(sub, f"{label}[{key!r}]", fn)
+            if mapped is not sub:
+                changed[key] = mapped
+        if not changed:
+            return item
+        result = copy.copy(item)
+        result.update(changed)
+        return result
+    if isinstance(item, (list, tuple)):
+        mapped = [_map_nested(sub, f"{label}[{i}]", fn) for i, sub in enumerate(item)]
+        if all(m is s for m, s in zip(mapped, item)):
+            return item
+        if isinstance(item, tuple) and hasattr(item, "_fields"):  # namedtuple
+            return type(item)(*mapped)
+        return type(item)(mapped)
+    return item
+
+
 def map_tensors(args: tuple, kwargs: dict, fn: Callable[[int, torch.Tensor], torch.Tensor]):
-    """Rebuilds (args, kwargs) with fn(index, tensor) in place of each tensor, indexed in the
-    order of tensor_leaves((args, kwargs))."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    """(args, kwargs) with fn(index, tensor) in place of each tensor the call gets directly or
+    inside tuples (namedtuples too), indexed as input_leaves indexes a call's tensors.
+
+    Lists, dicts and other objects are passed on as they are, tensors inside them untouched: the
+    callee may change them (append to a list, set a key), and the caller must see that.
+    """
     index = 0
-    mapped = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            mapped.append(fn(index, leaf))
+
+    def visit(item: Any) -> Any:
+        nonlocal index
+        if isinstance(item, torch.Tensor):
             index += 1
-        else:
-            mapped.append(leaf)
-    return pytree.tree_unflatten(mapped, spec)
+            return fn(index - 1, item)
+        namedtuple = isinstance(item, tuple) and hasattr(item, "_fields")
+        if type(item) is tuple or namedtuple:
+            mapped = [visit(sub) for sub in item]
+            if all(m is s for m, s in zip(mapped, item)):
+                return item
+            return type(item)(*mapped) if namedtuple else tuple(mapped)
+        index += sum(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(item))
+        return item
+
+    mapped_args = tuple(visit(arg) for arg in args)
+    return mapped_args, {key: visit(value) for key, value in kwargs.items()}
 
 
 def input_leaves(args: tuple, kwargs: dict) -> list:
@@ -99,29 +154,6 @@ class RngState:
         torch.set_rng_state(self.cpu)
         for index, state in self.cuda.items():
             torch.cuda.set_rng_state(state, index)
-
-
-class BufferGuard:
-    """Keeps a module's buffers as the training run left them while the eager re-run (which would
-    update BatchNorm statistics a second time) runs in between.
-
-    The re-run gets fresh tensors holding the values from before the training run, swapped into
-    the modules for its duration. The training run's own buffer tensors are never written to, so
-    graphs that saved them (batch norm's backward takes the running statistics) stay valid.
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        self.slots = [(owner, name, buffer) for owner in module.modules()
-                      for name, buffer in owner._buffers.items() if buffer is not None]
-        self.before = [buffer.detach().clone() for _, _, buffer in self.slots]
-
-    def swap_to_before(self) -> None:
-        for (owner, name, _), old in zip(self.slots, self.before):
-            owner._buffers[name] = old
-
-    def restore_after(self) -> None:
-        for owner, name, buffer in self.slots:
-            owner._buffers[name] = buffer
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,5 +215,9 @@ def autocast_context(cast_dtype: Optional[torch.dtype], devices: set):
     """torch.autocast on the module's own device type (cpu, cuda, ...), or nothing."""
     if cast_dtype is None:
         return contextlib.nullcontext()
-    device_type = next((d.type for d in devices if d.type != "cpu"), "cpu")
-    return torch.autocast(device_type=device_type, dtype=cast_dtype)
+    return torch.autocast(device_type=autocast_device_type(devices), dtype=cast_dtype)
+
+
+def autocast_device_type(devices: set) -> str:
+    """The device type autocast applies to: the accelerator's, else cpu."""
+    return next((d.type for d in devices if d.type != "cpu"), "cpu")

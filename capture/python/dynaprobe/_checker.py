@@ -12,25 +12,27 @@ import socket
 import threading
 import types
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from dynaprobe import _C
+from dynaprobe import _C, _options
 from dynaprobe._capture import (
-    BufferGuard,
     RngState,
     Shard,
     _eager_backward,
     _in_eager_backward,
     autocast_context,
+    autocast_device_type,
     devices_of,
     input_leaves,
     local_tensor,
+    map_output_tensors,
     map_tensors,
     tensor_leaves,
 )
+from dynaprobe._isolation import ModuleState, copy_arguments
 from dynaprobe._graphs import GraphRecorder, write_graph_files
 from dynaprobe._result import CompareResult
 
@@ -64,6 +66,22 @@ def _own_entry(forward: Callable, name: str) -> Callable:
     # module's own code, where they would go without dynaprobe.
     home = getattr(getattr(forward, "__func__", forward), "__globals__", entry.__globals__)
     return types.FunctionType(code, home, code.co_name, entry.__defaults__, entry.__closure__)
+
+
+def _probe(tensor: torch.Tensor, hook: Callable) -> torch.Tensor:
+    """An identity view of ``tensor`` that calls ``hook(grad)`` in the backward.
+
+    Probing a module's inputs and outputs through their own views gives the gradients at the
+    module boundary, as ``register_full_backward_hook`` means them: the view of an output gets
+    only the gradient arriving from outside the module (a hook on the output itself would also
+    see the paths through the module's other outputs computed from it), and the view of an input
+    the gradient leaving the module through that argument.
+    """
+    if not tensor.requires_grad:
+        return tensor
+    view = tensor.view_as(tensor)
+    view.register_hook(hook)
+    return view
 
 
 def _rank_and_world() -> Tuple[int, int]:
@@ -126,13 +144,12 @@ class _PendingBackward:
     """The eager re-run of one call, waiting for the real backward to deliver grad_output."""
 
     def __init__(self, step: "_Step", target: _Target, call: int, eager_outputs: list,
-                 compiled_outputs: list, leaves: list, params: list):
+                 leaves: list, params: list):
         self.step = step
         self.target = target
         self.call = call
         self.params = params  # the parameters this call's eager forward used
         self.eager_outputs = eager_outputs  # (index, tensor) pairs that require grad
-        self.compiled_outputs = compiled_outputs
         self.leaves = leaves  # (input index, eager input leaf)
         self.grads: Dict[int, torch.Tensor] = {}
         self.done = False
@@ -167,7 +184,7 @@ class _PendingBackward:
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
                     self.step.add_param_grad("eager", param, grad)
-        self.eager_outputs = self.leaves = self.compiled_outputs = self.params = []
+        self.eager_outputs = self.leaves = self.params = []
 
     def params_freed(self) -> bool:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
@@ -250,17 +267,20 @@ class PrecisionChecker:
         rtol: float = 1e-3,
         memory_budget_bytes: int = 1 << 30,
     ):
-        self.backend = backend
-        self.threshold = threshold
-        self.dump_graphs = dump_graphs
-        self.graph_dir = graph_dir
-        self.cast_dtype = cast_dtype
-        self.capture_input = capture_input
-        self.single_pass = single_pass
+        self.backend = _options.expect_backend(backend)
+        self.threshold = _options.expect_tolerance("threshold", threshold)
+        self.dump_graphs = _options.expect_flag("dump_graphs", dump_graphs)
+        self.graph_dir = _options.expect_path("graph_dir", graph_dir)
+        self.cast_dtype = _options.expect_cast_dtype(cast_dtype)
+        self.capture_input = _options.expect_flag("capture_input", capture_input)
+        self.single_pass = _options.expect_flag("single_pass", single_pass)
+        if not isinstance(scenario, str):
+            raise TypeError(f"scenario must be a str, but received {scenario!r}")
         self.scenario = scenario
-        self.rtol = rtol
-        self.memory_budget_bytes = memory_budget_bytes
-        self._dump_dir = dump_dir
+        self.rtol = _options.expect_tolerance("rtol", rtol)
+        self.memory_budget_bytes = _options.expect_positive_int("memory_budget_bytes",
+                                                                memory_budget_bytes)
+        self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
         self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
@@ -271,12 +291,14 @@ class PrecisionChecker:
         self._targets: List[_Target] = []
         self._restore: List[Callable[[], None]] = []
         self._hooked: Dict[object, torch.Tensor] = {}  # single-pass: parameters given hooks
+        self._warned: set = set()  # (module, argument type): warnings said once
         self._module_notes: List[Tuple[str, Dict[str, str]]] = []
         self._graphs = GraphRecorder(backend)
         self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
         self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
         # module -> (graph breaks, their reasons), from the module's first compilation
         self._graph_breaks: Dict[str, Tuple[int, List[str]]] = {}
+        self._recorded_loss = None  # record_loss(): the loss of the step being checked
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -291,9 +313,11 @@ class PrecisionChecker:
         return module
 
     def wrap_by_policy(self, model: nn.Module, module_types) -> nn.Module:
-        """Marks every submodule of the given types, like FSDP's ModuleWrapPolicy."""
+        """Marks every submodule of the given types (a class or a tuple of classes), like FSDP's
+        ModuleWrapPolicy."""
+        module_types = _options.expect_module_types("module_types", module_types)
         for _, module in model.named_modules():
-            if isinstance(module, tuple(module_types)):
+            if isinstance(module, module_types):
                 self.wrap(module)
         return model
 
@@ -301,6 +325,7 @@ class PrecisionChecker:
         """Marks submodules ``depth`` levels below the direct children (depth=0: the direct
         children). Containers (ModuleList, ModuleDict, Sequential) are looked through without
         using up depth; modules without children are marked where the recursion reaches them."""
+        depth = _options.expect_depth(depth)
 
         def visit(module: nn.Module, remaining: int) -> None:
             for child in module.children():
@@ -321,8 +346,10 @@ class PrecisionChecker:
         return module
 
     def ignore_by_policy(self, model: nn.Module, module_types) -> nn.Module:
+        """Ignores every submodule of the given types (a class or a tuple of classes)."""
+        module_types = _options.expect_module_types("module_types", module_types)
         for _, module in model.named_modules():
-            if isinstance(module, tuple(module_types)):
+            if isinstance(module, module_types):
                 self.ignore(module)
         return model
 
@@ -364,6 +391,7 @@ class PrecisionChecker:
             raise ValueError("no module is wrapped: call wrap(), wrap_by_policy() or "
                              "wrap_all_children() before install() or compare()")
         self._describe_model(model)
+        _options.expect_autocast(self.cast_dtype, autocast_device_type(devices_of([], model)))
         targets, entries = [], []
         for name in wrapped:
             outer = next((w for w in wrapped if w != name and _under(name, w)), None)
@@ -477,7 +505,7 @@ class PrecisionChecker:
         if not compare:
             return path
         comparison = _C.compare(self.dump_dir, self.dump_dir, step=step.index)
-        return CompareResult(comparison.steps[0], self.dump_dir, path, comparison)
+        return CompareResult.from_report(comparison.steps[0], self.dump_dir, path, comparison)
 
     def _record_targets_summary(self, step: _Step, targets: List[_Target]) -> None:
         """Per-step facts about each compiled module: whether it ran, what Dynamo compiled it
@@ -486,11 +514,11 @@ class PrecisionChecker:
         for target in targets:
             functions = self._graphs.functions.get(target.name, [])
             breaks, reasons = self._graph_breaks.get(target.name, (0, []))
-            step.attributes[target.name] = {
+            step.attributes.setdefault(target.name, {}).update({
                 "calls": str(target.calls),
                 "compiled_functions": ",".join(functions),
                 "graph_breaks": str(breaks),
-            }
+            })
             if reasons:
                 step.attributes[target.name]["graph_break_reasons"] = "; ".join(reasons)
             failures = self._graphs.failures.get(target.name, [])
@@ -611,6 +639,7 @@ class PrecisionChecker:
         self._hooked.clear()
         self._targets.clear()
         self._installed = None
+        self._recorded_loss = None
         if self._step is not None:  # a step begun but never collected is discarded
             self._step = None
             self._recorder = None
@@ -684,32 +713,31 @@ class PrecisionChecker:
                 # Single-pass feeds both sides the same inputs: recorded once, for both.
                 for index, (label, tensor) in enumerate(inputs):
                     step.record(name, call, "fwd_input", index, "compiled", tensor, label)
-            # Clones taken before the training run, which may modify its inputs in place.
-            eager_args, eager_kwargs = map_tensors(args, kwargs, lambda i, t: t.detach().clone())
-            buffers = BufferGuard(target.module)
+            # Copies taken before the training call, which may change its inputs (a cache it
+            # appends to, a tensor modified in place) and its module's state.
+            eager_args, eager_kwargs, shared = copy_arguments(
+                args, kwargs, lambda i, t: t.detach().clone())
+            if shared:
+                self._warn_shared_arguments(step, name, shared)
+            state_before = ModuleState(target.module, clone_buffers=True)
             rng_before = RngState(devices)
             params = self._call_params(step, target)
         except Exception as error:  # never break training because of the checker
             step.note(name, "HOOK_ERROR", f"{type(error).__name__}: {error}")
             return target.run(*args, **kwargs)
 
-        leaves = []
         if grad_mode:
-            def compiled_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
-                if not tensor.requires_grad:
-                    return tensor
-                view = tensor.view_as(tensor)  # its gradient is this module's grad_input alone
-                view.register_hook(self._compiled_grad_input_hook(step, target, call, index))
-                return view
-
-            args, kwargs = map_tensors(args, kwargs, compiled_input)
+            args, kwargs = map_tensors(args, kwargs, lambda index, tensor: _probe(
+                tensor, self._compiled_grad_input_hook(step, target, call, index)))
 
         with autocast_context(self.cast_dtype, devices):
             compiled_out = target.run(*args, **kwargs)
 
+        leaves = []
+        state_after = ModuleState(target.module)
         rng_after = RngState(devices)
         try:
-            buffers.swap_to_before()
+            state_before.apply()
             rng_before.restore()
 
             def eager_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -727,7 +755,7 @@ class PrecisionChecker:
             step.note(name, "HOOK_ERROR", f"eager re-run failed: {type(error).__name__}: {error}")
             return compiled_out
         finally:
-            buffers.restore_after()
+            state_after.apply()
             rng_after.restore()
 
         compiled_leaves = tensor_leaves(compiled_out)
@@ -737,16 +765,27 @@ class PrecisionChecker:
         for index, (label, tensor) in enumerate(eager_leaves):
             step.record(name, call, "fwd_output", index, "eager", tensor, label)
 
-        if grad_mode:
-            eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
-            pending = _PendingBackward(step, target, call, eager_outputs, compiled_leaves, leaves,
-                                       params)
-            for index, (_, tensor) in enumerate(compiled_leaves):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._grad_output_hook(step, pending, index))
-            if eager_outputs:
-                step.pending.append(pending)
-        return compiled_out
+        if not grad_mode:
+            return compiled_out
+        eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
+        pending = _PendingBackward(step, target, call, eager_outputs, leaves, params)
+        if eager_outputs:
+            step.pending.append(pending)
+        return map_output_tensors(compiled_out, lambda index, tensor: _probe(
+            tensor, self._grad_output_hook(step, pending, index)))
+
+    def _warn_shared_arguments(self, step: _Step, name: str, shared: List[str]) -> None:
+        """An argument the eager re-run could not get a copy of: what it does to it, training
+        sees. Said once per module and kind of argument, and kept in the dump."""
+        step.attributes.setdefault(name, {})["shared_arguments"] = "; ".join(shared)
+        for what in shared:
+            if (name, what) not in self._warned:
+                self._warned.add((name, what))
+                warnings.warn(
+                    f"dynaprobe: {name}: an argument of type {what} cannot be deep-copied, so the "
+                    "eager re-run shares it with the training call: changes the re-run makes to "
+                    "it are visible to training. Make it copyable (copy.deepcopy) to isolate it.",
+                    stacklevel=4)
 
     def _grad_output_hook(self, step: _Step, pending: _PendingBackward, index: int):
         def hook(grad: torch.Tensor) -> None:
@@ -768,6 +807,17 @@ class PrecisionChecker:
 
         return hook
 
+    def record_loss(self, loss: Union[torch.Tensor, float]) -> None:
+        """Single-pass: records the loss of the step being checked, for ``collect()`` called
+        without one (msProbe's ``record_loss``). A loss given to ``collect(loss)`` wins. The
+        loss belongs to that one step: the next step has none unless recorded again.
+
+        Args:
+            loss: the step's loss, a one-element tensor (kept detached; no device sync) or a
+                number.
+        """
+        self._recorded_loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+
     def collect(self, loss: Optional[torch.Tensor] = None) -> CompareResult:
         """Single-pass: finishes the step that just ran, writes it and returns its comparison.
 
@@ -786,6 +836,9 @@ class PrecisionChecker:
                 continue
             pending.run()
         step.pending.clear()
+        if loss is None:
+            loss = self._recorded_loss
+        self._recorded_loss = None
         if loss is not None:
             value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             step.record(LOSS_MODULE, 0, "loss", 0, "compiled", value.reshape(()))
@@ -895,24 +948,17 @@ class PrecisionChecker:
                 for index, (label, tensor) in enumerate(inputs):
                     step.record(target.name, call, "fwd_input", index, side, tensor, label)
             if torch.is_grad_enabled():
-                def probe(index: int, tensor: torch.Tensor) -> torch.Tensor:
-                    if not tensor.requires_grad:
-                        return tensor
-                    view = tensor.view_as(tensor)
-                    view.register_hook(self._side_grad_hook(step, target, call, "grad_input",
-                                                            index, side))
-                    return view
-
-                args, kwargs = map_tensors(args, kwargs, probe)
+                args, kwargs = map_tensors(args, kwargs, lambda index, tensor: _probe(
+                    tensor, self._side_grad_hook(step, target, call, "grad_input", index, side)))
             devices = devices_of([t for _, t in inputs], target.module)
             with autocast_context(self.cast_dtype, devices):
                 out = target.run(*args, **kwargs)
             for index, (label, tensor) in enumerate(tensor_leaves(out)):
                 step.record(target.name, call, "fwd_output", index, side, tensor, label)
-                if tensor.requires_grad:
-                    tensor.register_hook(self._side_grad_hook(step, target, call, "grad_output",
-                                                              index, side))
-            return out
+            if not torch.is_grad_enabled():
+                return out
+            return map_output_tensors(out, lambda index, tensor: _probe(
+                tensor, self._side_grad_hook(step, target, call, "grad_output", index, side)))
 
         return forward
 

@@ -232,11 +232,6 @@ class CompareResult:
         diffs: Optional[List[ModuleDiff]] = None,
         cast_dtype: Optional[torch.dtype] = None,
     ):
-        if isinstance(loss_eager, _C.StepReport):
-            # The engine's form, CompareResult(report, dump_dir, dump_file, comparison), until
-            # every caller uses from_report().
-            self._init_from_report(loss_eager, loss_compiled, diffs, cast_dtype)
-            return
         self._report = None
         self._comparison = None
         self.dump_dir: Optional[str] = None

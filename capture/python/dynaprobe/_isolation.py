@@ -1,0 +1,144 @@
+"""Isolation of the single-pass eager re-run: it sees what the training call saw, and leaves
+nothing behind that the training run could see.
+
+The compiled call is the training path. The eager re-run of the same module must start from the
+same state and change nothing the user's code can observe afterwards. By mechanism, never by a list
+of known classes:
+
+- Arguments are copied before the compiled call. Tensors that ``torch.utils._pytree`` reaches
+  (tuples, lists, dicts, registered dataclasses) are cloned one by one, as the recorded inputs;
+  every other object (a KV cache, a user dataclass, any object holding tensors) is deep-copied,
+  with every tensor inside it detached and cloned (parameters and modules stay shared: the re-run
+  must use the real weights). A cache that the compiled call appends to is thus never appended to
+  a second time, and the re-run never reaches into the training graph through it.
+- The module and its submodules: buffers (BatchNorm statistics) and Python attributes a forward
+  sets on its module (``self.cached = ...``), including the contents of list, dict and set
+  attributes, are set back to what they were before the compiled call for the re-run, then to what
+  the compiled call left.
+
+What cannot be isolated: global side effects of a forward (module-level variables, files, I/O,
+objects reached from an attribute more than one level deep). An argument that cannot be
+deep-copied is shared with the re-run, and the checker warns about it.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import types
+from typing import Callable, List, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+# Values a call can pass that need no copy: immutable, or code.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, slice, torch.dtype,
+              torch.device, torch.layout, torch.memory_format, enum.Enum, type,
+              types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+
+
+def copy_arguments(args: tuple, kwargs: dict,
+                   copy_tensor: Callable[[int, torch.Tensor], torch.Tensor]):
+    """A copy of a call's arguments for the eager re-run: ``(args, kwargs, shared)``.
+
+    ``copy_tensor(index, tensor)`` copies each tensor reached by pytree, indexed as
+    ``_capture.input_leaves`` indexes them; the same tensor reached again inside another object
+    gets the same copy. ``shared`` names the arguments that could not be copied (their type and
+    why): the re-run gets them as they are.
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    memo: dict = {}
+    index = 0
+    objects = []
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in memo:
+                memo[id(leaf)] = copy_tensor(index, leaf)
+            index += 1
+        elif not isinstance(leaf, _IMMUTABLE):
+            objects.append(position)
+    if not objects:
+        return (*pytree.tree_unflatten([memo.get(id(x), x) for x in leaves], spec), [])
+    copied = [memo.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    shared = []
+    for position in objects:
+        leaf = leaves[position]
+        _share_modules_and_clone_tensors(leaf, memo)
+        try:
+            copied[position] = copy.deepcopy(leaf, memo)
+        except Exception as error:  # uncopyable (locks, handles, C objects): shared
+            shared.append(f"{type(leaf).__qualname__} ({type(error).__name__}: {error})")
+    return (*pytree.tree_unflatten(copied, spec), shared)
+
+
+def _share_modules_and_clone_tensors(value, memo: dict) -> None:
+    """Seeds deepcopy's memo: modules and parameters map to themselves (the re-run uses the real
+    ones), every other tensor reachable from ``value`` to a detached clone (deepcopy of a tensor
+    inside an autograd graph fails, and a copy must not reach into that graph)."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, _IMMUTABLE):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if id(item) not in memo:
+                memo[id(item)] = item if isinstance(item, nn.Parameter) else item.detach().clone()
+        elif isinstance(item, nn.Module):
+            memo[id(item)] = item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        else:
+            attributes = getattr(item, "__dict__", None)
+            if isinstance(attributes, dict):
+                stack.extend(attributes.values())
+            for cls in type(item).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if isinstance(slot, str) and hasattr(item, slot):
+                        stack.append(getattr(item, slot))
+
+
+_CONTAINERS = (list, dict, set)
+
+
+class ModuleState:
+    """What a forward may change on a module and its submodules besides parameter values: the
+    Python attributes (rebinding), the contents of list/dict/set attributes (the registries of
+    parameters, buffers, submodules and hooks among them) and, when ``clone_buffers``, the
+    buffers' values.
+
+    ``apply()`` puts the module back into this state. Buffers captured with ``clone_buffers`` are
+    applied as fresh tensors holding the captured values: the tensors the training call used are
+    never written to, so graphs that saved them (batch norm's backward) stay valid.
+    """
+
+    def __init__(self, module: nn.Module, clone_buffers: bool = False):
+        self.entries: List[Tuple[nn.Module, dict, dict]] = []
+        for owner in module.modules():
+            attributes = dict(owner.__dict__)
+            contents = {name: copy.copy(value) for name, value in attributes.items()
+                        if type(value) in _CONTAINERS or isinstance(value, dict)}
+            if clone_buffers and "_buffers" in contents:
+                contents["_buffers"] = {name: None if buffer is None else buffer.detach().clone()
+                                        for name, buffer in contents["_buffers"].items()}
+            self.entries.append((owner, attributes, contents))
+
+    def apply(self) -> None:
+        for owner, attributes, contents in self.entries:
+            state = owner.__dict__
+            for name in [n for n in state if n not in attributes]:
+                del state[name]
+            state.update(attributes)
+            for name, saved in contents.items():
+                target = attributes[name]
+                target.clear()
+                if isinstance(target, dict):
+                    target.update(saved)
+                elif isinstance(target, list):
+                    target.extend(saved)
+                else:
+                    target.update(saved)

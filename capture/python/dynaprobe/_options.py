@@ -1,0 +1,101 @@
+"""Checks of the arguments users pass to PrecisionChecker, up front, with messages that name the
+argument and what was expected (a wrong value found halfway through a training step is worse)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+
+def expect_tolerance(name: str, value) -> float:
+    """A finite, non-negative real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a non-negative number, but received {value!r} "
+                        f"({type(value).__name__})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite non-negative number, but received {value!r}")
+    return float(value)
+
+
+def expect_flag(name: str, value) -> bool:
+    """True or False: a string such as "no" is truthy, so it is refused rather than guessed."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, but received {value!r} "
+                        f"({type(value).__name__})")
+    return value
+
+
+def expect_path(name: str, value, optional: bool = False):
+    if optional and value is None:
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), but received {value!r}")
+    return os.fspath(value)
+
+
+def expect_cast_dtype(value) -> Optional[torch.dtype]:
+    """None, or a floating torch.dtype (whether autocast supports it on the model's device is
+    checked when the model is known: expect_autocast)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"cast_dtype must be None or a torch.dtype such as torch.bfloat16, but "
+                        f"received {value!r} ({type(value).__name__})")
+    if not value.is_floating_point:
+        raise ValueError(f"cast_dtype must be a floating dtype that torch.autocast supports "
+                         f"(torch.bfloat16, torch.float16), but received {value}")
+    return value
+
+
+def expect_autocast(cast_dtype: Optional[torch.dtype], device_type: str) -> None:
+    """torch.autocast silently disables itself (with a warning) for a dtype the device does not
+    support: the run would not be checked under the dtype the report names."""
+    if cast_dtype is None:
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        context = torch.autocast(device_type=device_type, dtype=cast_dtype)
+    if not getattr(context, "_enabled", True) or caught:
+        said = "; ".join(str(w.message).splitlines()[0] for w in caught)
+        raise ValueError(f"cast_dtype={cast_dtype} is not supported by torch.autocast on "
+                         f"device type {device_type!r}" + (f" ({said})" if said else "")
+                         + ": pass a dtype it supports there, e.g. torch.bfloat16")
+
+
+def expect_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, but received {value!r}")
+    return int(value)
+
+
+def expect_depth(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"depth must be an integer >= 0 (0: the direct children), but received "
+                         f"{value!r}")
+    return int(value)
+
+
+def expect_module_types(name: str, value) -> tuple:
+    """A class or a collection of classes, as isinstance() takes them (a bare class is accepted,
+    as FSDP's ModuleWrapPolicy users often write it)."""
+    types = (value,) if isinstance(value, type) else value
+    try:
+        types = tuple(types)
+    except TypeError:
+        types = None
+    if not types or not all(isinstance(t, type) for t in types):
+        raise TypeError(f"{name} must be a module class or a tuple of module classes, e.g. "
+                        f"(nn.Linear,), but received {value!r}")
+    return types
+
+
+def expect_backend(value):
+    if not (isinstance(value, str) or callable(value)):
+        raise TypeError(f"backend must be a torch.compile backend name (e.g. 'aot_eager', "
+                        f"'inductor') or a callable backend, but received {value!r}")
+    return value

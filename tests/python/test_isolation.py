@@ -1,0 +1,240 @@
+"""Gradients at the module boundary and an invisible eager re-run.
+
+grad_output / grad_input mean what ``register_full_backward_hook`` means, on both sides and in
+both modes: the recorded values are checked against that hook on a plain eager copy of the model.
+The single-pass eager re-run gets copies of every argument (tensors, caches, objects holding
+tensors) and leaves the module's Python attributes as the training call left them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from dynaprobe import PrecisionChecker, _C
+
+
+class FusedAddNorm(nn.Module):
+    """Outputs computed from each other: (norm(x + r), x + r)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x, r):
+        s = x + r
+        return self.norm(s), s
+
+
+class ReturnsInput(nn.Module):
+    """An output that is an input, one that is a view of an input, the same tensor twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, r):
+        y = self.lin(x)
+        return x, r[:, :3], y, y
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class DictAndDataclassOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, r):
+        y = self.lin(x + r)
+        return {"out": y, "nested": Pair(y.tanh(), y * 2)}
+
+
+class Model(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.pre = nn.Linear(6, 6)
+        self.inner = inner
+
+    def forward(self, x, r):
+        return _loss(list(_flat(self.inner(self.pre(x), r))))
+
+
+def _loss(outputs: list) -> torch.Tensor:
+    return sum((t * (i + 1.5)).sin().sum() for i, t in enumerate(outputs))
+
+
+def _flat(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat(v)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _flat(getattr(value, f.name))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+
+
+def _boundary_gradients(model: Model, x, r):
+    """grad_output and grad_input of model.inner by their definition (what
+    register_full_backward_hook gives for tuple outputs): the loss's gradient w.r.t. each output
+    position cut off from the module, and that gradient carried back to the module's inputs."""
+    h = model.pre(x).detach().requires_grad_(True)
+    r = r.clone().requires_grad_(True)
+    outputs = list(_flat(model.inner(h, r)))
+    cut = [t.detach().requires_grad_(True) for t in outputs]
+    grad_output = torch.autograd.grad(_loss(cut), cut)
+    grad_input = torch.autograd.grad(outputs, (h, r), grad_output)
+    return {"grad_output": grad_output, "grad_input": grad_input}
+
+
+def _recorded(result, kind: str, index: int, side: str):
+    dtype, shape, data = _C.read_record(result.dump_file, "inner", 0, kind, index, side)
+    return torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(shape).copy())
+
+
+@pytest.mark.parametrize("inner", [FusedAddNorm, ReturnsInput, DictAndDataclassOutputs])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_gradients_are_the_ones_at_the_module_boundary(inner, single_pass, tmp_path):
+    torch.manual_seed(0)
+    model = Model(inner())
+    x, r = torch.randn(4, 6), torch.randn(4, 6)
+    expected = _boundary_gradients(copy.deepcopy(model), x, r)
+
+    checker = PrecisionChecker(single_pass=single_pass, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.inner)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x, r.clone().requires_grad_(True))
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    assert result.all_pass, result.text()
+    sides = ["compiled"] if single_pass else ["eager", "compiled"]
+    # Single-pass records grad_output once, for both sides (it seeds both backwards).
+    for side in sides:
+        for index, grad in enumerate(expected["grad_output"]):
+            torch.testing.assert_close(_recorded(result, "grad_output", index, side), grad)
+    for side in ["eager", "compiled"]:
+        for index, grad in enumerate(expected["grad_input"]):
+            torch.testing.assert_close(_recorded(result, "grad_input", index, side), grad)
+
+
+class Cache:
+    """A KV-cache-like object: the module appends to it in place."""
+
+    def __init__(self):
+        self.keys = []
+        self.length = 0
+
+    def update(self, key):
+        self.keys.append(key)
+        self.length += key.shape[0]
+        return torch.cat(self.keys)
+
+
+class Stateful(nn.Module):
+    """Appends to the cache it is given, counts its calls on itself, keeps its latest input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.history = []
+
+    def forward(self, x, cache: Cache, extra: dict):
+        self.calls += 1
+        self.history.append(self.calls)
+        self.latest = x.detach()
+        keys = cache.update(self.lin(x))
+        extra["seen"] = extra.get("seen", 0) + 1
+        return keys.sum(0, keepdim=True) + x
+
+
+def test_the_eager_rerun_changes_no_argument_and_no_module_attribute(tmp_path):
+    torch.manual_seed(0)
+    model = Stateful()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    reference_cache, reference_extra = Cache(), {}
+    reference(x, reference_cache, reference_extra).sum().backward()
+
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model)
+    checker.install(_Holder(model))
+    cache, extra = Cache(), {}
+    model(x, cache, extra).sum().backward()
+    result = checker.collect()
+
+    assert result.all_pass, result.text()
+    assert cache.length == reference_cache.length == 2 and len(cache.keys) == 1
+    assert extra == reference_extra == {"seen": 1}
+    assert model.calls == 1 and model.history == [1]
+    assert torch.equal(model.latest, reference.latest)
+    assert {r.check_type for r in result.rows} >= {"fwd_output", "grad_input", "param_grad"}
+
+
+class _Holder(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+
+class Uncopyable:
+    def __deepcopy__(self, memo):
+        raise TypeError("holds an OS handle")
+
+
+class TakesUncopyable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, handle):
+        return self.lin(x)
+
+
+def test_an_argument_that_cannot_be_copied_is_shared_with_a_warning(tmp_path):
+    model = _Holder(TakesUncopyable())
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.inner)
+    checker.install(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.inner(torch.randn(2, 4), Uncopyable())
+    result = checker.collect()
+    messages = [str(w.message) for w in caught if "dynaprobe" in str(w.message)]
+    assert any("Uncopyable" in m and "cannot be deep-copied" in m for m in messages), messages
+    assert "Uncopyable" in result.modules["inner"]["shared_arguments"]
+    assert result.all_pass
+
+
+def test_batch_norm_statistics_are_updated_once(tmp_path):
+    torch.manual_seed(0)
+    model = _Holder(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    reference.inner(x).sum().backward()
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.inner)
+    checker.install(model)
+    model.inner(x).sum().backward()
+    assert checker.collect().all_pass
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=0, atol=1e-6, msg=name)
