@@ -451,3 +451,17 @@ def test_a_failing_eager_rerun_is_a_warning_and_training_goes_on(capsys):
     out = capsys.readouterr().out
     assert "  WARN  0 " in out and "HOOK_ERROR" in out and "eager path is broken" in out
     assert not result.all_pass
+
+
+def test_a_step_that_compared_nothing_is_not_a_pass(tmp_path):
+    """Every wrapped module ignored: the report has rows (IGNORED) but compares nothing, and must
+    not read as ALL PASS, in the result nor in its text."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    checker.ignore(model[0])
+    checker.install(model)
+    model(torch.randn(1, 2)).sum().backward()
+    result = checker.collect()
+    assert not result.all_pass and not result
+    assert "RESULT: FAILED" in result.text() and "nothing compared" in result.text()

@@ -238,3 +238,33 @@ def test_batch_norm_statistics_are_updated_once(tmp_path):
     assert checker.collect().all_pass
     for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=0, atol=1e-6, msg=name)
+
+
+CALLS = 0
+
+
+class CountsGlobally(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        global CALLS
+        CALLS += 1
+        return self.lin(x)
+
+
+def test_a_module_level_name_the_rerun_rebinds_is_put_back_with_a_warning(tmp_path):
+    global CALLS
+    CALLS = 0
+    model = _Holder(CountsGlobally())
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.inner)
+    checker.install(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.inner(torch.randn(2, 4)).sum().backward()
+    assert checker.collect().all_pass
+    assert CALLS == 1  # the training call's increment only
+    messages = [str(w.message) for w in caught if "module-level names" in str(w.message)]
+    assert messages and f"{__name__}.CALLS" in messages[0], messages

@@ -32,7 +32,7 @@ from dynaprobe._capture import (
     map_tensors,
     tensor_leaves,
 )
-from dynaprobe._isolation import ModuleState, copy_arguments
+from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
 from dynaprobe._graphs import GraphRecorder, write_graph_files
 from dynaprobe._result import CompareResult
 
@@ -736,6 +736,7 @@ class PrecisionChecker:
         leaves = []
         state_after = ModuleState(target.module)
         rng_after = RngState(devices)
+        names_after = ModuleGlobals(target.module)
         try:
             state_before.apply()
             rng_before.restore()
@@ -757,6 +758,13 @@ class PrecisionChecker:
         finally:
             state_after.apply()
             rng_after.restore()
+            rebound = names_after.restore()
+            if rebound:
+                self._warn_once(
+                    name, "globals", f"dynaprobe: {name}: its forward rebinds module-level names "
+                    f"({', '.join(rebound)}): a global side effect. dynaprobe put back what the "
+                    "eager re-run changed; other global effects (files, in-place changes to "
+                    "module-level objects) it cannot undo.")
 
         compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = tensor_leaves(eager_out)
@@ -779,13 +787,16 @@ class PrecisionChecker:
         sees. Said once per module and kind of argument, and kept in the dump."""
         step.attributes.setdefault(name, {})["shared_arguments"] = "; ".join(shared)
         for what in shared:
-            if (name, what) not in self._warned:
-                self._warned.add((name, what))
-                warnings.warn(
-                    f"dynaprobe: {name}: an argument of type {what} cannot be deep-copied, so the "
-                    "eager re-run shares it with the training call: changes the re-run makes to "
-                    "it are visible to training. Make it copyable (copy.deepcopy) to isolate it.",
-                    stacklevel=4)
+            self._warn_once(
+                name, what, f"dynaprobe: {name}: an argument of type {what} cannot be "
+                "deep-copied, so the eager re-run shares it with the training call: changes the "
+                "re-run makes to it are visible to training. Make it copyable (copy.deepcopy) to "
+                "isolate it.")
+
+    def _warn_once(self, module: str, topic: str, message: str) -> None:
+        if (module, topic) not in self._warned:
+            self._warned.add((module, topic))
+            warnings.warn(message, stacklevel=5)
 
     def _grad_output_hook(self, step: _Step, pending: _PendingBackward, index: int):
         def hook(grad: torch.Tensor) -> None:

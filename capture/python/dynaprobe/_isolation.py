@@ -16,9 +16,12 @@ of known classes:
   attributes, are set back to what they were before the compiled call for the re-run, then to what
   the compiled call left.
 
-What cannot be isolated: global side effects of a forward (module-level variables, files, I/O,
-objects reached from an attribute more than one level deep). An argument that cannot be
-deep-copied is shared with the re-run, and the checker warns about it.
+- Module-level names of the code the module runs (``global CALLS; CALLS += 1`` in a forward) that
+  the re-run rebinds are put back, and the checker warns: the forward has a global side effect.
+
+What cannot be isolated: other global side effects of a forward (files, I/O, in-place changes to
+module-level objects or to objects reached from an attribute more than one level deep). An
+argument that cannot be deep-copied is shared with the re-run, and the checker warns about it.
 """
 
 from __future__ import annotations
@@ -142,3 +145,36 @@ class ModuleState:
                     target.extend(saved)
                 else:
                     target.update(saved)
+
+
+_ABSENT = object()
+
+
+class ModuleGlobals:
+    """The module-level namespaces of the code a module runs (the Python modules defining the
+    classes of it and its submodules), to find and undo names a forward rebinds.
+
+    Names starting with ``__`` are left alone: Dynamo installs its compiled functions there.
+    """
+
+    def __init__(self, module: nn.Module):
+        spaces = (getattr(type(m).forward, "__globals__", None) for m in module.modules())
+        self.saved = {id(space): (space, dict(space)) for space in spaces
+                      if isinstance(space, dict)}
+
+    def restore(self) -> List[str]:
+        """Puts back the names rebound, added or removed since; returns them as
+        ``module.name``."""
+        changed = []
+        for space, before in self.saved.values():
+            if space.keys() == before.keys() and all(space[k] is v for k, v in before.items()):
+                continue
+            for name in space.keys() | before.keys():
+                if name.startswith("__") or space.get(name, _ABSENT) is before.get(name, _ABSENT):
+                    continue
+                changed.append(f"{space.get('__name__', '?')}.{name}")
+                if name in before:
+                    space[name] = before[name]
+                else:
+                    del space[name]
+        return sorted(changed)
