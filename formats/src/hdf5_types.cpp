@@ -1,7 +1,9 @@
 #include "hdf5_types.h"
 
 #include <cstddef>
+#include <type_traits>
 
+#include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/schema.h"
 
 namespace dynaprobe::formats {
@@ -106,7 +108,7 @@ DType dtype_of_hdf5_type(hid_t type, std::string_view where) {
                     std::to_string(H5Tget_class(type)) + " and size " + std::to_string(size));
 }
 
-h5::Handle index_row_type(bool with_chunk_location) {
+h5::Handle index_row_type(bool with_chunk_location, bool with_chunk_hashes) {
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle row = h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(IndexRow)), "defining", kWhere);
   const hid_t text = h5::string_type(kWhere);
@@ -129,7 +131,65 @@ h5::Handle index_row_type(bool with_chunk_location) {
     field(schema::kIndexChunkFilterMask, offsetof(IndexRow, chunk_filter_mask), H5T_NATIVE_UINT32);
     field(schema::kIndexChunkHash, offsetof(IndexRow, chunk_hash), H5T_NATIVE_UINT64);
   }
+  if (with_chunk_hashes) {
+    field(schema::kIndexChunkHashesFirst, offsetof(IndexRow, chunk_hashes_first),
+          H5T_NATIVE_UINT64);
+    field(schema::kIndexChunkCount, offsetof(IndexRow, chunk_count), H5T_NATIVE_UINT64);
+  }
   return row;
+}
+
+namespace {
+
+template <typename T>
+void append_int(std::string& out, T value) {
+  static_assert(std::is_integral_v<T>);
+  for (std::size_t i = 0; i < sizeof(T); ++i) {
+    out += static_cast<char>((static_cast<std::uint64_t>(value) >> (8 * i)) & 0xff);
+  }
+}
+
+void append_text(std::string& out, const char* text) {
+  const std::string_view view = text ? text : "";
+  append_int<std::uint64_t>(out, view.size());
+  out.append(view);
+}
+
+}  // namespace
+
+std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
+                             const std::vector<std::uint64_t>& chunk_hashes, std::int64_t step,
+                             const std::map<std::string, std::string>& provenance) {
+  std::string bytes;
+  bytes.reserve(rows.size() * 128 + chunk_hashes.size() * 8);
+  append_int<std::uint64_t>(bytes, rows.size());
+  for (const IndexRow& row : rows) {
+    append_text(bytes, row.module);
+    append_int(bytes, row.call);
+    append_text(bytes, row.kind);
+    append_int(bytes, row.tensor_index);
+    append_text(bytes, row.side);
+    append_text(bytes, row.label);
+    append_text(bytes, row.dtype);
+    append_int<std::uint64_t>(bytes, row.shape.len);
+    const auto* dims = static_cast<const std::int64_t*>(row.shape.p);
+    for (std::size_t i = 0; i < row.shape.len; ++i) append_int(bytes, dims[i]);
+    append_int(bytes, row.stored_bytes);
+    append_int(bytes, row.chunk_offset);
+    append_int(bytes, row.chunk_filter_mask);
+    append_int(bytes, row.chunk_hash);
+    append_int(bytes, row.chunk_hashes_first);
+    append_int(bytes, row.chunk_count);
+  }
+  append_int<std::uint64_t>(bytes, chunk_hashes.size());
+  for (std::uint64_t hash : chunk_hashes) append_int(bytes, hash);
+  append_int(bytes, step);
+  append_int<std::uint64_t>(bytes, provenance.size());
+  for (const auto& [key, value] : provenance) {
+    append_text(bytes, key.c_str());
+    append_text(bytes, value.c_str());
+  }
+  return xxh64(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
 }
 
 }  // namespace dynaprobe::formats

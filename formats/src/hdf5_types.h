@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "dynaprobe/formats/dtype.h"
 #include "dynaprobe/formats/hdf5.h"
@@ -29,8 +32,18 @@ struct IndexRow {
   std::uint64_t chunk_offset;  // since format 1.1
   std::uint32_t chunk_filter_mask;
   std::uint64_t chunk_hash;
+  std::uint64_t chunk_hashes_first;  // since format 1.2
+  std::uint64_t chunk_count;
 };
-// The /index row type; without the chunk location fields for files of format 1.0.
-h5::Handle index_row_type(bool with_chunk_location = true);
+// The /index row type; without the chunk location fields for files of format 1.0, without the
+// chunk hash fields for files older than 1.2.
+h5::Handle index_row_type(bool with_chunk_location = true, bool with_chunk_hashes = true);
+
+// The checksum of /index (format 1.2): XXH64 of a canonical byte string of every row (strings
+// length-prefixed, integers little-endian), the chunk hashes, the step and the provenance (keys
+// in order). Writer and reader compute it the same way; docs/dump-format.md gives the layout.
+std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
+                             const std::vector<std::uint64_t>& chunk_hashes, std::int64_t step,
+                             const std::map<std::string, std::string>& provenance);
 
 }  // namespace dynaprobe::formats

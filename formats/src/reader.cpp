@@ -40,6 +40,48 @@ std::uint64_t product(const std::vector<std::int64_t>& shape) {
 
 std::atomic<OpenObserver> open_observer{nullptr};
 
+// /chunk_hashes of a format 1.2 file (fixed-size integers: nothing in HDF5's global heap).
+std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& where) {
+  const std::string name = "/" + std::string(schema::kChunkHashesDataset);
+  if (H5Lexists(file, name.c_str(), H5P_DEFAULT) <= 0) {
+    throw FormatError(where + ": damaged: no " + name + " dataset, which its format has");
+  }
+  h5::Handle dataset = h5::dataset_handle(H5Dopen2(file, name.c_str(), H5P_DEFAULT),
+                                          "opening the chunk hashes", where);
+  h5::Handle space =
+      h5::space_handle(H5Dget_space(dataset.get()), "reading the chunk hashes", where);
+  const hssize_t count = H5Sget_simple_extent_npoints(space.get());
+  if (count < 0 || H5Sget_simple_extent_ndims(space.get()) != 1) {
+    throw FormatError(where + ": damaged " + name + ": expected a 1-D dataset");
+  }
+  std::vector<std::uint64_t> hashes(static_cast<std::size_t>(count));
+  if (!hashes.empty()) {
+    h5::check<FormatError>(
+        H5Dread(dataset.get(), H5T_NATIVE_UINT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, hashes.data()),
+        "reading the chunk hashes", where);
+  }
+  return hashes;
+}
+
+std::uint64_t read_index_checksum(hid_t table, const std::string& where) {
+  const std::string name(schema::kIndexChecksumAttr);
+  if (H5Aexists(table, name.c_str()) <= 0) {
+    throw FormatError(where + ": damaged /index: no '" + name +
+                      "' attribute, which its format has");
+  }
+  h5::Handle attribute = h5::attribute_handle(H5Aopen(table, name.c_str(), H5P_DEFAULT),
+                                              "opening the index checksum", where);
+  h5::Handle space =
+      h5::space_handle(H5Aget_space(attribute.get()), "reading the index checksum", where);
+  if (H5Sget_simple_extent_npoints(space.get()) != 1) {
+    throw FormatError(where + ": damaged /index: its checksum is not one number");
+  }
+  std::uint64_t checksum = 0;
+  h5::check<FormatError>(H5Aread(attribute.get(), H5T_NATIVE_UINT64, &checksum),
+                         "reading the index checksum", where);
+  return checksum;
+}
+
 // Opens an HDF5 file read-only, telling "cannot read" (IoError) from "not a valid HDF5 file"
 // (FormatError).
 std::shared_ptr<h5::Handle> open_file(const fs::path& path) {
@@ -126,6 +168,8 @@ struct TensorStream::State {
     std::uint32_t filter_mask = 0;
   };
   std::optional<Located> located;
+  // Format >= 1.2, per chunk: XXH64 of a chunk stored as it is, 0 for a compressed one.
+  std::vector<std::uint64_t> chunk_hashes;
 };
 
 namespace {
@@ -222,6 +266,20 @@ const std::byte* TensorStream::decode(std::size_t chunk, RawChunk& raw, std::vec
   const auto corrupt = [&](const std::string& what) {
     return FormatError(s.where + ": chunk " + std::to_string(chunk) + " is corrupt: " + what);
   };
+  // Checked before any byte is used. A chunk stored as it is has no zstd checksum: /chunk_hashes
+  // has its XXH64. One stored compressed must still be (else its frame would be read as values).
+  if (!s.chunk_hashes.empty() && s.zstd_bit >= 0) {
+    const bool stored_as_is = !applied(s.zstd_bit) && !applied(s.shuffle_bit);
+    const std::uint64_t expected = s.chunk_hashes[chunk];
+    if (stored_as_is && expected == 0) {
+      throw corrupt("it was written compressed, but its filter mask says it is stored as it is");
+    }
+    if (stored_as_is && xxh64(data, size) != expected) {
+      throw corrupt(
+          "its stored bytes do not match their XXH64 in /chunk_hashes (a damaged disk, "
+          "or the file was edited in place)");
+    }
+  }
   if (applied(s.zstd_bit)) {
     std::vector<std::byte>& target = unshuffle ? scratch : out;
     target.resize(chunk_bytes);
@@ -545,7 +603,15 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     h5::Handle stored = h5::type_handle(H5Dget_type(table.get()), "reading the index", where);
     return H5Tget_member_index(stored.get(), std::string(schema::kIndexChunkOffset).c_str()) >= 0;
   }();
-  h5::Handle type = index_row_type(located);
+  const bool hashed = [&] {  // format 1.2 added the chunk hashes and the index checksum
+    h5::Handle stored = h5::type_handle(H5Dget_type(table.get()), "reading the index", where);
+    return H5Tget_member_index(stored.get(), std::string(schema::kIndexChunkCount).c_str()) >= 0;
+  }();
+  if (major == 1 && minor >= 2 && !hashed) {
+    throw FormatError(where + ": damaged /index: format " + impl.format_version +
+                      " files have chunk hashes, but this index has none");
+  }
+  h5::Handle type = index_row_type(located, hashed);
   h5::Handle space = h5::space_handle(H5Dget_space(table.get()), "reading the index", where);
   const hssize_t count = H5Sget_simple_extent_npoints(space.get());
   std::vector<IndexRow> rows(static_cast<std::size_t>(std::max<hssize_t>(count, 0)), IndexRow{});
@@ -561,6 +627,18 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
       if (data) H5Dvlen_reclaim(type, space, H5P_DEFAULT, data);
     }
   } reclaim{type.get(), space.get(), rows.empty() ? nullptr : rows.data()};
+  std::vector<std::uint64_t> chunk_hashes;
+  if (hashed) {
+    // Verified before any offset, hash or name of the index is trusted.
+    chunk_hashes = read_chunk_hashes(file, where);
+    const std::uint64_t stored = read_index_checksum(table.get(), where);
+    if (index_checksum(rows, chunk_hashes, impl.step, impl.provenance) != stored) {
+      throw FormatError(where +
+                        ": damaged /index: its XXH64 checksum does not match the index, the chunk "
+                        "hashes, the step or the provenance (a damaged disk, or the file was "
+                        "edited in place)");
+    }
+  }
   impl.records.reserve(rows.size());
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const IndexRow& row = rows[i];
@@ -600,6 +678,15 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     info.chunk_offset = row.chunk_offset;
     info.chunk_filter_mask = row.chunk_filter_mask;
     info.chunk_hash = row.chunk_hash;
+    if (row.chunk_count > 0) {
+      if (row.chunk_hashes_first > chunk_hashes.size() ||
+          row.chunk_count > chunk_hashes.size() - row.chunk_hashes_first) {
+        throw FormatError(where + ": damaged /index: row " + std::to_string(i) +
+                          " points past the end of /chunk_hashes");
+      }
+      const auto first = chunk_hashes.begin() + static_cast<std::ptrdiff_t>(row.chunk_hashes_first);
+      info.chunk_hashes.assign(first, first + static_cast<std::ptrdiff_t>(row.chunk_count));
+    }
     impl.by_key.emplace(info.key, impl.records.size());
     impl.records.push_back(std::move(info));
   }
@@ -693,6 +780,11 @@ TensorStream StepReader::open(const RecordInfo& record) const {
     throw FormatError(impl_->path.string() + " " + name + ": the index says shape " +
                       shape_string(record.shape) + ", but the dataset has shape " +
                       shape_string(state->shape));
+  }
+  // A file rewritten by a tool (h5repack) may have other chunks: then there is nothing to check
+  // them against, as for files older than 1.2.
+  if (state->layout && state->layout->chunk_count() == record.chunk_hashes.size()) {
+    state->chunk_hashes = record.chunk_hashes;
   }
   return TensorStream(state);
 }

@@ -209,6 +209,7 @@ struct StepWriter::Impl {
   fs::path partial_path;
   std::int64_t step = 0;
   WriterOptions options;
+  Provenance provenance;  // as written, for the index checksum
   h5::Handle file;
   h5::Handle tensors;
   h5::Handle graphs;
@@ -381,7 +382,9 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
     const std::byte* payload = nullptr;
     std::size_t payload_size = 0;
     unsigned filter_mask = 0;
-    std::uint64_t payload_hash = 0;  // of a record's only chunk, for /index
+    // Of a record's only chunk, for /index, and of every chunk stored as it is, for
+    // /chunk_hashes.
+    std::uint64_t payload_hash = 0;
   };
   std::size_t next_plan = 0;
   std::size_t next_chunk = 0;
@@ -443,7 +446,9 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
       item.payload = work.compressed.data();
       item.payload_size = size;
     }
-    if (layout.chunk_count() == 1) item.payload_hash = xxh64(item.payload, item.payload_size);
+    if (layout.chunk_count() == 1 || item.filter_mask == schema::kAllFiltersSkipped) {
+      item.payload_hash = xxh64(item.payload, item.payload_size);
+    }
     return item;
   };
   if (!fd) fd = h5::file_descriptor(file.get());
@@ -464,7 +469,12 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
                 "writing chunk " + std::to_string(item.chunk),
                 partial_path.string() + " " + dataset_path(item.plan->record->key));
       dataset_info.stored_bytes += item.payload_size;
-      if (item.plan->layout->chunk_count() == 1) locate_only_chunk(item.payload_hash);
+      if (item.plan->layout->chunk_count() == 1) {
+        locate_only_chunk(item.payload_hash);
+      } else {  // compressed chunks: zstd's content checksum
+        dataset_info.chunk_hashes.push_back(
+            item.filter_mask == schema::kAllFiltersSkipped ? item.payload_hash : 0);
+      }
       unsynced_bytes += item.payload_size;
       if (unsynced_bytes >= kWritebackBytes) {
         start_writeback(*fd);
@@ -482,8 +492,8 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
 }
 
 void StepWriter::Impl::write_index() {
-  std::vector<std::string> kinds, sides, dtypes;
   std::vector<IndexRow> rows;
+  std::vector<std::uint64_t> chunk_hashes;
   rows.reserve(index.size());
   for (const RecordInfo& info : index) {
     rows.push_back(IndexRow{info.key.module.c_str(), info.key.call, kind_name(info.key.kind).data(),
@@ -491,10 +501,29 @@ void StepWriter::Impl::write_index() {
                             info.label.c_str(), dtype_name(info.dtype).data(),
                             hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())},
                             info.stored_bytes, info.chunk_offset, info.chunk_filter_mask,
-                            info.chunk_hash});
+                            info.chunk_hash, chunk_hashes.size(), info.chunk_hashes.size()});
+    chunk_hashes.insert(chunk_hashes.end(), info.chunk_hashes.begin(), info.chunk_hashes.end());
   }
+  const std::uint64_t checksum = index_checksum(rows, chunk_hashes, step, provenance);
   const std::string where = partial_path.string() + " /" + std::string(schema::kIndexDataset);
   h5::Lock lock(h5::hdf5_mutex());
+  {
+    const std::string hashes_where =
+        partial_path.string() + " /" + std::string(schema::kChunkHashesDataset);
+    const hsize_t count = chunk_hashes.size();
+    h5::Handle space =
+        h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", hashes_where);
+    h5::Handle hashes = h5::dataset_handle(
+        H5Dcreate2(file.get(), std::string(schema::kChunkHashesDataset).c_str(), H5T_STD_U64LE,
+                   space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+        "creating the chunk hashes", hashes_where);
+    if (count > 0) {
+      h5::check(H5Dwrite(hashes.get(), H5T_NATIVE_UINT64, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                         chunk_hashes.data()),
+                "writing the chunk hashes", hashes_where);
+    }
+    hashes.close(hashes_where);
+  }
   h5::Handle type = index_row_type();
   const hsize_t count = rows.size();
   h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
@@ -505,6 +534,15 @@ void StepWriter::Impl::write_index() {
   if (!rows.empty()) {
     h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
               "writing the index", where);
+  }
+  {
+    h5::Handle scalar = h5::space_handle(H5Screate(H5S_SCALAR), "creating", where);
+    h5::Handle attribute = h5::attribute_handle(
+        H5Acreate2(table.get(), std::string(schema::kIndexChecksumAttr).c_str(), H5T_STD_U64LE,
+                   scalar.get(), H5P_DEFAULT, H5P_DEFAULT),
+        "creating the index checksum", where);
+    h5::check(H5Awrite(attribute.get(), H5T_NATIVE_UINT64, &checksum), "writing the index checksum",
+              where);
   }
   table.close(where);
 }
@@ -560,6 +598,7 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   for (const auto& [key, value] : provenance) {
     h5::write_string_attribute(impl.file.get(), key, value, where);
   }
+  impl.provenance = std::move(provenance);
   impl.tensors =
       h5::group_handle(H5Gcreate2(impl.file.get(), std::string(schema::kTensorsGroup).c_str(),
                                   H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),

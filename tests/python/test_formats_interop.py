@@ -13,6 +13,8 @@ import pytest
 import dynaprobe
 from dynaprobe import _C
 
+from dump_checksum import index_checksum
+
 RNG = np.random.default_rng(1234)
 
 
@@ -85,7 +87,7 @@ def assert_same_values(got, want, what):
 def test_h5py_reads_every_value_bit_for_bit(written):
     path, tensors = written
     with h5py.File(path, "r") as f:
-        assert f.attrs["dynaprobe_format_version"] == "1.1"
+        assert f.attrs["dynaprobe_format_version"] == "1.2"
         assert f.attrs["backend"] == "aot_eager"
         for module, dtype, array in tensors:
             dataset = f[dataset_name(module)]
@@ -125,7 +127,7 @@ def test_h5py_reads_the_index_and_graphs(written):
 def test_dynaprobe_reads_back_what_it_wrote(written):
     path, tensors = written
     info = _C.read_step(path)
-    assert info["step"] == 0 and info["format_version"] == "1.1"
+    assert info["step"] == 0 and info["format_version"] == "1.2"
     assert info["provenance"]["torch_version"] == "2.13.0"
     assert_every_record_reads_back(path, tensors)
 
@@ -265,8 +267,16 @@ def test_rows_of_a_kind_from_a_newer_minor_version_are_skipped_not_fatal(tmp_pat
         index = f["index"][()]
         index[2]["kind"] = b"buffer_after_step"  # a kind this reader does not know
         f["index"][...] = index
+        f.attrs["dynaprobe_format_version"] = "1.9"  # written by a newer minor version
+        f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
     info = _C.read_step(path)
     assert [r["module"] for r in info["records"]] == ["a", "a"]
     out = subprocess.run([dynaprobe_cli, "compare", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "unknown kind 'buffer_after_step', written by a newer dynaprobe; skipped" in out.stderr
+    assert "unknown kind 'buffer_after_step', written by a newer dynaprobe (format 1.9); skipped" in out.stderr
+    # The same row in a file of this reader's own version can only be damage.
+    with h5py.File(path, "r+") as f:
+        f.attrs["dynaprobe_format_version"] = "1.2"
+        f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
+    with pytest.raises(dynaprobe.FormatError, match="damaged /index: index row 2 .*unknown kind 'buffer_after_step'"):
+        _C.read_step(path)

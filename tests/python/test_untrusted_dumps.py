@@ -17,6 +17,8 @@ import pytest
 
 from dynaprobe import _C
 
+from dump_checksum import index_checksum, xxh64
+
 MUTANTS = 300  # about 20 s on 2 cores
 RNG = np.random.default_rng(17)
 
@@ -163,14 +165,13 @@ def test_names_with_control_characters_or_invalid_utf8_are_escaped(tmp_path, dyn
     assert report["ranks"][0]["steps"][0]["rows"][0]["module"] == "evil\\x0Aname\\xC2\\x85"
     assert report["ranks"][0]["provenance"]["eager"]["note\\x01"] == "v\\x0Aw"
     assert (tmp_path / "r.csv").read_text().splitlines()[2].startswith("evil\\x0Aname\\xC2\\x85,fwd_output,0,FAIL,")
-    # Invalid UTF-8 in a module name, as a damaged /index would hold it.
-    with h5py.File(step, "r+") as f:
-        index = f["index"][()]
+    # Invalid UTF-8 in a module name, as a crafted /index (checksum recomputed) may hold it.
+    def rename(index):
         for row in index:
             if row["module"] == b"layers.1":
                 row["module"] = b"layers.\xcf"
-        del f["index"]
-        f.create_dataset("index", data=index)
+
+    rewrite_index(step, rename)
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--json", tmp_path / "d.json")
     assert proc.returncode == 0, proc.stderr  # both sides renamed alike: still a pair
     text = (tmp_path / "d.json").read_bytes()
@@ -182,7 +183,16 @@ def test_names_with_control_characters_or_invalid_utf8_are_escaped(tmp_path, dyn
     assert proc.returncode == 0 and b"evil\\x0Aname\\xC2\\x85" in proc.stdout and b"evil\n" not in proc.stdout
 
 
-def rewrite_index(step, change, version=None):
+def test_the_index_checksum_is_the_documented_one(tmp_path):
+    assert xxh64(b"") == 0xEF46DB3751D8E999 and xxh64(b"a" * 40) == xxh64(bytes(b"a" * 40))
+    step = real_step(tmp_path / "dump")
+    with h5py.File(step) as f:
+        assert int(f["index"].attrs["checksum"]) == index_checksum(f)
+        assert len(f["chunk_hashes"]) > 0  # the raw multi-chunk record's chunks
+
+
+def rewrite_index(step, change, version=None, reseal=True):
+    """Changes /index with h5py; `reseal` recomputes its checksum, as a crafted file would."""
     with h5py.File(step, "r+") as f:
         index = f["index"][()]
         change(index)
@@ -190,6 +200,38 @@ def rewrite_index(step, change, version=None):
         f.create_dataset("index", data=index)
         if version:
             f.attrs["dynaprobe_format_version"] = version
+        if reseal:
+            f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
+
+
+def test_damage_to_a_chunk_stored_as_it_is_or_to_the_index_is_found(tmp_path, dynaprobe_cli):
+    # A bit flipped in a raw chunk (no zstd checksum) of a multi-chunk record: exit 3 naming the
+    # chunk, never numbers read as real.
+    step = real_step(tmp_path / "data")
+    with h5py.File(step) as f:
+        chunks = f["tensors/layers.0/fwd_input.eager.0.0"]
+        assert chunks.id.get_num_chunks() > 1
+        info = chunks.id.get_chunk_info(1)
+        assert info.filter_mask == 0b11  # stored as it is
+    data = bytearray(step.read_bytes())
+    data[info.byte_offset + 100] ^= 0x01
+    step.write_bytes(bytes(data))
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "data")
+    assert proc.returncode == 3, proc.stdout
+    assert b"fwd_input.eager.0.0: chunk 1 is corrupt" in proc.stderr and b"/chunk_hashes" in proc.stderr
+    # The tolerance in the provenance changed in place: the index checksum covers it.
+    step = real_step(tmp_path / "provenance")
+    with h5py.File(step, "r+") as f:
+        f.attrs["atol"] = "1.0"
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "provenance")
+    assert proc.returncode == 3 and b"damaged /index: its XXH64 checksum does not match" in proc.stderr
+    # A row changed without resealing.
+    step = real_step(tmp_path / "row")
+    def shrink(index):
+        index["stored_bytes"][0] = 1
+
+    rewrite_index(step, shrink, reseal=False)
+    assert run_cli(dynaprobe_cli, "compare", tmp_path / "row").returncode == 3
 
 
 def test_damaged_index_is_reported_as_damage_not_as_a_newer_version(tmp_path, dynaprobe_cli):

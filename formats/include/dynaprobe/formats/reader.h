@@ -27,6 +27,10 @@ struct RecordInfo {
   std::uint64_t chunk_offset = 0;
   std::uint32_t chunk_filter_mask = 0;
   std::uint64_t chunk_hash = 0;
+  // A tensor stored as several chunks (format >= 1.2): per chunk in chunk order, the XXH64 of its
+  // stored bytes when it is stored as it is (filter mask 0b11), 0 when compressed (zstd's content
+  // checksum covers it). Empty: not known (older files); chunks are then not checked.
+  std::vector<std::uint64_t> chunk_hashes;
 
   std::uint64_t numel() const;
   std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }

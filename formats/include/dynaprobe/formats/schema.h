@@ -7,7 +7,9 @@
 //   /tensors/<module>/<kind>.<side>.<call>.<tensor_index>   one dataset per record, attr dtype
 //   /graphs/<name>         one scalar string dataset per graph, attrs kind and the graph's own
 //   /modules/<module>      one empty group per module the capture knew of, string attributes
-//   /index                 compound table listing every record (no tensor data needs reading)
+//   /index                 compound table listing every record (no tensor data needs reading),
+//                          attr checksum (since 1.2)
+//   /chunk_hashes          uint64 per chunk of multi-chunk records (since 1.2)
 #pragma once
 
 #include <cstdint>
@@ -17,7 +19,9 @@ namespace dynaprobe::formats::schema {
 
 // A reader refuses files whose major version is newer than kFormatMajor.
 inline constexpr int kFormatMajor = 1;
-inline constexpr int kFormatMinor = 1;  // 1.1: /index locates single-chunk records
+// 1.1: /index locates single-chunk records. 1.2: /chunk_hashes checks every chunk stored as it
+// is, and the index carries a checksum of itself and of the provenance.
+inline constexpr int kFormatMinor = 2;
 
 inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
 inline constexpr std::string_view kStepAttr = "step";
@@ -41,6 +45,13 @@ inline constexpr std::string_view kIndexStoredBytes = "stored_bytes";
 inline constexpr std::string_view kIndexChunkOffset = "chunk_offset";  // since 1.1
 inline constexpr std::string_view kIndexChunkFilterMask = "chunk_filter_mask";
 inline constexpr std::string_view kIndexChunkHash = "chunk_hash";
+inline constexpr std::string_view kIndexChunkHashesFirst = "chunk_hashes_first";  // since 1.2
+inline constexpr std::string_view kIndexChunkCount = "chunk_count";               // since 1.2
+// Since 1.2: XXH64 of every chunk of a multi-chunk record stored as it is (0 for a compressed
+// chunk, which zstd's content checksum covers), rows point into it; and the /index attribute
+// holding the XXH64 of the index, the chunk hashes, the step and the provenance.
+inline constexpr std::string_view kChunkHashesDataset = "chunk_hashes";
+inline constexpr std::string_view kIndexChecksumAttr = "checksum";
 
 inline constexpr std::string_view kRankDirPrefix = "rank";
 inline constexpr std::string_view kStepFilePrefix = "step_";
