@@ -1,0 +1,109 @@
+// What the dynaprobe command line's files share: exit codes, the errors that carry them, a
+// parsed command ready to run, and the writing of report files. One file per subcommand
+// (compare.cpp, ls.cpp, graphs.cpp), each with an options struct, setup_x(CLI::App&, ...) and
+// run_x(const XOptions&), as CLI11's own examples split them; main.cpp parses and dispatches, and
+// contain.cpp runs the command in a child process (dumps are untrusted input).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace dynaprobe::cli {
+
+// docs/cli.md#exit-codes.
+enum ExitCode : int {
+  kExitPass = 0,      // success; compare: every step of every rank is ALL PASS
+  kExitMismatch = 1,  // compare: not all pass
+  kExitUsage = 2,     // the command line, or what it asks for, cannot work
+  kExitIo = 3,        // a path, file or dump that cannot be read or written; a reader that crashed
+};
+
+// An error of the command line itself, with the exit code it means.
+class CliError : public std::runtime_error {
+ public:
+  CliError(ExitCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ExitCode exit_code() const { return code_; }
+
+ private:
+  ExitCode code_;
+};
+
+// An error as the user sees it: the message (without the "dynaprobe: error: " prefix) and the
+// exit code. Maps dynaprobe's exception hierarchy in one place: UsageError is 2, FormatError and
+// IoError are 3, std::bad_alloc is "out of memory" (3, as a reader past --memory-limit), anything
+// else is an internal error (3) that asks to be reported.
+struct Failure {
+  ExitCode code;
+  std::string message;
+};
+Failure failure_of(std::exception_ptr error, const std::string& reading);
+
+// A parsed subcommand, ready to run: the dumps it reads (for messages about a reader that
+// crashed) and the command itself, which returns its exit code and throws on errors.
+struct Command {
+  std::string reads;
+  std::function<int()> run;
+};
+
+// Writes a report or a graph file, creating its folder. Refuses a symbolic link at the name
+// (O_NOFOLLOW), so nothing is written outside the folder given. Throws IoError.
+void write_text_file(const std::filesystem::path& path, const std::string& text);
+
+// A name from a dump, printable on one line (formats::printable_name); valid until the next
+// call on this thread, so use it once per printf.
+const char* printable(const std::string& name);
+
+// The subcommands. setup_x adds the subcommand to `app`; when it is the one parsed, `selected`
+// is set to run it with the parsed options.
+struct CompareOptions {
+  std::string dump, dump2;
+  std::string csv, merged_csv, json;
+  std::optional<double> atol, rtol;
+  std::optional<std::int64_t> step;
+  std::string module;
+  int threads = 0;
+};
+void setup_compare(CLI::App& app, Command& selected);
+int run_compare(const CompareOptions& options);
+
+struct LsOptions {
+  std::string dump;
+};
+void setup_ls(CLI::App& app, Command& selected);
+int run_ls(const LsOptions& options);
+
+struct GraphsOptions {
+  std::string dump;
+  std::string output;
+};
+void setup_graphs(CLI::App& app, Command& selected);
+int run_graphs(const GraphsOptions& options);
+
+// Containment (contain.cpp): the limits of the process that reads the dumps.
+struct Limits {
+  double seconds = 3600;         // 0: no time limit
+  std::uint64_t memory_mib = 0;  // 0: the machine's physical memory
+  bool isolate = true;           // false: run in this process (DYNAPROBE_NO_ISOLATION=1)
+};
+void add_limit_options(CLI::App& app, Limits& limits);
+
+// Runs `command` in a child process under `limits` and returns its exit code; errors it throws
+// are printed as "dynaprobe: error: ..." with their exit code. A child that dies by a signal or
+// runs past the time limit is exit 3, naming the file it was reading.
+int run_contained(const Limits& limits, const Command& command);
+
+}  // namespace dynaprobe::cli
+
+namespace dynaprobe::cli {
+
+// A validator for a number >= 0 that is finite (a tolerance, a limit, a thread count): the
+// message names what was received and gives an example, instead of CLI11's range of doubles.
+CLI::Validator non_negative(const std::string& example, bool integer = false);
+
+}  // namespace dynaprobe::cli
