@@ -260,6 +260,19 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   };
   collect(eager, Side::kEager);
   collect(compiled, Side::kCompiled);
+  // The calls each side ran, from their forward records: a two-pass model can take another path
+  // when compiled, so a module may run on one side only. Its gradients are then missing, not a
+  // compiled wrapper's hooks that do not align.
+  std::set<std::pair<std::string, std::uint32_t>> ran_compiled;
+  std::map<std::string, std::set<std::uint32_t>> ran_eager;
+  for (const auto& [key, pair] : pairs) {
+    if (!is_forward(key.kind)) continue;
+    if (pair.compiled) ran_compiled.insert({key.module, key.call});
+    if (pair.eager) ran_eager[key.module].insert(key.call);
+  }
+  const auto compiled_ran = [&](const std::string& module, std::uint32_t call) {
+    return report.single_pass || ran_compiled.count({module, call}) > 0;
+  };
 
   std::vector<std::string> wrapped, ignored;
   for (const auto& [module, attributes] : module_attributes) {
@@ -307,6 +320,17 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
         row.status = note->second.starts_with("SKIP") ? Status::kSkip : Status::kWarn;
         auto reason = attributes->second.find(std::string(module_attributes::kReason));
         if (reason != attributes->second.end()) row.reason = reason->second;
+        // The capture counts the calls of the compiled copy only: a module it saw no call of
+        // may still have run eagerly, and then "not called" would be wrong.
+        const auto eager_calls = ran_eager.find(module);
+        if (row.note == notes::kNotRun && !report.single_pass && eager_calls != ran_eager.end()) {
+          row.reason =
+              "the compiled model did not call it in this step, but the eager model did (" +
+              std::to_string(eager_calls->second.size()) +
+              " call(s)): the two copies took different paths; look for control flow "
+              "that depends on compilation (torch.compiler.is_compiling(), "
+              "graph-break fallbacks) or on state the compiled copy does not share";
+        }
         report.rows.push_back(std::move(row));
       }
     }
@@ -347,6 +371,13 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
         if (is_forward(key.kind)) {
           row.status = inside_wrapped(module) ? Status::kSkip : Status::kWarn;
           row.note = inside_wrapped(module) ? notes::kInsideCompiled : notes::kMissingFwdInCompiled;
+          if (is_wrapped(module) && !compiled_ran(module, key.call)) {
+            row.reason = "the compiled model did not run this call";
+          }
+        } else if (is_wrapped(module) && !compiled_ran(module, key.call)) {
+          row.status = Status::kWarn;
+          row.note = notes::kMissingBwdInCompiled;
+          row.reason = "the compiled model did not run this call, so it has no gradients";
         } else if (is_wrapped(module)) {
           row.status = Status::kSkip;
           row.note = notes::kCompiledWrapper;
@@ -592,6 +623,8 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
       if (key == "created") continue;  // always differs
       const std::string a = provenance_value(result.eager_provenance, key);
       const std::string b = provenance_value(result.compiled_provenance, key);
+      // Two one-sided captures differ in their mode by design (the sides are checked below).
+      if (key == "mode" && a == "eager_only" && b == "compiled_only") continue;
       if (a != b) result.provenance_differences.push_back({key, a, b});
     }
   }

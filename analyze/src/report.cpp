@@ -67,6 +67,13 @@ int severity(Status status) {
   return 0;
 }
 
+// Below a single-pass report, what the spec's 提示 says about it (关于 single-pass 的
+// loss_eager=NaN), so the nan and the zero rows are not read as a problem.
+const std::string kSinglePassHint =
+    "  single-pass: eager=nan is expected (no whole-model eager run); FORWARD INPUT and\n"
+    "  grad_output are the tensors both sides share (0 by design): FORWARD OUTPUT and grad_input\n"
+    "  are what compares the two sides.\n";
+
 std::string display_name(const Row& row, bool backward) {
   std::string name = formats::printable_name(row.module);
   if (backward && row.kind) name += "." + std::string(formats::kind_name(*row.kind));
@@ -104,6 +111,11 @@ std::string detail_text(const Row& row) {
                      "  max_rel=" + format_float(n.max_rel, "%.3e") + "  shape=" + shape_text(row);
   if (row.kind == Kind::kParamGrad && !row.label.empty()) {
     text += "  param=" + formats::printable_name(row.label);
+  }
+  // Why a failing row fails when the metrics alone do not say ("32 NaN/Inf only in compiled"),
+  // as the CSV's note column has it.
+  if (row.status != Status::kPass && !row.reason.empty() && !row.shape_mismatch()) {
+    text += "  " + formats::printable_name(row.reason);
   }
   return text;
 }
@@ -403,6 +415,7 @@ std::string render_text(const StepReport& report) {
          "atol=" + format_tolerance(report.tolerances.atol) +
          " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
   out += kRule + "\n";
+  if (report.single_pass) out += kSinglePassHint;
   return out;
 }
 

@@ -318,5 +318,84 @@ TEST(Engine, SwappedSidesAreAUsageError) {
   EXPECT_NE(both_compiled.find("holds only the compiled side"), std::string::npos) << both_compiled;
 }
 
+// Two one-sided captures differ in their mode by design; only real differences are listed.
+TEST(Engine, OneSidedCapturesDoNotListTheirModesAsADifference) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path() / "eager", 0,
+                               {{"mode", "eager_only"}, {"torch_version", "2.13.0"}});
+    writer.write(record(Side::kEager, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  }
+  {
+    formats::StepWriter writer(dir.path() / "compiled", 0,
+                               {{"mode", "compiled_only"}, {"torch_version", "2.14.0"}});
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  }
+  const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", {});
+  ASSERT_EQ(result.provenance_differences.size(), 1u);
+  EXPECT_EQ(result.provenance_differences[0].key, "torch_version");
+  EXPECT_EQ(render_provenance(result).find("mode: "), std::string::npos)
+      << render_provenance(result);
+}
+
+// Two-pass, a wrapped module the compiled model did not call but the eager model did: the
+// capture notes NOT_RUN (it counts compiled calls); the report says it ran eagerly, and its
+// eager-only gradients are missing on the compiled side, not a compiled wrapper's skip.
+TEST(Engine, ModuleThatRanOnTheEagerSideOnlyIsMissingItsCompiledGradients) {
+  const std::vector<float> values = {1, 2, 3};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path(), 0, {{"mode", "two_pass"}});
+    for (Side side : {Side::kEager, Side::kCompiled}) {  // "layers.0" ran on both sides
+      for (Kind kind : {Kind::kFwdOutput, Kind::kGradInput}) {
+        formats::Record r = record(side, DType::kFloat32, {3}, values.data());
+        r.key.kind = kind;
+        writer.write(r);
+      }
+    }
+    for (Kind kind : {Kind::kFwdOutput, Kind::kGradInput}) {  // "layers.1" only eagerly
+      formats::Record r = record(Side::kEager, DType::kFloat32, {3}, values.data());
+      r.key.module = "layers.1";
+      r.key.kind = kind;
+      writer.write(r);
+    }
+    writer.write_module({"layers.0", {{"role", "wrapped"}, {"calls", "1"}}});
+    writer.write_module({"layers.1",
+                         {{"role", "wrapped"},
+                          {"calls", "0"},
+                          {"note", "NOT_RUN"},
+                          {"reason", "the wrapped module was not called in this step"}}});
+    writer.commit();
+  }
+  const Comparison result = compare(dir.path(), dir.path(), {});
+  ASSERT_EQ(result.steps.size(), 1u);
+  std::map<std::string, const Row*> rows;
+  for (const Row& row : result.steps[0].rows) {
+    if (row.module == "layers.1") {
+      rows[row.kind ? std::string(formats::kind_name(*row.kind)) : "note"] = &row;
+    }
+  }
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows["note"]->note, "NOT_RUN");
+  EXPECT_EQ(rows["note"]->status, Status::kWarn);
+  EXPECT_NE(rows["note"]->reason.find("the compiled model did not call it in this step, but the "
+                                      "eager model did (1 call(s))"),
+            std::string::npos)
+      << rows["note"]->reason;
+  EXPECT_EQ(rows["fwd_output"]->note, notes::kMissingFwdInCompiled);
+  EXPECT_EQ(rows["grad_input"]->status, Status::kWarn);
+  EXPECT_EQ(rows["grad_input"]->note, notes::kMissingBwdInCompiled);
+  EXPECT_NE(rows["grad_input"]->reason.find("no gradients"), std::string::npos);
+  const std::string text = render_text(result.steps[0]);
+  EXPECT_EQ(text.find("SKIP_compiled_wrapper"), std::string::npos) << text;
+  const std::string row = "  WARN  " + std::string("layers.1.grad_input").append(32, ' ') +
+                          "  MISSING_bwd_in_compiled  the compiled model did not run this call, "
+                          "so it has no gradients\n";
+  EXPECT_NE(text.find(row), std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace dynaprobe::analyze

@@ -104,6 +104,48 @@ TEST(Report, SinglePassShowsNanEagerLossAndCompiledOnlyLossRow) {
             "LOSS,loss,0,PASS,N/A,N/A,N/A,compiled=0.333408,single_pass mode\n");
 }
 
+// The spec's hint (提示) below a single-pass report, where the user looks; a two-pass report,
+// such as the spec's example, ends with its RESULT block.
+TEST(Report, SinglePassReportEndsWithTheHintAboutNanAndSharedTensors) {
+  StepReport report;
+  report.single_pass = true;
+  report.loss_compiled = 0.333408;
+  report.rows.push_back(tensor_row("layers.0", Kind::kFwdOutput, 0, 0, 0));
+  const std::string text = render_text(report);
+  const std::string ending =
+      "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)\n"
+      "========================================================================\n"
+      "  single-pass: eager=nan is expected (no whole-model eager run); FORWARD INPUT and\n"
+      "  grad_output are the tensors both sides share (0 by design): FORWARD OUTPUT and "
+      "grad_input\n"
+      "  are what compares the two sides.\n";
+  ASSERT_GE(text.size(), ending.size());
+  EXPECT_EQ(text.substr(text.size() - ending.size()), ending);
+  const std::string two_pass = render_text(spec_example());
+  EXPECT_TRUE(two_pass.ends_with(
+      "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)\n"
+      "========================================================================\n"))
+      << two_pass;
+}
+
+// Why a row fails, when its metrics do not say it (NaN/Inf on one side), is on its stdout line as
+// in the CSV's note column.
+TEST(Report, FailingRowShowsItsReasonOnStdout) {
+  StepReport report;
+  report.loss_eager = 1.0;
+  report.loss_compiled = 1.0;
+  Row row = tensor_row("layers.0", Kind::kFwdOutput, NAN, NAN, NAN);
+  row.status = Status::kFail;
+  row.reason = "32 NaN/Inf only in compiled";
+  report.rows.push_back(row);
+  const std::string text = render_text(report);
+  EXPECT_NE(text.find("[!!] max_abs=nan  mean_abs=nan  max_rel=nan  shape=(2, 128, 4096)  32 "
+                      "NaN/Inf only in compiled\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(render_csv({report}).find(",32 NaN/Inf only in compiled\n"), std::string::npos);
+}
+
 TEST(Report, FailingRowsAreFlaggedAndResultFails) {
   StepReport report = spec_example();
   report.rows[1].status = Status::kFail;

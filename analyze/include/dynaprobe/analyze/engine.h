@@ -31,6 +31,8 @@ inline constexpr std::string_view kMissingFwdInCompiled = "MISSING_fwd_in_compil
 inline constexpr std::string_view kMissingFwdInEager = "MISSING_fwd_in_eager";
 inline constexpr std::string_view kMissingBwdInCompiled = "MISSING_bwd_in_compiled";
 inline constexpr std::string_view kMissingBwdInEager = "MISSING_bwd_in_eager";
+// A capture note (module attribute): the compiled copy of a wrapped module was not called.
+inline constexpr std::string_view kNotRun = "NOT_RUN";
 }  // namespace notes
 
 // Attributes of /modules/<module> that the engine reads (written by the capture).
