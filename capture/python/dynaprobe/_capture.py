@@ -1,15 +1,7 @@
-"""Capture mechanics: intercept a wrapped module's calls and record its tensors.
-
-A wrapped module keeps its place in the model (names, state_dict, parameters and other tools'
-hooks are untouched); only its ``forward`` is replaced by an instance attribute that records the
-inputs, runs the module (compiled or eager), records the outputs and arranges for the gradients to
-be recorded during backward.
-
-Single-pass: the compiled forward is the real training path; the original module is then re-run
-eagerly on clones of the same inputs, with the RNG state and changed buffers restored around it, so
-training sees exactly what it would see without the checker. Its backward runs inside the real
-backward, seeded with the real upstream gradient (grad_output), through ``torch.autograd.grad`` —
-which never touches ``.grad``.
+"""Capture mechanics shared by every mode: intercepting a wrapped module's calls (its ``forward``
+replaced by an instance attribute; names, state_dict, parameters and other tools' hooks untouched),
+the tensors in nested arguments and outputs, probing gradients at the module boundary, RNG state,
+autocast and FSDP2 shards. The modes themselves live in _single_pass.py and _two_pass.py.
 """
 
 from __future__ import annotations
@@ -131,6 +123,53 @@ def map_tensors(args: tuple, kwargs: dict, fn: Callable[[int, torch.Tensor], tor
 
     mapped_args = tuple(visit(arg) for arg in args)
     return mapped_args, {key: visit(value) for key, value in kwargs.items()}
+
+
+def probe(tensor: torch.Tensor, hook: Callable) -> torch.Tensor:
+    """An identity view of ``tensor`` that calls ``hook(grad)`` in the backward.
+
+    Probing a module's inputs and outputs through their own views gives the gradients at the
+    module boundary, as ``register_full_backward_hook`` means them: the view of an output gets
+    only the gradient arriving from outside the module (a hook on the output itself would also
+    see the paths through the module's other outputs computed from it), and the view of an input
+    the gradient leaving the module through that argument.
+    """
+    if not tensor.requires_grad:
+        return tensor
+    view = tensor.view_as(tensor)
+    view.register_hook(hook)
+    return view
+
+
+def probe_inputs(args: tuple, kwargs: dict, hook_for: Callable[[int], Callable]):
+    """(args, kwargs) with each input tensor that requires grad probed by ``hook_for(index)``
+    (grad_input), indexed as input_leaves."""
+    return map_tensors(args, kwargs, lambda index, tensor: probe(tensor, hook_for(index)))
+
+
+def probe_outputs(value: Any, hook_for: Callable[[int], Callable]) -> Any:
+    """A module's output with each tensor that requires grad probed by ``hook_for(index)``
+    (grad_output), indexed as tensor_leaves."""
+    return map_output_tensors(value, lambda index, tensor: probe(tensor, hook_for(index)))
+
+
+def patch_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
+    """Makes ``forward`` the module's forward (an instance attribute); returns the undo.
+
+    Dynamo must not trace dynaprobe's own code when a caller compiles around it; the compiled
+    function inside still compiles (recursive=False).
+    """
+    had_own = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = torch._dynamo.disable(forward, recursive=False)
+
+    def undo() -> None:
+        if had_own:
+            module.forward = previous
+        else:
+            del module.forward
+
+    return undo
 
 
 def input_leaves(args: tuple, kwargs: dict) -> list:

@@ -1,0 +1,230 @@
+"""Single-pass: the wrapped modules compiled in place; every call runs compiled (the training
+path) and again eagerly on copies of its arguments (_isolation.py), and the eager re-run's backward
+runs inside the real backward, seeded with the grad_output its compiled twin received, through
+``torch.autograd.grad``, which never touches ``.grad``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List
+
+import torch
+
+from dynaprobe._capture import (
+    RngState,
+    _in_eager_backward,
+    autocast_context,
+    devices_of,
+    input_leaves,
+    map_tensors,
+    patch_forward,
+    probe_inputs,
+    probe_outputs,
+    tensor_leaves,
+)
+from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
+from dynaprobe._step import PendingBackward, Step, Target
+
+
+class SinglePass:
+    """The installation on one model: its targets, their patched forwards and hooks.
+
+    ``current_step()`` gives the step being checked (begun by the first wrapped call);
+    ``active_step()`` the step if one is begun, else None (hooks firing outside a step do
+    nothing).
+    """
+
+    def __init__(self, targets: List[Target], current_step: Callable[[], Step],
+                 active_step: Callable[[], object], capture_input: bool, cast_dtype):
+        self.targets = targets
+        self.current_step = current_step
+        self.active_step = active_step
+        self.capture_input = capture_input
+        self.cast_dtype = cast_dtype
+        self.restore: List[Callable[[], None]] = []
+        self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
+        self.warned: set = set()  # (module, topic): warnings said once
+        for target in targets:
+            self.restore.append(patch_forward(target.module, self._forward(target)))
+
+    def remove(self) -> None:
+        """Restores the original forwards and removes every hook."""
+        for undo in reversed(self.restore):
+            undo()
+        self.restore.clear()
+        self.hooked.clear()
+
+    def finish(self, step: Step) -> None:
+        """Runs the eager backwards still pending (the step's backward did not reach their
+        inputs or parameters) before the step is written."""
+        for pending in step.pending:
+            if not pending.done and pending.grads and pending.params_freed():
+                step.note(pending.target.name, "HOOK_ERROR",
+                          "eager backward not run: no gradient reached the module's inputs or "
+                          "parameters during the backward, and FSDP2 has since freed the full "
+                          "parameters it saved")
+                continue
+            pending.run()
+        step.pending.clear()
+
+    def _forward(self, target: Target) -> Callable:
+        def forward(*args, **kwargs):
+            return self._checked_call(self.current_step(), target, args, kwargs)
+
+        return forward
+
+    def _checked_call(self, step: Step, target: Target, args: tuple, kwargs: dict):
+        call = target.calls
+        target.calls += 1
+        name = target.name
+        inputs = input_leaves(args, kwargs)
+        devices = devices_of([t for _, t in inputs], target.module)
+        grad_mode = torch.is_grad_enabled()
+        try:
+            if self.capture_input:
+                # Single-pass feeds both sides the same inputs: recorded once, for both.
+                for index, (label, tensor) in enumerate(inputs):
+                    step.record(name, call, "fwd_input", index, "compiled", tensor, label)
+            # Copies taken before the training call, which may change its inputs (a cache it
+            # appends to, a tensor modified in place) and its module's state.
+            eager_args, eager_kwargs, shared = copy_arguments(
+                args, kwargs, lambda i, t: t.detach().clone())
+            if shared:
+                self._warn_shared_arguments(step, name, shared)
+            state_before = ModuleState(target.module, clone_buffers=True)
+            rng_before = RngState(devices)
+            params = self._call_params(step, target)
+        except Exception as error:  # never break training because of the checker
+            step.note(name, "HOOK_ERROR", f"{type(error).__name__}: {error}")
+            return target.run(*args, **kwargs)
+
+        if grad_mode:
+            args, kwargs = probe_inputs(
+                args, kwargs, lambda index: self._compiled_grad_input_hook(step, target, call, index))
+        with autocast_context(self.cast_dtype, devices):
+            compiled_out = target.run(*args, **kwargs)
+
+        leaves = []
+        state_after = ModuleState(target.module)
+        rng_after = RngState(devices)
+        names_after = ModuleGlobals(target.module)
+        try:
+            state_before.apply()
+            rng_before.restore()
+
+            def eager_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
+                original = inputs[index][1]
+                if grad_mode and original.requires_grad and (tensor.is_floating_point()
+                                                             or tensor.is_complex()):
+                    tensor.requires_grad_(True)
+                    leaves.append((index, tensor))
+                return tensor
+
+            eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
+            with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
+                eager_out = target.eager(*eager_args, **eager_kwargs)
+        except Exception as error:
+            step.note(name, "HOOK_ERROR", f"eager re-run failed: {type(error).__name__}: {error}")
+            return compiled_out
+        finally:
+            state_after.apply()
+            rng_after.restore()
+            rebound = names_after.restore()
+            if rebound:
+                self._warn_once(
+                    name, "globals", f"dynaprobe: {name}: its forward rebinds module-level names "
+                    f"({', '.join(rebound)}): a global side effect. dynaprobe put back what the "
+                    "eager re-run changed; other global effects (files, in-place changes to "
+                    "module-level objects) it cannot undo.")
+
+        compiled_leaves = tensor_leaves(compiled_out)
+        eager_leaves = tensor_leaves(eager_out)
+        for index, (label, tensor) in enumerate(compiled_leaves):
+            step.record(name, call, "fwd_output", index, "compiled", tensor, label)
+        for index, (label, tensor) in enumerate(eager_leaves):
+            step.record(name, call, "fwd_output", index, "eager", tensor, label)
+
+        if not grad_mode:
+            return compiled_out
+        eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
+        pending = PendingBackward(step, target, call, eager_outputs, leaves, params)
+        if eager_outputs:
+            step.pending.append(pending)
+        return probe_outputs(compiled_out,
+                             lambda index: self._grad_output_hook(step, pending, index))
+
+    def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
+        """An argument the eager re-run could not get a copy of: what it does to it, training
+        sees. Said once per module and kind of argument, and kept in the dump."""
+        step.attributes.setdefault(name, {})["shared_arguments"] = "; ".join(shared)
+        for what in shared:
+            self._warn_once(
+                name, what, f"dynaprobe: {name}: an argument of type {what} cannot be "
+                "deep-copied, so the eager re-run shares it with the training call: changes the "
+                "re-run makes to it are visible to training. Make it copyable (copy.deepcopy) to "
+                "isolate it.")
+
+    def _warn_once(self, module: str, topic: str, message: str) -> None:
+        if (module, topic) not in self.warned:
+            self.warned.add((module, topic))
+            warnings.warn(message, stacklevel=5)
+
+    def _call_params(self, step: Step, target: Target) -> list:
+        """The parameters a call of ``target`` uses, with the hooks that sum their training
+        gradients. They are looked up at each call: FSDP2 registers the full (unsharded)
+        parameters on the module for the forward, in place of the DTensor shards."""
+        params = [(n, p) for n, p in target.module.named_parameters() if p.requires_grad]
+        target.params = params
+        for param_name, param in params:
+            shard = target.shards.get(param_name)
+            if shard is not None:
+                step.shards[id(param)] = shard
+            if id(param) not in self.hooked:  # once per parameter, even if shared by targets
+                self.hooked[id(param)] = param
+                self.restore.append(param.register_hook(self._param_hook(param)).remove)
+            if (id(target), id(param)) not in self.hooked:
+                self.hooked[(id(target), id(param))] = param
+                self.restore.append(param.register_post_accumulate_grad_hook(
+                    self._accumulated_hook(target)).remove)
+        return params
+
+    def _param_hook(self, param: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            step = self.active_step()
+            if step is not None and not _in_eager_backward():
+                step.add_param_grad("compiled", param, grad)
+
+        return hook
+
+    def _accumulated_hook(self, target: Target):
+        def hook(_: torch.Tensor) -> None:
+            # The training backward has passed this module: grad_output is known.
+            step = self.active_step()
+            if step is not None:
+                for pending in step.pending:
+                    if pending.target is target:
+                        pending.run()
+
+        return hook
+
+    @staticmethod
+    def _grad_output_hook(step: Step, pending: PendingBackward, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            if grad is None:
+                return
+            pending.on_output_grad(index, grad)
+            # Seeds both sides' backward: recorded once, for both.
+            step.record(pending.target.name, pending.call, "grad_output", index, "compiled", grad)
+
+        return hook
+
+    @staticmethod
+    def _compiled_grad_input_hook(step: Step, target: Target, call: int, index: int):
+        def hook(grad: torch.Tensor) -> None:
+            step.record(target.name, call, "grad_input", index, "compiled", grad)
+            # The compiled backward of this call is done: every grad_output has arrived.
+            for pending in step.pending:
+                if pending.target is target and pending.call == call:
+                    pending.run()
+
+        return hook

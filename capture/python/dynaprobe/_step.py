@@ -1,0 +1,142 @@
+"""One checked step: the compile targets, what is recorded for them until collect(), and the
+eager backwards waiting for their grad_output (single-pass)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from dynaprobe._capture import Shard, _eager_backward, local_tensor
+
+LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
+
+
+class Target:
+    """A wrapped module that is a compile target, and how it is run on this side."""
+
+    def __init__(self, name: str, module: nn.Module, run: Callable, eager: Optional[Callable]):
+        self.name = name
+        self.module = module
+        self.run = run  # what the model executes: compiled (or eager on a two-pass eager copy)
+        self.eager = eager  # single-pass: the original forward, re-run eagerly
+        # Single-pass: the parameters of the latest call (under FSDP2 the full parameters the
+        # forward used, registered in place of the DTensor shards while it runs).
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # FSDP2/DTensor-sharded parameters by name: this rank's shard, to cut gradients to.
+        self.shards = {n: s for n, s in ((n, Shard.of(p)) for n, p in self.params) if s}
+        self.calls = 0
+
+
+class Step:
+    """Everything captured during one step, until it is finished (collect(), compare(),
+    capture()). Records go straight to the recorder; a recorder error (disk full) is kept and
+    raised when the step is finished, so that training goes on meanwhile."""
+
+    def __init__(self, recorder, index: int):
+        self.recorder = recorder
+        self.index = index
+        self.pending: List[PendingBackward] = []
+        self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {"eager": {}, "compiled": {}}
+        self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
+        self.notes: Dict[str, Tuple[str, str]] = {}
+        self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
+        self.error: Optional[BaseException] = None
+        # Backward hooks may run on autograd's device threads; the recorder takes one call at a
+        # time.
+        self.lock = threading.Lock()
+
+    def record(self, module: str, call: int, kind: str, index: int, side: str,
+               tensor: torch.Tensor, label: str = "") -> None:
+        if self.error is not None:
+            return
+        try:
+            with self.lock:
+                self.recorder.record(module, call, kind, index, side,
+                                     local_tensor(tensor.detach()), label)
+        except Exception as error:  # disk full, ...: reported by collect(), training goes on
+            self.error = error
+
+    def record_loss(self, side: str, loss) -> None:
+        """The step's loss (a tensor or a number), as the LOSS record of ``side``."""
+        value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
+
+    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+        sums = self.param_grads[side]
+        key = id(param)
+        shard = self.shards.get(key)
+        grad = shard.cut(grad.detach()) if shard is not None else grad.detach()
+        sums[key] = grad.clone() if key not in sums else sums[key] + grad
+
+    def record_param_grads(self, pairs) -> None:
+        """The summed parameter gradients of each target. ``pairs``: (target name,
+        [(param name, eager param, compiled param)]), a side's param None when it has none."""
+        for name, params in pairs:
+            for index, (param_name, eager_param, compiled_param) in enumerate(params):
+                shard = self.shards.get(id(compiled_param))
+                label = param_name if shard is None else (
+                    f"{param_name} ({shard.describe()}, this rank's batch, before "
+                    f"reduce-scatter)")
+                for side, param in (("eager", eager_param), ("compiled", compiled_param)):
+                    grad = None if param is None else self.param_grads[side].get(id(param))
+                    if grad is not None:
+                        self.record(name, 0, "param_grad", index, side, grad, label)
+
+    def note(self, module: str, note: str, reason: str) -> None:
+        self.notes.setdefault(module, (note, reason))
+
+
+class PendingBackward:
+    """Single-pass: the eager re-run of one call, waiting for the real backward to deliver the
+    grad_output its compiled twin received."""
+
+    def __init__(self, step: Step, target: Target, call: int, eager_outputs: list,
+                 leaves: list, params: list):
+        self.step = step
+        self.target = target
+        self.call = call
+        self.params = params  # the parameters this call's eager forward used
+        self.eager_outputs = eager_outputs  # (index, tensor) pairs that require grad
+        self.leaves = leaves  # (input index, eager input leaf)
+        self.grads: Dict[int, torch.Tensor] = {}
+        self.done = False
+
+    def on_output_grad(self, index: int, grad: torch.Tensor) -> None:
+        self.grads[index] = grad.detach()
+
+    def run(self) -> None:
+        """Runs the eager backward with the grad_output the compiled module received."""
+        if self.done or not self.grads:
+            return
+        self.done = True
+        outputs, grad_outputs = [], []
+        for index, tensor in self.eager_outputs:
+            outputs.append(tensor)
+            grad = self.grads.get(index)
+            grad_outputs.append(grad if grad is not None and grad.shape == tensor.shape
+                                else torch.zeros_like(tensor))
+        params = [p for _, p in self.params]
+        inputs = [leaf for _, leaf in self.leaves] + params
+        if inputs:
+            try:
+                with _eager_backward(), torch.enable_grad():
+                    grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+            except Exception as error:  # never break the training backward because of the checker
+                self.step.note(self.target.name, "HOOK_ERROR",
+                               f"eager backward failed: {type(error).__name__}: {error}")
+                grads = ()
+            for (index, leaf), grad in zip(self.leaves, grads):
+                if grad is not None:
+                    self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
+            for param, grad in zip(params, grads[len(self.leaves):]):
+                if grad is not None:
+                    self.step.add_param_grad("eager", param, grad)
+        self.eager_outputs = self.leaves = self.params = []
+
+    def params_freed(self) -> bool:
+        """FSDP2 frees the full parameters' storage when it reshards after the backward: the
+        eager graph, which saved them, cannot run any more."""
+        return any(p.untyped_storage().size() == 0 and p.numel() > 0 for _, p in self.params)
