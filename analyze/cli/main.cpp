@@ -4,6 +4,7 @@
 // Exit codes (cli.h): 0 all pass, 1 mismatches found, 2 usage error, 3 I/O or format error.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -108,15 +109,19 @@ int parse_error(const CLI::App& app, const std::string& command, const CLI::Pars
         "a command is required: compare, ls or graphs (e.g. dynaprobe compare "
         "DUMP); run 'dynaprobe --help' for what each does");
   }
+  // An unknown option is the mistake to name first: CLI11 may report a missing required option
+  // instead when the mistyped one was meant to give it ("--ouput x").
+  const auto known = option_names(sub);
+  for (const std::string& arg : args) {
+    const bool option = arg.size() > 1 && arg[0] == '-' && arg != "--" &&
+                        !(std::isdigit(static_cast<unsigned char>(arg[1])) || arg[1] == '.');
+    if (!option) continue;  // a value, or a negative number
+    const std::string name = arg.substr(0, arg.find('='));
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    return usage_error(where + "unknown option " + name + suggestion(name, known) + " ('" + help +
+                       "' lists the options)");
+  }
   if (dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr) {
-    const auto known = option_names(sub);
-    for (const std::string& arg : args) {
-      if (!arg.starts_with("-") || arg == "-" || arg == "--") continue;
-      const std::string name = arg.substr(0, arg.find('='));
-      if (std::find(known.begin(), known.end(), name) != known.end()) continue;
-      return usage_error(where + "unknown option " + name + suggestion(name, known) + " ('" + help +
-                         "' lists the options)");
-    }
     return usage_error(where + "too many arguments: " + error.what() + "; '" + help +
                        "' says what it takes");
   }
@@ -175,14 +180,14 @@ int main(int argc, char** argv) {
                        "each does)");
   }
   try {
-    std::reverse(args.begin(), args.end());  // CLI11 parses a reversed vector
-    app.parse(args);
+    std::vector<std::string> reversed(args.rbegin(),
+                                      args.rend());  // CLI11 consumes it from the back
+    app.parse(reversed);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::reverse(args.begin(), args.end());
     return parse_error(app, word, e, args);
   }
   // DYNAPROBE_NO_ISOLATION=1 runs in this process, e.g. under a debugger.

@@ -15,6 +15,10 @@ from dynaprobe._C import DumpIOError, FormatError, format_version
 from dynaprobe._checker import PrecisionChecker
 from dynaprobe._result import CompareResult, ModuleDiff, Row, TensorDiff
 
+# Keep in sync with pyproject.toml's version and CMakeLists.txt's project(VERSION), which
+# `dynaprobe --version` prints (tests/python/test_cli.py checks all three).
+__version__ = "0.1.0"
+
 __all__ = [
     "CompareResult",
     "DumpIOError",
@@ -23,6 +27,7 @@ __all__ = [
     "PrecisionChecker",
     "Row",
     "TensorDiff",
+    "__version__",
     "format_version",
     "hdf5_plugin_dir",
 ]

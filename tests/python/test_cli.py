@@ -1,0 +1,104 @@
+"""The command line as a first-time user meets it: the version, help, and usage errors that name
+the mistake, say what was expected and suggest the fix (docs/cli.md)."""
+
+import os
+import re
+
+import pytest
+
+import dynaprobe
+from conftest import REPO
+from test_analyze import Rec, randn, run_cli, same, write_dump
+
+
+@pytest.fixture
+def dump(tmp_path):
+    write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(randn(2)))])
+    return tmp_path / "dump"
+
+
+@pytest.mark.parametrize("args", [["--version"], ["-V"], ["version"]])
+def test_version_names_the_release_and_the_dump_format(dynaprobe_cli, args):
+    proc = run_cli(dynaprobe_cli, *args)
+    assert proc.returncode == 0, proc.stderr
+    format_version = dynaprobe.format_version()
+    assert proc.stdout.splitlines() == [
+        f"dynaprobe {dynaprobe.__version__}",
+        f"dump format {format_version}: writes {format_version}; reads 1.0 to {format_version}, "
+        "and a newer 1.x with a warning (what it adds is skipped)"]
+
+
+def test_package_cli_and_build_agree_on_the_version():
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        pyproject = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        cmake = re.search(r"project\(dynaprobe VERSION (\S+)", f.read()).group(1)
+    assert dynaprobe.__version__ == pyproject == cmake
+
+
+@pytest.mark.parametrize("args, first_line", [
+    (["help"], "dynaprobe: find where torch.compile changes a PyTorch model's numbers."),
+    (["help", "compare"], "Compare the eager and the compiled side of a dump and print the report"),
+    (["help", "graphs"], "Write the Dynamo and AOTAutograd graphs stored in a dump as .py files"),
+])
+def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
+    proc = run_cli(dynaprobe_cli, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == first_line
+    assert proc.stdout == run_cli(dynaprobe_cli, *args[1:], "--help").stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["comapre", "DUMP"],
+     "unknown command 'comapre'; did you mean 'compare'? the commands are compare, ls and graphs "
+     "(dynaprobe --help says what each does)"),
+    (["frobnicate"],
+     "unknown command 'frobnicate'; the commands are compare, ls and graphs (dynaprobe --help "
+     "says what each does)"),
+    ([], "a command is required: compare, ls or graphs (e.g. dynaprobe compare DUMP); run "
+         "'dynaprobe --help' for what each does"),
+    (["compare", "DUMP", "--atoll", "1e-3"],
+     "compare: unknown option --atoll; did you mean '--atol'? ('dynaprobe compare --help' lists "
+     "the options)"),
+    (["graphs", "DUMP", "--ouput", "x"],
+     "graphs: unknown option --ouput; did you mean '--output'? ('dynaprobe graphs --help' lists "
+     "the options)"),
+    (["compare", "DUMP", "--atol", "abc"],
+     "compare: --atol: expected a finite number >= 0 (such as 1e-4), but received 'abc' "
+     "('dynaprobe compare --help' lists the options)"),
+    (["compare", "DUMP", "--rtol", "inf"],
+     "compare: --rtol: expected a finite number >= 0 (such as 1e-3), but received 'inf' "
+     "('dynaprobe compare --help' lists the options)"),
+    (["compare", "DUMP", "--step", "1.5"],
+     "compare: --step: expected an integer >= 0 (such as 3), but received '1.5' "
+     "('dynaprobe compare --help' lists the options)"),
+    (["compare"],
+     "compare: DUMP is required: give a run folder, a dump folder or a step file, e.g. dynaprobe "
+     "compare dynaprobe_runs/<run> ('dynaprobe compare --help' says more)"),
+])
+def test_usage_errors_name_the_mistake_and_the_fix(dynaprobe_cli, dump, args, message):
+    proc = run_cli(dynaprobe_cli, *[dump if a == "DUMP" else a for a in args])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"dynaprobe: error: {message}\n"
+    assert proc.stdout == ""
+
+
+def test_several_steps_end_with_a_summary_naming_the_failed_ones(tmp_path, dynaprobe_cli):
+    eager = randn(4)
+    write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(eager))], step=0)
+    write_dump(tmp_path / "dump", [Rec("m", "fwd_output", eager=eager, compiled=eager + 1)], step=1)
+    write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(eager))], step=2)
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.endswith(
+        "Summary: 3 steps, 2 ALL PASS, 1 FAILED: step 1 (1 FAIL, 0 WARN)\n")
+    one_step = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "1")
+    assert "Summary" not in one_step.stdout  # a single step's RESULT line says it all
+
+
+def test_several_passing_steps_summary(tmp_path, dynaprobe_cli):
+    for step in range(2):
+        write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(randn(3)))], step=step)
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("Summary: 2 steps, 2 ALL PASS\n")
