@@ -57,7 +57,10 @@ int main(int argc, char** argv) {
     for (auto& record : records) record.key.step = step;
 
     const auto start = std::chrono::steady_clock::now();
-    fmt::StepWriter writer(dump, step, {{"producer", "examples/format_roundtrip"}});
+    // The records are laid out as a single-pass capture writes them (the input once, both
+    // outputs, the compiled loss): saying so lets `dynaprobe compare` pair them as such.
+    fmt::StepWriter writer(dump, step,
+                           {{"producer", "examples/format_roundtrip"}, {"mode", "single_pass"}});
     writer.write(records);
     writer.write_graph({"__compiled_fn_0.Captured_Graph.00000000",
                         "captured",

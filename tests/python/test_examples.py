@@ -178,6 +178,11 @@ def test_format_roundtrip_cpp(tmp_path):
     assert "round trip: every byte identical" in proc.stdout
     assert "graph __compiled_fn_0.Captured_Graph.00000000 (captured" in proc.stdout
     assert os.path.isfile(tmp_path / "dump" / "step_00000000.h5")
+    # A single-pass layout: the CLI pairs it as one, nothing reads as missing.
+    cli = subprocess.run([cli_path(), "compare", tmp_path / "dump"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "MISSING" not in cli.stdout
+    assert "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)\n" in cli.stdout
 
 
 def test_record_tensors_cpp_writes_a_dump_the_cli_compares(tmp_path):
