@@ -648,8 +648,30 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
   for (const auto& [step, reader] : eager.steps) steps.insert(step);
   for (const auto& [step, reader] : compiled_side.steps) steps.insert(step);
   if (options.step && steps.empty()) {
+    // Name the steps there are, from the committed step files' names (step_<N>.h5).
+    std::set<std::int64_t> present;
+    for (const fs::path& dump : {eager_dump, compiled_dump}) {
+      for (const fs::path& file : formats::list_dump(dump).steps) {
+        const std::string name = file.stem().string();
+        const std::string prefix(formats::schema::kStepFilePrefix);
+        std::int64_t number = 0;
+        const char* digits = name.data() + std::min(prefix.size(), name.size());
+        const auto parsed = std::from_chars(digits, name.data() + name.size(), number);
+        if (name.starts_with(prefix) && parsed.ec == std::errc()) present.insert(number);
+      }
+    }
+    std::string listed;
+    for (std::int64_t step : present) {
+      if (listed.size() > 60) {
+        listed += ", ...";
+        break;
+      }
+      listed += (listed.empty() ? "" : ", ") + std::to_string(step);
+    }
     throw UsageError("step " + std::to_string(*options.step) + " is not in " + eager_dump.string() +
-                     (same ? "" : " nor in " + compiled_dump.string()));
+                     (same ? "" : " nor in " + compiled_dump.string()) +
+                     (listed.empty() ? "" : "; the steps there are " + listed) +
+                     "; give one of them with --step, or leave --step out to compare every step");
   }
   if (!options.module_glob.empty()) check_module_glob(options.module_glob, eager, compiled_side);
   std::vector<Task> tasks;
