@@ -102,3 +102,13 @@ def test_several_passing_steps_summary(tmp_path, dynaprobe_cli):
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.endswith("Summary: 2 steps, 2 ALL PASS\n")
+
+
+def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path, dynaprobe_cli):
+    for step in (0, 3):
+        write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(randn(3)))], step=step)
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "7")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"dynaprobe: error: step 7 is not in {tmp_path / 'dump'}; the steps there are 0, 3; give "
+        "one of them with --step, or leave --step out to compare every step\n")
