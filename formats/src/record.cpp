@@ -102,7 +102,12 @@ std::string printable_name(std::string_view name) {
   return out;
 }
 
-std::string quoted_name(std::string_view name) { return "'" + printable_name(name) + "'"; }
+std::string quoted_name(std::string_view name) {
+  std::string quoted(1, '\'');
+  quoted += printable_name(name);
+  quoted += '\'';
+  return quoted;
+}
 
 void validate_module_path(std::string_view module) {
   if (module.empty() || module == "." || module == ".." ||

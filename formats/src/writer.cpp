@@ -308,7 +308,11 @@ void StepWriter::Impl::create_dataset(const Plan& plan) {
                                "creating dataset", where);
   h5::write_string_attribute(dataset.get(), schema::kDtypeAttr, dtype_name(record.tensor.dtype),
                              where);
-  dataset_info = RecordInfo{record.key, record.label, record.tensor.dtype, record.tensor.shape};
+  dataset_info = RecordInfo{};
+  dataset_info.key = record.key;
+  dataset_info.label = record.label;
+  dataset_info.dtype = record.tensor.dtype;
+  dataset_info.shape = record.tensor.shape;
   if (!plan.layout && record.tensor.numel() > 0) {  // a 0-d tensor: one small compact write
     h5::check(
         H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, record.tensor.data),
