@@ -81,10 +81,13 @@ def main() -> None:
     print("  torch._inductor.config.fallback_random = True to make inductor use eager's RNG.")
     print(f"Dump:   {result.dump_file}")
     print(f"Graphs: {checker.graph_dir}/ (Captured, Forward and Backward graph of each block)")
-    print("Analyse again, here or on another machine:")
-    print(f"  .venv/bin/dynaprobe compare {checker.dump_dir} --csv report.csv --json report.json")
-    print(f"  .venv/bin/dynaprobe ls {checker.dump_dir}")
-    print(f"  .venv/bin/dynaprobe graphs {checker.dump_dir} -o graphs_from_dump")
+    # The CLI installed next to this Python: a path that works from any folder, also when the
+    # environment is not activated.
+    cli = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "dynaprobe")
+    print("Analyse again, here or on another machine (`dynaprobe` when the environment is active):")
+    print(f"  {cli} compare {checker.dump_dir} --csv report.csv --json report.json")
+    print(f"  {cli} ls {checker.dump_dir}")
+    print(f"  {cli} graphs {checker.dump_dir} -o graphs_from_dump")
 
 
 if __name__ == "__main__":

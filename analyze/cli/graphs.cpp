@@ -91,8 +91,9 @@ int run_graphs(const GraphsOptions& cmd) {
   }
   if (written == 0) {
     std::fprintf(stderr,
-                 "dynaprobe: no graphs in %s (graphs are stored in the step that compiled the "
-                 "wrapped modules; eager-only captures and dumps of other tools have none)\n",
+                 "dynaprobe: warning: no graphs in %s, nothing written (graphs are stored in the "
+                 "step that compiled the wrapped modules; eager-only captures and dumps of other "
+                 "tools have none: give the compiled side's dump)\n",
                  cmd.dump.c_str());
   }
   return kExitPass;

@@ -4,11 +4,16 @@ For README.md and every docs/*.md page, in a fresh temporary working folder per 
 
 - ```python blocks run in page order in ONE namespace (a later block uses earlier definitions);
 - ```bash blocks run with `bash -eo pipefail` in the same folder, with the directory of this
-  Python (the project's .venv/bin: `python`, `dynaprobe`, `torchrun`) first on PATH;
+  Python (the project's .venv/bin: `python`, `dynaprobe`, `torchrun`) first on PATH ($DYNAPROBE_CLI,
+  when set, is the `dynaprobe` they run, as for the other tests);
 - other fences (```text, ```console, ```cpp, no language, ...) are shown, not run;
 - a block right after `<!-- not-executed: REASON -->` (blank lines allowed in between) is not run.
   Keep that for commands that cannot run inside the test suite (set-up scripts that run the suite
-  itself, multi-process launches); the reason is required.
+  itself, multi-process launches); the reason is required;
+- a ```text block right after an executed ```bash block (only blank lines in between) is what that
+  bash block prints (stdout and stderr together), and is compared with what it printed: line by
+  line, trailing spaces ignored; a line `...` stands for any number of lines, and `...` inside a
+  line for any text (a host name, a time, a path). So output shown in the docs is real output.
 
 Relative links between the pages (and to files of the repository) must resolve, anchors included.
 
@@ -48,6 +53,8 @@ class Block:
     code: str
     line: int  # 1-based line of the first code line in the page
     skip_reason: Optional[str] = None
+    end: int = 0  # 1-based line of the closing fence
+    output_of: Optional[int] = None  # a ```text block: the line of the bash block it shows the output of
 
     @property
     def executed(self) -> bool:
@@ -93,7 +100,12 @@ def parse_blocks(text: str, page: str = "<page>") -> List[Block]:
             j += 1
         if j == len(lines):
             raise DocError(f"{page}:{i + 1}: code block never closed")
-        block = Block(lang, "\n".join(body) + "\n", i + 2)
+        block = Block(lang, "\n".join(body) + "\n", i + 2, end=j + 1)
+        previous = blocks[-1] if blocks else None
+        if (lang == "text" and previous is not None and previous.lang == "bash"
+                and previous.executed and not marker
+                and all(not lines[k].strip() for k in range(previous.end, i))):
+            block.output_of = previous.line
         if marker:
             if lang not in EXECUTED:
                 raise DocError(f"{page}:{marker[0]}: not-executed marker on a ```{lang or '(none)'} "
@@ -112,6 +124,7 @@ _RUNNER = textwrap.dedent("""
     import json, os, subprocess, sys, traceback
     page, blocks = json.load(open(sys.argv[1]))
     namespace = {"__name__": "__main__"}
+    outputs = {}  # line of each bash block -> what it printed
     for block in blocks:
         where = f"{page}:{block['line']}"
         print(f"----- {where} ({block['lang']})", flush=True)
@@ -126,7 +139,14 @@ _RUNNER = textwrap.dedent("""
                 sys.exit(1)
         else:
             sys.stdout.flush()
-            rc = subprocess.run(["bash", "-eo", "pipefail", "-c", block["code"]]).returncode
+            proc = subprocess.run(["bash", "-eo", "pipefail", "-c", block["code"]],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            text = proc.stdout.decode("utf-8", errors="replace")
+            sys.stdout.write(text)
+            outputs[str(block["line"])] = text
+            with open(sys.argv[2], "w") as f:
+                json.dump(outputs, f)
+            rc = proc.returncode
             if rc != 0:
                 print(f"\\nFAILED: the bash block at {where} exited with {rc}", file=sys.stderr,
                       flush=True)
@@ -141,6 +161,8 @@ def pages():
 
 
 def run_page(page: str, workdir) -> subprocess.CompletedProcess:
+    """Runs the page's blocks in `workdir`; what each bash block printed is in
+    `outputs_file(workdir)` (a JSON object: the block's first line -> its output)."""
     path = os.path.join(REPO, page)
     with open(path, encoding="utf-8") as f:
         blocks = [b for b in parse_blocks(f.read(), page) if b.executed]
@@ -150,9 +172,36 @@ def run_page(page: str, workdir) -> subprocess.CompletedProcess:
     runner.write_text(_RUNNER)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if os.environ.get("DYNAPROBE_CLI"):  # the CLI the other tests run, e.g. a build folder's
+        cli_dir = workdir.parent / f"{workdir.name}-cli"
+        cli_dir.mkdir(exist_ok=True)
+        link = cli_dir / "dynaprobe"
+        if not link.exists():
+            link.symlink_to(os.path.abspath(os.environ["DYNAPROBE_CLI"]))
+        env["PATH"] = str(cli_dir) + os.pathsep + env["PATH"]
     env.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, str(runner), str(spec)], cwd=workdir, env=env,
+    return subprocess.run([sys.executable, str(runner), str(spec), str(outputs_file(workdir))],
+                          cwd=workdir, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+
+
+def outputs_file(workdir):
+    return workdir.parent / f"{workdir.name}-outputs.json"
+
+
+def output_mismatch(expected: str, actual: str) -> Optional[str]:
+    """None when `actual` is what `expected` shows (see the module docstring for `...`), else a
+    message that shows both."""
+    pattern = ""
+    for line in expected.rstrip("\n").splitlines():
+        if line.strip() == "...":
+            pattern += r"(?:[^\n]*\n)*?"
+        else:
+            pattern += "[^\n]*?".join(re.escape(part) for part in line.rstrip().split("...")) + r"\n"
+    normal = "".join(line.rstrip() + "\n" for line in actual.splitlines())
+    if re.fullmatch(pattern, normal):
+        return None
+    return f"expected (as the page shows it):\n{expected}\nbut the block printed:\n{actual}"
 
 
 @pytest.mark.parametrize("page", pages())
@@ -163,6 +212,17 @@ def test_code_blocks_of_the_page_run(page, tmp_path):
     if proc.returncode != 0:
         pytest.fail(f"{page}: a code block failed (working folder {workdir}):\n"
                     f"{proc.stdout[-12000:]}", pytrace=False)
+    with open(os.path.join(REPO, page), encoding="utf-8") as f:
+        blocks = parse_blocks(f.read(), page)
+    outputs = json.loads(outputs_file(workdir).read_text()) if outputs_file(workdir).exists() else {}
+    wrong = []
+    for block in blocks:
+        if block.output_of is not None:
+            mismatch = output_mismatch(block.code, outputs[str(block.output_of)])
+            if mismatch:
+                wrong.append(f"{page}:{block.line}: the output of the bash block at line "
+                             f"{block.output_of}: {mismatch}")
+    assert not wrong, "\n\n".join(wrong)
 
 
 # --------------------------------------------------------------------------- links
@@ -283,6 +343,60 @@ def test_parser_finds_blocks_languages_lines_and_markers():
 def test_parser_refuses_blocks_that_would_silently_not_run(page, message):
     with pytest.raises(DocError, match=message):
         parse_blocks(page)
+
+
+def test_text_block_right_after_a_bash_block_is_its_output():
+    page = textwrap.dedent("""\
+        ```bash
+        echo hi
+        ```
+
+        ```text
+        hi
+        ```
+
+        Prose in between: an illustration, not an output.
+
+        ```text
+        not compared
+        ```
+
+        <!-- not-executed: cannot run here -->
+        ```bash
+        torchrun train.py
+        ```
+        ```text
+        not compared either
+        ```
+        """)
+    blocks = parse_blocks(page)
+    assert [(b.lang, b.output_of) for b in blocks] == [
+        ("bash", None), ("text", 2), ("text", None), ("bash", None), ("text", None)]
+
+
+@pytest.mark.parametrize("expected, actual, matches", [
+    ("a\nb\n", "a\nb\n", True),
+    ("a\nb\n", "a  \nb", True),  # trailing spaces and the last newline do not matter
+    ("a\nb\n", "a\nc\n", False),
+    ("a\n", "a\nb\n", False),  # every printed line is shown, or stood for by ...
+    ("a\n...\nd\n", "a\nb\nc\nd\n", True),
+    ("a\n...\nd\n", "a\nd\n", True),
+    ("a\n...\nd\n", "a\nb\n", False),
+    ("host=... mode=x\n", "host=build-7 mode=x\n", True),
+    ("host=... mode=x\n", "host=build-7 mode=y\n", False),
+    ("x (1+1)\n", "x (1+1)\n", True),  # regular-expression characters are literal
+])
+def test_output_comparison(expected, actual, matches):
+    assert (output_mismatch(expected, actual) is None) == matches
+
+
+def test_a_wrong_output_fails_the_page(tmp_path, monkeypatch):
+    docs = tmp_path / "repo"
+    (docs / "docs").mkdir(parents=True)
+    (docs / "docs" / "x.md").write_text("```bash\necho 41\n```\n\n```text\n42\n```\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(docs))
+    with pytest.raises(AssertionError, match="docs/x.md:6: the output of the bash block at line 2"):
+        test_code_blocks_of_the_page_run("docs/x.md", tmp_path)
 
 
 def test_a_failing_block_fails_the_page_and_names_its_line(tmp_path, monkeypatch):
