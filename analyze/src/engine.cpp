@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/writer.h"
@@ -176,9 +177,14 @@ struct TensorKey {
 struct Pair {
   const RecordInfo* eager = nullptr;
   const RecordInfo* compiled = nullptr;
+  const RecordInfo* reference = nullptr;
 };
 
-// A row whose metrics still have to be computed.
+// Which metrics of a row a task computes: the row's own (eager vs compiled, which decide its
+// status), or a side against the fp64 reference.
+enum class Target { kRow, kReferenceEager, kReferenceCompiled };
+
+// A comparison still to be computed: a (first) vs b (second), as the metrics define them.
 struct Task {
   StepReport* report;
   std::size_t row;
@@ -186,6 +192,7 @@ struct Task {
   const RecordInfo* eager;
   const StepReader* compiled_reader;
   const RecordInfo* compiled;
+  Target target = Target::kRow;
 };
 
 bool under(const std::string& module, const std::string& prefix) {
@@ -260,6 +267,16 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   };
   collect(eager, Side::kEager);
   collect(compiled, Side::kCompiled);
+  // The fp64 reference lives with the compiled side (single-pass writes both in one file).
+  const StepReader* reference_reader = compiled ? compiled : eager;
+  if (reference_reader) {
+    for (const RecordInfo& info : reference_reader->records()) {
+      if (info.key.side != Side::kReference) continue;
+      auto found =
+          pairs.find({info.key.module, info.key.call, info.key.kind, info.key.tensor_index});
+      if (found != pairs.end()) found->second.reference = &info;
+    }
+  }
   // The calls each side ran, from their forward records: a two-pass model can take another path
   // when compiled, so a module may run on one side only. Its gradients are then missing, not a
   // compiled wrapper's hooks that do not align.
@@ -350,6 +367,13 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
         if (!pair.eager) pair.eager = pair.compiled;
         if (!pair.compiled) pair.compiled = pair.eager;
       }
+      // Capture order: the compiled side's record where there is one (its position in the index,
+      // which the writer keeps in the order of the records).
+      if (pair.compiled && compiled) {
+        row.sequence = static_cast<std::uint64_t>(pair.compiled - compiled->records().data());
+      } else if (pair.eager && eager) {
+        row.sequence = static_cast<std::uint64_t>(pair.eager - eager->records().data());
+      }
       if (pair.eager) {
         row.eager = TensorSide{pair.eager->dtype, pair.eager->shape};
         row.label = pair.eager->label;
@@ -366,6 +390,12 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
         } else {
           tasks.push_back(
               Task{nullptr, report.rows.size(), eager, pair.eager, compiled, pair.compiled});
+          if (pair.reference && pair.reference->shape == pair.eager->shape) {
+            tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
+                                 eager, pair.eager, Target::kReferenceEager});
+            tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
+                                 compiled, pair.compiled, Target::kReferenceCompiled});
+          }
         }
       } else if (pair.eager) {
         if (is_forward(key.kind)) {
@@ -471,6 +501,11 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
   ProgressTicker ticker(options, done, total);
   const auto set_result = [](Task& task, const TensorMetrics& metrics) {
     Row& row = task.report->rows[task.row];
+    if (task.target != Target::kRow) {
+      (task.target == Target::kReferenceEager ? row.reference_eager : row.reference_compiled) =
+          metrics;
+      return;
+    }
     row.metrics = metrics;
     row.status = metrics.allclose ? Status::kPass : Status::kFail;
     if (!metrics.allclose && metrics.nonfinite_only_compiled > 0) {
@@ -501,6 +536,14 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
       set_result(task, compare_tensors(eager, compiled, task.report->tolerances, done));
     });
   });
+}
+
+// The fp64 reference rule (kReferenceFactor), once both sides' errors against it are known.
+std::string reference_verdict(const Row& row, const Tolerances& tolerances) {
+  if (!row.reference_eager || !row.reference_compiled) return "";
+  const double eager = row.reference_eager->rmse, compiled = row.reference_compiled->rmse;
+  if (std::isnan(compiled)) return "divergence";
+  return compiled <= kReferenceFactor * eager + tolerances.atol / 10 ? "noise" : "divergence";
 }
 
 }  // namespace
@@ -691,6 +734,10 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     for (std::size_t i = first_task; i < tasks.size(); ++i) tasks[i].report = &result.steps.back();
   }
   run_tasks(tasks, options);
+  for (StepReport& report : result.steps) {
+    for (Row& row : report.rows) row.reference_verdict = reference_verdict(row, report.tolerances);
+    find_root_cause(report);
+  }
   return result;
 }
 

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <map>
 
+#include "dynaprobe/analyze/root_cause.h"
+
 namespace dynaprobe::analyze {
 namespace {
 
@@ -99,6 +101,13 @@ Numbers numbers(const Row& row) {
   return {INFINITY, INFINITY, INFINITY};
 }
 
+// The fp64 reference verdict of a row: "fp64: noise (rmse compiled=1.2e-03 eager=1.0e-03)".
+std::string reference_text(const Row& row) {
+  return "fp64: " + row.reference_verdict +
+         " (rmse compiled=" + format_float(row.reference_compiled->rmse, "%.1e") +
+         " eager=" + format_float(row.reference_eager->rmse, "%.1e") + ")";
+}
+
 std::string detail_text(const Row& row) {
   if (!row.note.empty()) {
     return formats::printable_name(row.note) +
@@ -117,6 +126,7 @@ std::string detail_text(const Row& row) {
   if (row.status != Status::kPass && !row.reason.empty() && !row.shape_mismatch()) {
     text += "  " + formats::printable_name(row.reason);
   }
+  if (!row.reference_verdict.empty()) text += "  " + reference_text(row);
   return text;
 }
 
@@ -161,7 +171,10 @@ std::string csv_line(const std::vector<std::string>& fields) {
 
 std::string row_note(const Row& row) {
   const std::string note = formats::printable_name(row.note);
-  const std::string reason = formats::printable_name(row.reason);
+  std::string reason = formats::printable_name(row.reason);
+  if (!row.reference_verdict.empty()) {
+    reason += (reason.empty() ? "" : "; ") + reference_text(row);
+  }
   if (note.empty()) return reason;
   return reason.empty() ? note : note + ": " + reason;
 }
@@ -300,6 +313,17 @@ std::string json_row(const Row& row) {
                        ", \"shape\": " + json_shape((*side)->shape) + "}"
                  : "null";
   }
+  out += ", \"reference\": ";
+  if (row.reference_verdict.empty()) {
+    out += "null";
+  } else {
+    out += "{\"verdict\": " + json_string(row.reference_verdict) +
+           ", \"eager_rmse\": " + json_number(row.reference_eager->rmse) +
+           ", \"compiled_rmse\": " + json_number(row.reference_compiled->rmse) +
+           ", \"eager_max_abs\": " + json_number(row.reference_eager->max_abs) +
+           ", \"compiled_max_abs\": " + json_number(row.reference_compiled->max_abs) +
+           ", \"factor\": " + json_number(kReferenceFactor) + "}";
+  }
   out += ", \"metrics\": ";
   if (!row.metrics) return out + "null}";
   const TensorMetrics& m = *row.metrics;
@@ -324,6 +348,29 @@ std::string json_row(const Row& row) {
            ", \"compiled\": " + json_number(m.worst_compiled) + "}";
   }
   return out + "}}";
+}
+
+// The root-cause summary under the RESULT line of a failing step (nothing for a pass, whose
+// report the spec fixes).
+std::string root_cause_text(const StepReport& report) {
+  const RootCause& cause = report.root_cause;
+  if (cause.empty()) return "";
+  std::string out = "\n  ROOT CAUSE\n" + kSectionRule + "\n";
+  if (cause.forward) out += "  forward   " + describe_finding(report, *cause.forward) + "\n";
+  if (cause.backward) out += "  backward  " + describe_finding(report, *cause.backward) + "\n";
+  out += "  next      " + formats::printable_name(cause.next) + "\n";
+  return out;
+}
+
+std::string json_finding(const StepReport& report, const std::optional<Finding>& finding) {
+  if (!finding) return "null";
+  const Row& row = report.rows[finding->row];
+  return "{\"module\": " + json_string(row.module) + ", \"call\": " + std::to_string(row.call) +
+         ", \"check_type\": " + json_string(std::string(formats::kind_name(*row.kind))) +
+         ", \"tensor_index\": " + std::to_string(row.tensor_index) +
+         ", \"label\": " + json_string(row.label) +
+         ", \"origin\": " + json_string(finding->origin) +
+         ", \"evidence\": " + json_string(finding->evidence) + "}";
 }
 
 std::string result_text(const StepCounts& counts) {
@@ -359,6 +406,14 @@ std::string format_float(double value, const char* printf_format) {
   if (std::isnan(value)) return "nan";
   if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
   return printf_string(printf_format, value);
+}
+
+std::string render_root_cause_json(const StepReport& report) {
+  const RootCause& cause = report.root_cause;
+  if (cause.empty()) return "null";
+  return "{\"forward\": " + json_finding(report, cause.forward) +
+         ", \"backward\": " + json_finding(report, cause.backward) +
+         ", \"next\": " + json_string(cause.next) + "}";
 }
 
 std::string render_text(const StepReport& report) {
@@ -415,6 +470,7 @@ std::string render_text(const StepReport& report) {
          "atol=" + format_tolerance(report.tolerances.atol) +
          " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
   out += kRule + "\n";
+  out += root_cause_text(report);
   if (report.single_pass) out += kSinglePassHint;
   return out;
 }
@@ -509,6 +565,7 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
               ", \"single_pass\": " + (step.single_pass ? "true" : "false") +
               ", \"all_pass\": " + (step.all_pass() ? "true" : "false") +
               ", \"result\": " + json_counts(step_counts) +
+              ", \"root_cause\": " + render_root_cause_json(step) +
               ", \"cast_dtype\": " + json_string(step.cast_dtype) +
               ", \"tolerances\": {\"atol\": " + json_number(step.tolerances.atol) +
               ", \"rtol\": " + json_number(step.tolerances.rtol) + "}" +

@@ -57,6 +57,18 @@ py::dict row_dict(const analyze::Row& row) {
   } else {
     d["metrics"] = py::none();
   }
+  if (row.reference_verdict.empty()) {
+    d["reference"] = py::none();
+  } else {
+    py::dict reference;  // the JSON report's "reference" fields
+    reference["verdict"] = row.reference_verdict;
+    reference["eager_rmse"] = row.reference_eager->rmse;
+    reference["compiled_rmse"] = row.reference_compiled->rmse;
+    reference["eager_max_abs"] = row.reference_eager->max_abs;
+    reference["compiled_max_abs"] = row.reference_compiled->max_abs;
+    reference["factor"] = analyze::kReferenceFactor;
+    d["reference"] = reference;
+  }
   return d;
 }
 
@@ -101,6 +113,7 @@ void bind_analyze(py::module_& m) {
                                for (const auto& row : r.rows) rows.append(row_dict(row));
                                return rows;
                              })
+      .def_property_readonly("root_cause_json", &analyze::render_root_cause_json)
       .def("render_text", &analyze::render_text);
 
   py::class_<analyze::Comparison>(m, "Comparison")

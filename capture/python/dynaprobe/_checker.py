@@ -61,6 +61,10 @@ class PrecisionChecker:
         rtol: relative tolerance of the comparison.
         memory_budget_bytes: host memory for snapshots waiting to be written; the training
             thread waits when it is full (nothing is dropped).
+        reference: single-pass only: ``"fp64"`` re-runs every wrapped call once more in float64
+            (a copy of the module and of its inputs) and judges each difference against it
+            (noise or divergence); ``"failing"`` does so only for the calls whose forward output
+            fails the tolerances; None (default) runs no reference.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class PrecisionChecker:
         scenario: str = "",
         rtol: float = 1e-3,
         memory_budget_bytes: int = 1 << 30,
+        reference: Optional[str] = None,
     ):
         self.backend = _options.expect_backend(backend)
         self.threshold = _options.expect_tolerance("threshold", threshold)
@@ -92,6 +97,7 @@ class PrecisionChecker:
         self.memory_budget_bytes = _options.expect_positive_int("memory_budget_bytes",
                                                                 memory_budget_bytes)
         self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
+        self.reference = _options.expect_reference(reference, self.single_pass)
         self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
@@ -185,6 +191,7 @@ class PrecisionChecker:
             "rtol": repr(float(self.rtol)),
             "cast_dtype": str(self.cast_dtype) if self.cast_dtype is not None else "None",
             "capture_input": "true" if self.capture_input else "false",
+            "reference": self.reference or "None",
             **self._devices,
             "host": socket.gethostname(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -284,7 +291,8 @@ class PrecisionChecker:
                                   original))
             self._warn_nested_fully_shard(display, module)
         self._single_pass = SinglePass(targets, self._current_step, lambda: self._step,
-                                       self.capture_input, self.cast_dtype)
+                                       self.capture_input, self.cast_dtype, self.reference,
+                                       (self.threshold, self.rtol))
         self._installed = model
         return model
 

@@ -42,13 +42,15 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, slice, t
 
 
 def copy_arguments(args: tuple, kwargs: dict,
-                   copy_tensor: Callable[[int, torch.Tensor], torch.Tensor]):
+                   copy_tensor: Callable[[int, torch.Tensor], torch.Tensor],
+                   convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
     """A copy of a call's arguments for the eager re-run: ``(args, kwargs, shared)``.
 
     ``copy_tensor(index, tensor)`` copies each tensor reached by pytree, indexed as
     ``_capture.input_leaves`` indexes them; the same tensor reached again inside another object
-    gets the same copy. ``shared`` names the arguments that could not be copied (their type and
-    why): the re-run gets them as they are.
+    gets the same copy. Tensors inside other objects are detached, cloned and passed through
+    ``convert`` (the fp64 reference upcasts them). ``shared`` names the arguments that could not
+    be copied (their type and why): the re-run gets them as they are.
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     memo: dict = {}
@@ -67,7 +69,7 @@ def copy_arguments(args: tuple, kwargs: dict,
     shared = []
     for position in objects:
         leaf = leaves[position]
-        _share_modules_and_clone_tensors(leaf, memo)
+        _share_modules_and_clone_tensors(leaf, memo, convert)
         try:
             copied[position] = copy.deepcopy(leaf, memo)
         except Exception as error:  # uncopyable (locks, handles, C objects): shared
@@ -75,7 +77,8 @@ def copy_arguments(args: tuple, kwargs: dict,
     return (*pytree.tree_unflatten(copied, spec), shared)
 
 
-def _share_modules_and_clone_tensors(value, memo: dict) -> None:
+def _share_modules_and_clone_tensors(value, memo: dict,
+                                     convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Seeds deepcopy's memo: modules and parameters map to themselves (the re-run uses the real
     ones), every other tensor reachable from ``value`` to a detached clone (deepcopy of a tensor
     inside an autograd graph fails, and a copy must not reach into that graph)."""
@@ -87,7 +90,8 @@ def _share_modules_and_clone_tensors(value, memo: dict) -> None:
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
             if id(item) not in memo:
-                memo[id(item)] = item if isinstance(item, nn.Parameter) else item.detach().clone()
+                memo[id(item)] = (item if isinstance(item, nn.Parameter)
+                                  else convert(item.detach().clone()))
         elif isinstance(item, nn.Module):
             memo[id(item)] = item
         elif isinstance(item, dict):

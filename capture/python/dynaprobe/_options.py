@@ -99,3 +99,15 @@ def expect_backend(value):
         raise TypeError(f"backend must be a torch.compile backend name (e.g. 'aot_eager', "
                         f"'inductor') or a callable backend, but received {value!r}")
     return value
+
+
+def expect_reference(value, single_pass: bool) -> Optional[str]:
+    """None, "fp64" or "failing"; single-pass only (two-pass sides run on inputs of their own, so
+    one reference cannot serve both)."""
+    if value not in (None, "fp64", "failing"):
+        raise ValueError(f"reference must be None, 'fp64' or 'failing', but received {value!r}")
+    if value is not None and not single_pass:
+        raise ValueError(f"reference={value!r} needs single_pass=True: the fp64 reference re-runs "
+                         "each wrapped call on the inputs both sides share, which only single-pass "
+                         "has")
+    return value

@@ -9,6 +9,7 @@ against msprobe.pytorch.compile_accuracy_checker.precision_checker can build and
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -43,6 +44,9 @@ class Row:
     compiled_dtype: Optional[str] = None
     metrics: dict = field(default_factory=dict)
     compiled_shape: Optional[tuple] = None  # differs from ``shape`` in a shape mismatch
+    # With PrecisionChecker(reference=...): {"verdict": "noise" | "divergence", "eager_rmse",
+    # "compiled_rmse", "eager_max_abs", "compiled_max_abs", "factor"}; None without a reference.
+    reference: Optional[dict] = None
 
     @property
     def passed(self) -> bool:
@@ -71,6 +75,7 @@ def _row_from_dict(d: dict) -> Row:
         compiled_dtype=d["compiled"]["dtype"] if d["compiled"] else None,
         metrics=metrics,
         compiled_shape=d["compiled"]["shape"] if d["compiled"] else None,
+        reference=d["reference"],
     )
 
 
@@ -327,6 +332,16 @@ class CompareResult:
     def loss_diff(self) -> float:
         """``abs(loss_eager - loss_compiled)``: NaN when either is NaN (single-pass)."""
         return abs(self.loss_eager - self.loss_compiled)
+
+    @property
+    def root_cause(self) -> Optional[dict]:
+        """Where the step's differences start, None when no row FAILs: ``{"forward": finding,
+        "backward": finding, "next": str}``, each finding ``None`` or a dict with ``module``,
+        ``call``, ``check_type``, ``tensor_index``, ``label``, ``origin`` (``"local"``: the
+        module's inputs, or the gradient it received, matched; ``"carried"``: they already
+        differed; ``"unknown"``) and ``evidence`` in words. The same object as the JSON
+        report's ``root_cause``; the text report ends with it."""
+        return json.loads(self._engine_report().root_cause_json)
 
     @property
     def failures(self) -> list:

@@ -6,7 +6,7 @@ runs inside the real backward, seeded with the grad_output its compiled twin rec
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +23,12 @@ from dynaprobe._capture import (
     tensor_leaves,
 )
 from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
+from dynaprobe._reference import (
+    ReferenceRun,
+    copy_reference_arguments,
+    outputs_differ,
+    run_reference,
+)
 from dynaprobe._step import PendingBackward, Step, Target
 
 
@@ -35,12 +41,15 @@ class SinglePass:
     """
 
     def __init__(self, targets: List[Target], current_step: Callable[[], Step],
-                 active_step: Callable[[], object], capture_input: bool, cast_dtype):
+                 active_step: Callable[[], object], capture_input: bool, cast_dtype,
+                 reference: Optional[str] = None, tolerances: Tuple[float, float] = (1e-4, 1e-3)):
         self.targets = targets
         self.current_step = current_step
         self.active_step = active_step
         self.capture_input = capture_input
         self.cast_dtype = cast_dtype
+        self.reference = reference  # None, "fp64" (every call) or "failing" (_reference.py)
+        self.tolerances = tolerances  # (atol, rtol): what "failing" means
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
         self.warned: set = set()  # (module, topic): warnings said once
@@ -91,6 +100,7 @@ class SinglePass:
                 args, kwargs, lambda i, t: t.detach().clone())
             if shared:
                 self._warn_shared_arguments(step, name, shared)
+            reference_args = copy_reference_arguments(args, kwargs) if self.reference else None
             state_before = ModuleState(target.module, clone_buffers=True)
             rng_before = RngState(devices)
             params = self._call_params(step, target)
@@ -123,6 +133,12 @@ class SinglePass:
             eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
             with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
                 eager_out = target.eager(*eager_args, **eager_kwargs)
+            reference = None
+            if reference_args is not None and (self.reference == "fp64" or outputs_differ(
+                    eager_out, compiled_out, tensor_leaves, *self.tolerances)):
+                rng_before.restore()
+                reference = self._reference_call(step, target, call, reference_args, grad_mode,
+                                                 inputs)
         except Exception as error:
             step.note(name, "HOOK_ERROR", f"eager re-run failed: {type(error).__name__}: {error}")
             return compiled_out
@@ -147,11 +163,30 @@ class SinglePass:
         if not grad_mode:
             return compiled_out
         eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
-        pending = PendingBackward(step, target, call, eager_outputs, leaves, params)
+        pending = PendingBackward(step, target, call, eager_outputs, leaves, params, reference)
         if eager_outputs:
             step.pending.append(pending)
         return probe_outputs(compiled_out,
                              lambda index: self._grad_output_hook(step, pending, index))
+
+    def _reference_call(self, step: Step, target: Target, call: int, arguments,
+                        grad_mode: bool, inputs: list) -> Optional[ReferenceRun]:
+        """Runs and records the fp64 reference of this call; what its backward needs. A
+        reference that cannot run (the module cannot be deep-copied, ...) is said in the dump
+        and in a warning, and checks nothing less."""
+        try:
+            out, run = run_reference(target.module, target.eager, arguments, grad_mode,
+                                     lambda index: inputs[index][1].requires_grad, tensor_leaves,
+                                     map_tensors)
+        except Exception as error:
+            what = f"{type(error).__name__}: {error}"
+            step.attributes.setdefault(target.name, {})["reference_error"] = what
+            self._warn_once(target.name, "reference",
+                            f"dynaprobe: {target.name}: the fp64 reference could not run ({what})")
+            return None
+        for index, (label, tensor) in enumerate(tensor_leaves(out)):
+            step.record(target.name, call, "fwd_output", index, "reference", tensor, label)
+        return run
 
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training

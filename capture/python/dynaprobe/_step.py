@@ -39,7 +39,10 @@ class Step:
         self.recorder = recorder
         self.index = index
         self.pending: List[PendingBackward] = []
-        self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {"eager": {}, "compiled": {}}
+        # Summed per side, keyed by id(parameter); "reference" (the fp64 reference's gradients)
+        # is keyed by the real parameter, as "compiled" is.
+        self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {
+            "eager": {}, "compiled": {}, "reference": {}}
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
@@ -80,7 +83,8 @@ class Step:
                 label = param_name if shard is None else (
                     f"{param_name} ({shard.describe()}, this rank's batch, before "
                     f"reduce-scatter)")
-                for side, param in (("eager", eager_param), ("compiled", compiled_param)):
+                for side, param in (("eager", eager_param), ("compiled", compiled_param),
+                                    ("reference", compiled_param)):
                     grad = None if param is None else self.param_grads[side].get(id(param))
                     if grad is not None:
                         self.record(name, 0, "param_grad", index, side, grad, label)
@@ -94,8 +98,9 @@ class PendingBackward:
     grad_output its compiled twin received."""
 
     def __init__(self, step: Step, target: Target, call: int, eager_outputs: list,
-                 leaves: list, params: list):
+                 leaves: list, params: list, reference=None):
         self.step = step
+        self.reference = reference  # _reference.ReferenceRun of this call, if any
         self.target = target
         self.call = call
         self.params = params  # the parameters this call's eager forward used
@@ -134,7 +139,37 @@ class PendingBackward:
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
                     self.step.add_param_grad("eager", param, grad)
+        if self.reference is not None:
+            self._run_reference()
         self.eager_outputs = self.leaves = self.params = []
+        self.reference = None
+
+    def _run_reference(self) -> None:
+        """The fp64 reference's backward, seeded with the same grad_output (upcast)."""
+        reference = self.reference
+        outputs, grad_outputs = [], []
+        for index, tensor in reference.outputs:
+            outputs.append(tensor)
+            grad = self.grads.get(index)
+            grad_outputs.append(grad.to(tensor.dtype) if grad is not None
+                                and grad.shape == tensor.shape else torch.zeros_like(tensor))
+        inputs = [leaf for _, leaf in reference.leaves] + [p for _, p in reference.params]
+        if not outputs or not inputs:
+            return
+        try:
+            with _eager_backward(), torch.enable_grad():
+                grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        except Exception as error:  # the reference is a diagnosis aid: it never fails a check
+            self.step.attributes.setdefault(self.target.name, {})["reference_error"] = (
+                f"backward: {type(error).__name__}: {error}")
+            return
+        for (index, _), grad in zip(reference.leaves, grads):
+            if grad is not None:
+                self.step.record(self.target.name, self.call, "grad_input", index, "reference",
+                                 grad)
+        for (param, _), grad in zip(reference.params, grads[len(reference.leaves):]):
+            if grad is not None:
+                self.step.add_param_grad("reference", param, grad)
 
     def params_freed(self) -> bool:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the

@@ -61,8 +61,35 @@ struct Row {
   std::optional<TensorSide> eager;
   std::optional<TensorSide> compiled;
   std::optional<TensorMetrics> metrics;  // both sides present with equal shapes
+  // The fp64 reference (PrecisionChecker(reference=...)): each side's error against the module
+  // re-run in float64 on the same inputs, and the verdict drawn from them (see ReferenceVerdict).
+  std::optional<TensorMetrics> reference_eager;     // reference (a) vs eager (b)
+  std::optional<TensorMetrics> reference_compiled;  // reference (a) vs compiled (b)
+  std::string reference_verdict;                    // "noise", "divergence" or empty
+  // Where its record stands in capture order (the compiled side's, else the eager side's): the
+  // order in which the step ran; root_cause.h uses it.
+  std::uint64_t sequence = 0;
 
   bool shape_mismatch() const { return eager && compiled && eager->shape != compiled->shape; }
+};
+
+// The fp64 reference rule, as torch._dynamo.utils.same(fp64_ref=...) draws it for whole graphs:
+// the compiled side is noise when its RMSE against the reference is within kReferenceFactor times
+// eager's own RMSE against it, plus atol / 10; beyond that it diverges.
+inline constexpr double kReferenceFactor = 2.0;
+
+// Where a step's differences start: the first row in execution order that FAILs, and whether
+// the module made the difference itself or received it. See root_cause.h.
+struct Finding {
+  std::size_t row = 0;   // index into StepReport::rows
+  std::string origin;    // "local", "carried" or "unknown"
+  std::string evidence;  // why, in words: what its inputs or received gradients showed
+};
+struct RootCause {
+  std::optional<Finding> forward;   // first forward output (or input) to differ, in run order
+  std::optional<Finding> backward;  // first gradient to differ, in backward order
+  std::string next;                 // what to do next: one line, naming the troubleshooting entry
+  bool empty() const { return !forward && !backward; }
 };
 
 // What a step's verdict rests on; the RESULT line, the CSV and the JSON report state the same.
@@ -94,6 +121,7 @@ struct StepReport {
   // names of their graphs in /graphs), graph_breaks, graph_break_reasons, calls, ... Only modules
   // selected by CompareOptions::module_glob.
   std::map<std::string, std::map<std::string, std::string>> modules;
+  RootCause root_cause;  // empty when no row FAILs
 
   // True when the loss check and every row pass (skipped and ignored rows do not count) and at
   // least one tensor was compared (both sides present), as the RESULT line says: a step where

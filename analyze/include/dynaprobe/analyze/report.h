@@ -25,6 +25,10 @@ struct RankComparison {
 // "rank,scenario" followed by the 9 columns, every rank's rows in rank order.
 std::string render_merged_csv(const std::vector<RankComparison>& ranks);
 
+// A step's root-cause summary as JSON (null when nothing FAILs), as render_json() has it under
+// "root_cause"; Python's CompareResult.root_cause parses this very text.
+std::string render_root_cause_json(const StepReport& report);
+
 // Every row with every metric, the provenance of both sides and a summary.
 std::string render_json(const std::vector<RankComparison>& ranks);
 

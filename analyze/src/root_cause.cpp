@@ -1,0 +1,220 @@
+#include "dynaprobe/analyze/root_cause.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "dynaprobe/analyze/report.h"
+
+namespace dynaprobe::analyze {
+using formats::Kind;
+
+namespace {
+
+constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
+
+bool same_call(const Row& a, const Row& b) { return a.module == b.module && a.call == b.call; }
+
+std::string max_abs_text(const Row& row) {
+  if (row.shape_mismatch()) return "shape mismatch";
+  return "max_abs=" + format_float(row.metrics ? row.metrics->max_abs : NAN, "%.3e");
+}
+
+// The largest max_abs among the rows `pick` selects, and whether one of them FAILs.
+struct Seen {
+  bool any = false;
+  bool failed = false;
+  double max_abs = 0;
+};
+Seen seen(const StepReport& report, const std::function<bool(const Row&)>& pick) {
+  Seen result;
+  for (const Row& row : report.rows) {
+    if (!row.kind || !pick(row)) continue;
+    result.any = true;
+    result.failed = result.failed || row.status == Status::kFail;
+    if (row.metrics) result.max_abs = std::max(result.max_abs, row.metrics->max_abs);
+  }
+  return result;
+}
+
+std::string amount(double max_abs) { return "max_abs=" + format_float(max_abs, "%.3e"); }
+
+// Did the module call of rows[index] make its forward difference, or receive it?
+Finding forward_origin(const StepReport& report, std::size_t index) {
+  const Row& row = report.rows[index];
+  if (report.single_pass) {
+    return {index, "local", "single-pass gives both sides the very same inputs"};
+  }
+  const Seen inputs =
+      seen(report, [&](const Row& r) { return same_call(r, row) && *r.kind == Kind::kFwdInput; });
+  if (!inputs.any) {
+    return report.capture_input
+               ? Finding{index, "local", "it has no tensor inputs"}
+               : Finding{index, "unknown", "its inputs were not captured (capture_input=False)"};
+  }
+  if (inputs.failed) {
+    return {index, "carried",
+            "its inputs already differed (" + amount(inputs.max_abs) +
+                "): the difference comes "
+                "from before it, outside the wrapped modules or in an earlier call"};
+  }
+  return {index, "local", "its inputs matched (" + amount(inputs.max_abs) + ")"};
+}
+
+// Did the module of rows[index] make its gradient difference, or receive it?
+Finding backward_origin(const StepReport& report, std::size_t index) {
+  const Row& row = report.rows[index];
+  if (report.single_pass) {
+    return {index, "local",
+            "single-pass gives both sides the same inputs and the same gradient from outside"};
+  }
+  // param_grad rows sum every call of the module.
+  const bool all_calls = *row.kind == Kind::kParamGrad;
+  const auto ours = [&](const Row& r) {
+    return r.module == row.module && (all_calls || r.call == row.call);
+  };
+  const Seen received =
+      seen(report, [&](const Row& r) { return ours(r) && *r.kind == Kind::kGradOutput; });
+  if (received.failed) {
+    return {index, "carried",
+            "the gradient it received already differed (" + amount(received.max_abs) +
+                "): the difference arises after it in the forward"};
+  }
+  const Seen inputs =
+      seen(report, [&](const Row& r) { return ours(r) && *r.kind == Kind::kFwdInput; });
+  if (inputs.failed) {
+    return {index, "carried",
+            "its forward inputs already differed (" + amount(inputs.max_abs) + ")"};
+  }
+  if (!received.any && *row.kind != Kind::kGradOutput) {
+    return {index, "unknown", "the gradient it received was not recorded"};
+  }
+  return {index, "local", "the gradient it received matched (" + amount(received.max_abs) + ")"};
+}
+
+// Backward order: when a module call's gradients were recorded. param_grad rows (summed over
+// calls, recorded at the end of the step) take their module's earliest gradient record.
+std::uint64_t backward_sequence(const StepReport& report, const Row& row) {
+  std::uint64_t best = kNever;
+  for (const Row& r : report.rows) {
+    if (!r.kind || r.module != row.module) continue;
+    if (*r.kind != Kind::kGradInput && *r.kind != Kind::kGradOutput) continue;
+    if (*row.kind != Kind::kParamGrad && r.call != row.call) continue;
+    best = std::min(best, r.sequence);
+  }
+  return best == kNever ? row.sequence : best;
+}
+
+// The first row (in `order`) among those `pick` selects; nullopt when none.
+std::optional<std::size_t> first_row(const StepReport& report,
+                                     const std::function<bool(const Row&)>& pick,
+                                     const std::function<std::uint64_t(const Row&)>& order) {
+  std::optional<std::size_t> best;
+  for (std::size_t i = 0; i < report.rows.size(); ++i) {
+    const Row& row = report.rows[i];
+    if (!row.kind || row.status != Status::kFail || !pick(row)) continue;
+    if (!best || order(row) < order(report.rows[*best])) best = i;
+  }
+  return best;
+}
+
+const std::string* module_attribute(const StepReport& report, const std::string& module,
+                                    const std::string& key) {
+  auto found = report.modules.find(module);
+  if (found == report.modules.end()) return nullptr;
+  auto value = found->second.find(key);
+  return value == found->second.end() ? nullptr : &value->second;
+}
+
+// What to do next: the first rule that applies, naming the docs/troubleshooting.md entry.
+std::string next_step(const StepReport& report) {
+  const RootCause& cause = report.root_cause;
+  const Finding& first = cause.forward ? *cause.forward : *cause.backward;
+  const Row& row = report.rows[first.row];
+  const std::uint64_t nonfinite =
+      row.metrics ? row.metrics->nonfinite_only_compiled : std::uint64_t{0};
+  if (nonfinite > 0) {
+    return "NaN/Inf appear only in the compiled run of " + row.module +
+           ": a real divergence (overflow in a fused kernel, a wrong decomposition); narrow it "
+           "down with finer wrapping (troubleshooting: \"Narrowing down: wrap finer\")";
+  }
+  const std::string* note = module_attribute(report, row.module, "note");
+  const std::string* breaks = module_attribute(report, row.module, "graph_breaks");
+  if ((note && *note == "NOT_COMPILED") || (breaks && *breaks != "0" && !breaks->empty())) {
+    return row.module +
+           " was not compiled as one graph: see troubleshooting, \"Graph breaks "
+           "and NOT_COMPILED\"";
+  }
+  if (row.reference_verdict == "divergence") {
+    return row.module + " is beyond fp64-reference noise (its compiled error is more than " +
+           format_float(kReferenceFactor, "%g") +
+           "x eager's own): a compiler divergence; "
+           "compare backends (aot_eager, then inductor) to find the stage that makes it";
+  }
+  if (row.reference_verdict == "noise") {
+    return row.module +
+           " differs within fp64-reference noise (the compiled error is no larger "
+           "than eager's own, within " +
+           format_float(kReferenceFactor, "%g") +
+           "x): expected "
+           "reordering of float arithmetic; loosen the tolerances for it rather than the compiler";
+  }
+  if (first.origin == "carried") {
+    return "the difference enters " + row.module +
+           " from outside the wrapped modules: wrap the "
+           "code before it (troubleshooting: \"Narrowing down: wrap finer\")";
+  }
+  if (!report.cast_dtype.empty()) {
+    return "under autocast (" + report.cast_dtype +
+           ") reordered arithmetic differs by about the "
+           "dtype's precision: check with reference=\"fp64\" whether " +
+           row.module +
+           " is beyond that noise (troubleshooting: \"Reduced precision (autocast bf16, fp16)\")";
+  }
+  return "if " + row.module +
+         " draws random numbers (dropout), inductor draws its own: see "
+         "troubleshooting, \"Random ops: dropout under inductor\"; else compare backends "
+         "(aot_eager, then inductor) to find the stage that changes the numbers";
+}
+
+}  // namespace
+
+void find_root_cause(StepReport& report) {
+  RootCause cause;
+  const auto run_order = [](const Row& row) { return row.sequence; };
+  auto forward = first_row(
+      report, [](const Row& r) { return *r.kind == Kind::kFwdOutput; }, run_order);
+  if (!forward) {
+    // No wrapped module's output differs, yet some inputs do: the difference comes from code
+    // outside the wrapped modules.
+    forward = first_row(
+        report, [](const Row& r) { return *r.kind == Kind::kFwdInput; }, run_order);
+  }
+  if (forward) cause.forward = forward_origin(report, *forward);
+  const auto backward_order = [&](const Row& row) { return backward_sequence(report, row); };
+  auto backward = first_row(
+      report,
+      [](const Row& r) { return *r.kind == Kind::kGradInput || *r.kind == Kind::kParamGrad; },
+      backward_order);
+  if (!backward) {
+    backward = first_row(
+        report, [](const Row& r) { return *r.kind == Kind::kGradOutput; }, backward_order);
+  }
+  if (backward) cause.backward = backward_origin(report, *backward);
+  report.root_cause = std::move(cause);
+  if (!report.root_cause.empty()) report.root_cause.next = next_step(report);
+}
+
+std::string describe_finding(const StepReport& report, const Finding& finding) {
+  const Row& row = report.rows[finding.row];
+  std::string name = row.module;
+  if (row.call > 0) name += " (call " + std::to_string(row.call) + ")";
+  name += " " + std::string(formats::kind_name(*row.kind)) + "[" +
+          std::to_string(row.tensor_index) + "]";
+  if (row.kind == Kind::kParamGrad && !row.label.empty()) name += " " + row.label;
+  return formats::printable_name(name) + " (" + max_abs_text(row) + "): " + finding.origin + ", " +
+         finding.evidence;
+}
+
+}  // namespace dynaprobe::analyze
