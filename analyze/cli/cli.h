@@ -65,6 +65,8 @@ struct CompareOptions {
   std::string dump, dump2;
   std::string csv, merged_csv, json;
   std::optional<double> atol, rtol;
+  std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
+  bool fixed_tolerances = false;             // no dtype-aware rtol floor
   std::optional<std::int64_t> step;
   std::string module;
   int threads = 0;

@@ -4,13 +4,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
+#include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 
 namespace dynaprobe::cli {
@@ -69,6 +72,21 @@ std::string render_summary(const std::vector<analyze::RankComparison>& results) 
     }
   }
   if (steps < 2) return "";
+  // Where the differences first appear, across ranks and steps: the root cause of the first
+  // failing step (rank by rank, step by step).
+  std::string first_cause;
+  for (const auto& result : results) {
+    for (const auto& step : result.comparison.steps) {
+      if (!first_cause.empty() || step.root_cause.empty()) continue;
+      const analyze::Finding& finding =
+          step.root_cause.forward ? *step.root_cause.forward : *step.root_cause.backward;
+      first_cause = "Root cause first seen in " +
+                    (many_ranks ? "rank " + std::to_string(result.rank) + " " : std::string()) +
+                    "step " + std::to_string(step.step) + ": " +
+                    (step.root_cause.forward ? "forward " : "backward ") +
+                    analyze::describe_finding(step, finding) + "\n";
+    }
+  }
   std::string out =
       "Summary: " + std::to_string(steps) + " steps, " + std::to_string(passed) + " ALL PASS";
   if (!failed.empty()) {
@@ -81,7 +99,33 @@ std::string render_summary(const std::vector<analyze::RankComparison>& results) 
       out += ", and " + std::to_string(failed.size() - kListed) + " more (--json has them all)";
     }
   }
-  return out + "\n";
+  return out + "\n" + first_cause;
+}
+
+// "layers.*.mlp=1e-3,1e-2" -> a rule; a usage error naming the option otherwise.
+analyze::ToleranceRule parse_tolerance_rule(const std::string& text) {
+  const std::size_t equals = text.rfind('=');
+  const std::size_t comma = text.rfind(',');
+  analyze::ToleranceRule rule;
+  if (equals != std::string::npos && equals > 0 && comma != std::string::npos && comma > equals) {
+    rule.pattern = text.substr(0, equals);
+    char* end = nullptr;
+    const std::string atol = text.substr(equals + 1, comma - equals - 1);
+    const std::string rtol = text.substr(comma + 1);
+    rule.tolerances.atol = std::strtod(atol.c_str(), &end);
+    const bool atol_ok = !atol.empty() && *end == '\0';
+    rule.tolerances.rtol = std::strtod(rtol.c_str(), &end);
+    const bool rtol_ok = !rtol.empty() && *end == '\0';
+    if (atol_ok && rtol_ok && std::isfinite(rule.tolerances.atol) &&
+        std::isfinite(rule.tolerances.rtol) && rule.tolerances.atol >= 0 &&
+        rule.tolerances.rtol >= 0) {
+      return rule;
+    }
+  }
+  throw UsageError(
+      "--tolerance expects PATTERN=ATOL,RTOL with finite tolerances >= 0 (e.g. "
+      "'layers.*.mlp=1e-3,1e-2' or 'grad_*=1e-3,1e-2'), but received '" +
+      text + "'");
 }
 
 }  // namespace
@@ -131,6 +175,14 @@ void setup_compare(CLI::App& app, Command& selected) {
                   "Relative tolerance (default: the one the dump was captured with, else 1e-3)")
       ->type_name("X")
       ->check(non_negative("1e-3"));
+  sub->add_option("--tolerance", options->tolerance_rules,
+                  "Tolerances for the rows PATTERN matches (shell-style, against the module, the "
+                  "check type or <module>.<check type>), after the dump's own rules; the last "
+                  "match wins. Repeatable")
+      ->type_name("PATTERN=ATOL,RTOL");
+  sub->add_flag("--fixed-tolerances", options->fixed_tolerances,
+                "Judge bf16/fp16/fp8 rows with the tolerances as they are, without their "
+                "dtype's floor (bf16: atol 1e-2, rtol 1.6e-2)");
   sub->add_option("--step", options->step, "Compare only step N (default: every step)")
       ->type_name("N")
       ->check(non_negative("3", /*integer=*/true));
@@ -150,6 +202,10 @@ int run_compare(const CompareOptions& cmd) {
   analyze::CompareOptions options;
   options.atol = cmd.atol;
   options.rtol = cmd.rtol;
+  for (const std::string& text : cmd.tolerance_rules) {
+    options.tolerance_rules.push_back(parse_tolerance_rule(text));
+  }
+  if (cmd.fixed_tolerances) options.dtype_aware = false;
   options.step = cmd.step;
   options.module_glob = cmd.module;
   options.threads = cmd.threads;

@@ -103,6 +103,38 @@ std::optional<double> dump_tolerance(const formats::Provenance& provenance, cons
   return value;
 }
 
+// The dump's tolerance rules (PrecisionChecker(tolerances=...)): one rule a line,
+// "<atol> <rtol> <pattern>". Damage is reported as such.
+std::vector<ToleranceRule> dump_tolerance_rules(const formats::Provenance& provenance,
+                                                const fs::path& dump) {
+  std::vector<ToleranceRule> rules;
+  const std::string text = provenance_value(provenance, "tolerance_rules");
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    if (line.empty()) continue;
+    ToleranceRule rule;
+    const char* first = line.data();
+    const char* last = line.data() + line.size();
+    auto atol = std::from_chars(first, last, rule.tolerances.atol);
+    auto rtol = atol.ec == std::errc() && atol.ptr < last && *atol.ptr == ' '
+                    ? std::from_chars(atol.ptr + 1, last, rule.tolerances.rtol)
+                    : std::from_chars_result{first, std::errc::invalid_argument};
+    if (rtol.ec != std::errc() || rtol.ptr >= last || *rtol.ptr != ' ' ||
+        !valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
+      throw FormatError(dump.string() + ": provenance tolerance_rules line " +
+                        formats::quoted_name(line) +
+                        " is not '<atol> <rtol> <pattern>' with tolerances >= 0");
+    }
+    rule.pattern = std::string(rtol.ptr + 1, last);
+    rules.push_back(std::move(rule));
+  }
+  return rules;
+}
+
 // Which sides a dump holds records of.
 struct SidesHeld {
   bool eager = false;
@@ -193,6 +225,7 @@ struct Task {
   const StepReader* compiled_reader;
   const RecordInfo* compiled;
   Target target = Target::kRow;
+  Tolerances tolerances;
 };
 
 bool under(const std::string& module, const std::string& prefix) {
@@ -204,10 +237,36 @@ bool matches(const std::string& glob, const std::string& module) {
   return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
 }
 
+// What a row is judged with: the step's tolerances, raised to the dtype-aware floor, then the
+// last tolerance rule whose pattern matches it.
+Tolerances row_tolerances(const StepReport& report, const Row& row) {
+  Tolerances tolerances = report.tolerances;
+  if (report.dtype_aware && row.eager && row.compiled) {
+    for (const formats::DType dtype : {row.eager->dtype, row.compiled->dtype}) {
+      const Tolerances floor = dtype_tolerance_floor(dtype);
+      tolerances.atol = std::max(tolerances.atol, floor.atol);
+      tolerances.rtol = std::max(tolerances.rtol, floor.rtol);
+    }
+  }
+  const std::string kind(formats::kind_name(*row.kind));
+  const std::string name = row.module + "." + kind;
+  for (const ToleranceRule& rule : report.tolerance_rules) {
+    if (matches(rule.pattern, row.module) || matches(rule.pattern, kind) ||
+        matches(rule.pattern, name)) {
+      tolerances = rule.tolerances;
+    }
+  }
+  return tolerances;
+}
+
 class StepBuilder {
  public:
-  StepBuilder(const CompareOptions& options, Tolerances tolerances)
-      : options_(options), tolerances_(tolerances) {}
+  StepBuilder(const CompareOptions& options, Tolerances tolerances,
+              std::vector<ToleranceRule> rules, bool dtype_aware)
+      : options_(options),
+        tolerances_(tolerances),
+        rules_(std::move(rules)),
+        dtype_aware_(dtype_aware) {}
 
   StepReport build(std::int64_t step, const StepReader* eager, const StepReader* compiled,
                    std::vector<Task>& tasks_out);
@@ -222,6 +281,8 @@ class StepBuilder {
 
   const CompareOptions& options_;
   Tolerances tolerances_;
+  std::vector<ToleranceRule> rules_;
+  bool dtype_aware_;
   std::vector<std::string> order_;
   std::set<std::string> seen_;
 };
@@ -233,6 +294,8 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   StepReport report;
   report.step = step;
   report.tolerances = tolerances_;
+  report.tolerance_rules = rules_;
+  report.dtype_aware = dtype_aware_;
   const StepReader* any = eager ? eager : compiled;
   const formats::Provenance& provenance = any->provenance();
   report.single_pass = provenance_value(provenance, "mode") == "single_pass";
@@ -388,13 +451,18 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
           row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
                        ", compiled " + formats::shape_string(pair.compiled->shape);
         } else {
-          tasks.push_back(
-              Task{nullptr, report.rows.size(), eager, pair.eager, compiled, pair.compiled});
+          const Tolerances tolerances = row_tolerances(report, row);
+          if (tolerances.atol != report.tolerances.atol ||
+              tolerances.rtol != report.tolerances.rtol) {
+            row.tolerances = tolerances;
+          }
+          tasks.push_back(Task{nullptr, report.rows.size(), eager, pair.eager, compiled,
+                               pair.compiled, Target::kRow, tolerances});
           if (pair.reference && pair.reference->shape == pair.eager->shape) {
             tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
-                                 eager, pair.eager, Target::kReferenceEager});
+                                 eager, pair.eager, Target::kReferenceEager, tolerances});
             tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
-                                 compiled, pair.compiled, Target::kReferenceCompiled});
+                                 compiled, pair.compiled, Target::kReferenceCompiled, tolerances});
           }
         }
       } else if (pair.eager) {
@@ -526,14 +594,14 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
         [&](std::size_t i) {
           const Task& task = *small[i];
           return PairStreams{task.eager_reader->open(*task.eager),
-                             task.compiled_reader->open(*task.compiled), task.report->tolerances};
+                             task.compiled_reader->open(*task.compiled), task.tolerances};
         },
         [&](std::size_t i, const TensorMetrics& metrics) { set_result(*small[i], metrics); }, done);
     tbb::parallel_for(std::size_t{0}, large.size(), [&](std::size_t i) {
       Task& task = *large[i];
       const formats::TensorStream eager = task.eager_reader->open(*task.eager);
       const formats::TensorStream compiled = task.compiled_reader->open(*task.compiled);
-      set_result(task, compare_tensors(eager, compiled, task.report->tolerances, done));
+      set_result(task, compare_tensors(eager, compiled, task.tolerances, done));
     });
   });
 }
@@ -547,6 +615,23 @@ std::string reference_verdict(const Row& row, const Tolerances& tolerances) {
 }
 
 }  // namespace
+
+Tolerances dtype_tolerance_floor(formats::DType dtype) {
+  switch (dtype) {
+    case formats::DType::kBFloat16:
+      return {1e-2, 1.6e-2};
+    case formats::DType::kFloat16:
+      return {1e-3, 2e-3};
+    case formats::DType::kFloat8E4M3FN:
+    case formats::DType::kFloat8E4M3FNUZ:
+      return {0.125, 0.25};
+    case formats::DType::kFloat8E5M2:
+    case formats::DType::kFloat8E5M2FNUZ:
+      return {0.25, 0.5};
+    default:
+      return {0, 0};
+  }
+}
 
 void require_committed_steps(const fs::path& path, const formats::DumpFiles& files) {
   if (!files.steps.empty()) return;
@@ -717,8 +802,21 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                      "; give one of them with --step, or leave --step out to compare every step");
   }
   if (!options.module_glob.empty()) check_module_glob(options.module_glob, eager, compiled_side);
+  std::vector<ToleranceRule> rules =
+      dump_tolerance_rules(result.compiled_provenance, tolerance_source);
+  for (const ToleranceRule& rule : options.tolerance_rules) {
+    if (!valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
+      throw UsageError("the tolerances of rule '" + rule.pattern +
+                       "' must be finite numbers >= 0, but received atol=" +
+                       format_double(rule.tolerances.atol) +
+                       " rtol=" + format_double(rule.tolerances.rtol));
+    }
+    rules.push_back(rule);
+  }
+  const bool dtype_aware = options.dtype_aware.value_or(
+      provenance_value(result.compiled_provenance, "dtype_aware_tolerances") != "false");
   std::vector<Task> tasks;
-  StepBuilder builder(options, tolerances);
+  StepBuilder builder(options, tolerances, std::move(rules), dtype_aware);
   result.steps.reserve(steps.size());
   for (std::int64_t step : steps) {
     auto e = eager.steps.find(step);

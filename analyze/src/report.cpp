@@ -126,6 +126,10 @@ std::string detail_text(const Row& row) {
   if (row.status != Status::kPass && !row.reason.empty() && !row.shape_mismatch()) {
     text += "  " + formats::printable_name(row.reason);
   }
+  if (row.tolerances) {
+    text += "  tol: atol=" + format_tolerance(row.tolerances->atol) +
+            " rtol=" + format_tolerance(row.tolerances->rtol);
+  }
   if (!row.reference_verdict.empty()) text += "  " + reference_text(row);
   return text;
 }
@@ -312,6 +316,12 @@ std::string json_row(const Row& row) {
     out += *side ? "{\"dtype\": " + json_string(std::string(formats::dtype_name((*side)->dtype))) +
                        ", \"shape\": " + json_shape((*side)->shape) + "}"
                  : "null";
+  }
+  if (row.tolerances) {
+    out += ", \"tolerances\": {\"atol\": " + json_number(row.tolerances->atol) +
+           ", \"rtol\": " + json_number(row.tolerances->rtol) + "}";
+  } else {
+    out += ", \"tolerances\": null";
   }
   out += ", \"reference\": ";
   if (row.reference_verdict.empty()) {

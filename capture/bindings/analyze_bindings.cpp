@@ -57,6 +57,14 @@ py::dict row_dict(const analyze::Row& row) {
   } else {
     d["metrics"] = py::none();
   }
+  if (row.tolerances) {  // the JSON report's "tolerances": when not the step's
+    py::dict tolerances;
+    tolerances["atol"] = row.tolerances->atol;
+    tolerances["rtol"] = row.tolerances->rtol;
+    d["tolerances"] = tolerances;
+  } else {
+    d["tolerances"] = py::none();
+  }
   if (row.reference_verdict.empty()) {
     d["reference"] = py::none();
   } else {
@@ -136,19 +144,20 @@ void bind_analyze(py::module_& m) {
       "compare",
       [](const std::filesystem::path& eager_dump, const std::filesystem::path& compiled_dump,
          std::optional<std::int64_t> step, std::optional<double> atol, std::optional<double> rtol,
-         const std::string& module_glob, int threads) {
+         const std::string& module_glob, int threads, std::optional<bool> dtype_aware) {
         analyze::CompareOptions options;
         options.step = step;
         options.atol = atol;
         options.rtol = rtol;
         options.module_glob = module_glob;
         options.threads = threads;
+        options.dtype_aware = dtype_aware;
         py::gil_scoped_release release;
         return analyze::compare(eager_dump, compiled_dump, options);
       },
       py::arg("eager_dump"), py::arg("compiled_dump"), py::arg("step") = py::none(),
       py::arg("atol") = py::none(), py::arg("rtol") = py::none(), py::arg("module_glob") = "",
-      py::arg("threads") = 0,
+      py::arg("threads") = 0, py::arg("dtype_aware") = py::none(),
       "Compares the eager side of eager_dump with the compiled side of compiled_dump.");
   m.def("render_csv", &analyze::render_csv, py::arg("steps"));
   m.def(

@@ -85,7 +85,9 @@ TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
              record(Side::kCompiled, DType::kBFloat16, {static_cast<std::int64_t>(n)},
                     compiled_bf16.data()),
              12000);
-  const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", {});
+  CompareOptions fixed;
+  fixed.dtype_aware = false;  // the spec's tolerances as they are
+  const Comparison result = compare(dir.path() / "eager", dir.path() / "compiled", fixed);
   ASSERT_EQ(result.steps.size(), 1u);
   ASSERT_EQ(result.steps[0].rows.size(), 1u);
   const Row& row = result.steps[0].rows[0];
@@ -97,6 +99,34 @@ TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
   EXPECT_EQ(row.metrics->mismatches, expected.mismatches);
   EXPECT_EQ(row.metrics->worst_index, expected.worst_index);
   EXPECT_EQ(row.compiled->dtype, DType::kBFloat16);
+  EXPECT_FALSE(row.tolerances);
+
+  // By default a bf16 side raises the tolerances to bf16's floor: one bf16 step is within it.
+  const Comparison aware = compare(dir.path() / "eager", dir.path() / "compiled", {});
+  const Row& judged = aware.steps[0].rows[0];
+  EXPECT_EQ(judged.status, Status::kPass);
+  ASSERT_TRUE(judged.tolerances);
+  EXPECT_EQ(judged.tolerances->rtol, 1.6e-2);
+  EXPECT_EQ(judged.tolerances->atol, 1e-2);
+  EXPECT_EQ(judged.metrics->max_abs, expected.max_abs);  // the metrics themselves are the same
+
+  // A rule by pattern wins over both; the last matching rule wins.
+  CompareOptions ruled;
+  ruled.tolerance_rules = {{"fwd_*", {0, 0}}, {"layers.*", {1e-4, 1e-3}}, {"nomatch", {1, 1}}};
+  const Row& by_rule =
+      compare(dir.path() / "eager", dir.path() / "compiled", ruled).steps[0].rows[0];
+  // "layers.*" came last: the spec's tolerances again, over "fwd_*" and over the dtype floor.
+  EXPECT_EQ(by_rule.status, Status::kFail);
+  EXPECT_FALSE(by_rule.tolerances);  // the same as the step's, so not repeated on the row
+}
+
+TEST(Engine, DtypeFloorsCoverReducedPrecisionDtypesOnly) {
+  EXPECT_EQ(dtype_tolerance_floor(DType::kBFloat16).atol, 1e-2);
+  EXPECT_EQ(dtype_tolerance_floor(DType::kBFloat16).rtol, 1.6e-2);
+  EXPECT_EQ(dtype_tolerance_floor(DType::kFloat16).rtol, 2e-3);
+  EXPECT_EQ(dtype_tolerance_floor(DType::kFloat8E4M3FN).rtol, 0.25);
+  EXPECT_EQ(dtype_tolerance_floor(DType::kFloat32).rtol, 0.0);
+  EXPECT_EQ(dtype_tolerance_floor(DType::kFloat64).atol, 0.0);
 }
 
 TEST(Engine, ResultsDoNotDependOnTheThreadCount) {

@@ -91,7 +91,9 @@ def test_several_steps_end_with_a_summary_naming_the_failed_ones(tmp_path, dynap
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.endswith(
-        "Summary: 3 steps, 2 ALL PASS, 1 FAILED: step 1 (1 FAIL, 0 WARN)\n")
+        "Summary: 3 steps, 2 ALL PASS, 1 FAILED: step 1 (1 FAIL, 0 WARN)\n"
+        "Root cause first seen in step 1: forward m fwd_output[0] (max_abs=1.000e+00): local, "
+        "it has no tensor inputs\n")
     one_step = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "1")
     assert "Summary" not in one_step.stdout  # a single step's RESULT line says it all
 

@@ -134,7 +134,8 @@ def test_bf16_noise_that_fixed_tolerances_fail_is_told_from_a_real_fault(tmp_pat
     torch.manual_seed(0)
     model = TwoMlps()
     checker = PrecisionChecker(backend=_faulty_inductor, cast_dtype=torch.bfloat16,
-                               reference="fp64", dump_dir=str(tmp_path / "dump"))
+                               reference="fp64", dtype_aware_tolerances=False,
+                               dump_dir=str(tmp_path / "dump"))
     checker.wrap_all_children(model, depth=0)
     result = checker.compare(_step(torch.randn(8, 16, 64)), model)
 
@@ -143,3 +144,12 @@ def test_bf16_noise_that_fixed_tolerances_fail_is_told_from_a_real_fault(tmp_pat
     assert clean.status == "FAIL", "inductor's bf16 rounding should exceed atol=1e-4"
     assert clean.reference["verdict"] == "noise", clean.reference
     assert faulty.status == "FAIL" and faulty.reference["verdict"] == "divergence"
+
+    # The same dump judged with the dtype-aware floor (bf16: atol 1e-2, rtol 1.6e-2): the noise
+    # passes; the fault, at most 0.3 bf16 steps here, passes too: fixed tolerances cannot tell
+    # them apart, the reference verdict can.
+    judged = _C.compare(result.dump_dir, result.dump_dir, step=0, dtype_aware=True).steps[0]
+    rows = {(r["module"], r["check_type"]): r for r in judged.rows}
+    assert rows[("clean", "fwd_output")]["status"] == "PASS"
+    assert rows[("clean", "fwd_output")]["tolerances"] == {"atol": 1e-2, "rtol": 1.6e-2}
+    assert rows[("faulty", "fwd_output")]["reference"]["verdict"] == "divergence"

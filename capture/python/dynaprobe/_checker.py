@@ -65,6 +65,13 @@ class PrecisionChecker:
             (a copy of the module and of its inputs) and judges each difference against it
             (noise or divergence); ``"failing"`` does so only for the calls whose forward output
             fails the tolerances; None (default) runs no reference.
+        tolerances: per-pattern ``(atol, rtol)``, e.g. ``{"layers.*.mlp": (1e-3, 1e-2),
+            "grad_*": (1e-3, 1e-2)}``: a pattern (shell-style) matches a row's module, its check
+            type or ``<module>.<check type>``; the last matching pattern wins. Stored in the dump,
+            so ``dynaprobe compare`` applies them too.
+        dtype_aware_tolerances: judge bf16, fp16 and fp8 rows with at least their dtype's floor
+            (bf16: atol 1e-2, rtol 1.6e-2; docs/user-guide.md); float32 keeps
+            ``threshold``/``rtol``.
     """
 
     def __init__(
@@ -82,6 +89,8 @@ class PrecisionChecker:
         rtol: float = 1e-3,
         memory_budget_bytes: int = 1 << 30,
         reference: Optional[str] = None,
+        tolerances: Optional[Dict[str, Tuple[float, float]]] = None,
+        dtype_aware_tolerances: bool = True,
     ):
         self.backend = _options.expect_backend(backend)
         self.threshold = _options.expect_tolerance("threshold", threshold)
@@ -98,6 +107,9 @@ class PrecisionChecker:
                                                                 memory_budget_bytes)
         self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
         self.reference = _options.expect_reference(reference, self.single_pass)
+        self.tolerances = _options.expect_tolerance_rules(tolerances)
+        self.dtype_aware_tolerances = _options.expect_flag("dtype_aware_tolerances",
+                                                           dtype_aware_tolerances)
         self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
@@ -192,6 +204,9 @@ class PrecisionChecker:
             "cast_dtype": str(self.cast_dtype) if self.cast_dtype is not None else "None",
             "capture_input": "true" if self.capture_input else "false",
             "reference": self.reference or "None",
+            "tolerance_rules": "".join(f"{atol!r} {rtol!r} {pattern}\n"
+                                       for pattern, (atol, rtol) in self.tolerances.items()),
+            "dtype_aware_tolerances": "true" if self.dtype_aware_tolerances else "false",
             **self._devices,
             "host": socket.gethostname(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

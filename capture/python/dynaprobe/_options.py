@@ -111,3 +111,22 @@ def expect_reference(value, single_pass: bool) -> Optional[str]:
                          "each wrapped call on the inputs both sides share, which only single-pass "
                          "has")
     return value
+
+
+def expect_tolerance_rules(value) -> dict:
+    """None or {pattern: (atol, rtol)}, patterns non-empty strings without line breaks."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"tolerances must be a dict {{pattern: (atol, rtol)}}, e.g. "
+                        f"{{'layers.*.mlp': (1e-3, 1e-2)}}, but received {value!r}")
+    rules = {}
+    for pattern, pair in value.items():
+        if not isinstance(pattern, str) or not pattern or "\n" in pattern:
+            raise ValueError(f"tolerances: a pattern must be a non-empty one-line string, but "
+                             f"received {pattern!r}")
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"tolerances[{pattern!r}] must be (atol, rtol), but received {pair!r}")
+        rules[pattern] = (expect_tolerance(f"tolerances[{pattern!r}] atol", pair[0]),
+                          expect_tolerance(f"tolerances[{pattern!r}] rtol", pair[1]))
+    return rules

@@ -47,6 +47,9 @@ class Row:
     # With PrecisionChecker(reference=...): {"verdict": "noise" | "divergence", "eager_rmse",
     # "compiled_rmse", "eager_max_abs", "compiled_max_abs", "factor"}; None without a reference.
     reference: Optional[dict] = None
+    # {"atol", "rtol"} the row was judged with when not the step's (a tolerance rule of
+    # PrecisionChecker(tolerances=...) or the dtype-aware floor), else None.
+    tolerances: Optional[dict] = None
 
     @property
     def passed(self) -> bool:
@@ -76,6 +79,7 @@ def _row_from_dict(d: dict) -> Row:
         metrics=metrics,
         compiled_shape=d["compiled"]["shape"] if d["compiled"] else None,
         reference=d["reference"],
+        tolerances=d["tolerances"],
     )
 
 

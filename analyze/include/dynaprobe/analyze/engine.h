@@ -42,6 +42,20 @@ inline constexpr std::string_view kNote = "note";  // e.g. "NOT_COMPILED": the m
 inline constexpr std::string_view kReason = "reason";
 }  // namespace module_attributes
 
+// Tolerances for the rows a pattern selects: shell-style glob matched against the module
+// ("layers.*.mlp"), the check type ("grad_*") or the report's row name ("layers.0.grad_input").
+// The last matching rule wins.
+struct ToleranceRule {
+  std::string pattern;
+  Tolerances tolerances;
+};
+
+// The dtype-aware floor (docs/user-guide.md, Tolerances): a row whose lower-precision side is
+// bfloat16, float16 or a float8 is judged with tolerances at least these (bf16: atol 1e-2, rtol
+// 1.6e-2; fp16: 1e-3, 2e-3; float8 e4m3: 0.125, 0.25; e5m2: 0.25, 0.5, about one and two of the
+// dtype's steps at magnitude 1); float32 and float64 keep the spec's. Zeros for those.
+Tolerances dtype_tolerance_floor(formats::DType dtype);
+
 struct TensorSide {
   formats::DType dtype = formats::DType::kFloat32;
   std::vector<std::int64_t> shape;
@@ -61,6 +75,8 @@ struct Row {
   std::optional<TensorSide> eager;
   std::optional<TensorSide> compiled;
   std::optional<TensorMetrics> metrics;  // both sides present with equal shapes
+  // The tolerances it was judged with, when not the step's (a tolerance rule, the dtype floor).
+  std::optional<Tolerances> tolerances;
   // The fp64 reference (PrecisionChecker(reference=...)): each side's error against the module
   // re-run in float64 on the same inputs, and the verdict drawn from them (see ReferenceVerdict).
   std::optional<TensorMetrics> reference_eager;     // reference (a) vs eager (b)
@@ -114,6 +130,8 @@ struct StepReport {
   bool capture_input = true;
   std::string cast_dtype;  // "torch.bfloat16" when the capture used autocast, else empty
   Tolerances tolerances;
+  std::vector<ToleranceRule> tolerance_rules;  // the dump's, then CompareOptions'
+  bool dtype_aware = true;                     // the dtype-aware rtol floor applies
   std::vector<Row> rows;  // modules in model order, then call, kind, tensor index
   // What the capture wrote about each module in /modules (both sides merged; the eager dump's
   // value wins where both have a key): role, note and reason, and for compiled modules the
@@ -156,6 +174,11 @@ struct CompareOptions {
   // Each tolerance not given is the dump's own (its atol/rtol provenance), else 1e-4 / 1e-3.
   std::optional<double> atol;
   std::optional<double> rtol;
+  // Per-pattern tolerances, after the dump's own (its tolerance_rules provenance): they win.
+  std::vector<ToleranceRule> tolerance_rules;
+  // The dtype-aware floor: the dump's choice (dtype_aware_tolerances provenance, default on)
+  // unless given.
+  std::optional<bool> dtype_aware;
   std::optional<std::int64_t> step;  // only this step
   std::string module_glob;           // only modules matching (fnmatch), empty: all
   int threads = 0;                   // 0: all cores
