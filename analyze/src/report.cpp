@@ -540,6 +540,7 @@ std::string render_provenance(const Comparison& comparison) {
 std::string render_json(const std::vector<RankComparison>& ranks) {
   std::map<Status, std::size_t> counts;
   std::size_t steps = 0, failed_steps = 0, loss_fail = 0, nothing_compared = 0, compared = 0;
+  std::string first_cause = "null";  // where a root cause first appears, rank by rank
   bool all_pass = !ranks.empty();
   std::string body;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
@@ -571,6 +572,10 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
       loss_fail += step_counts.loss_failed ? 1 : 0;
       nothing_compared += step_counts.nothing_compared() ? 1 : 0;
       compared += step_counts.compared;
+      if (first_cause == "null" && !step.root_cause.empty()) {
+        first_cause = "{\"rank\": " + std::to_string(rank.rank) +
+                      ", \"step\": " + std::to_string(step.step) + "}";
+      }
       body += std::string(s ? "," : "") + "\n      {\"step\": " + std::to_string(step.step) +
               ", \"single_pass\": " + (step.single_pass ? "true" : "false") +
               ", \"all_pass\": " + (step.all_pass() ? "true" : "false") +
@@ -611,7 +616,8 @@ std::string render_json(const std::vector<RankComparison>& ranks) {
          ", \"loss_fail\": " + std::to_string(loss_fail) + ", \"steps\": " + std::to_string(steps) +
          ", \"failed_steps\": " + std::to_string(failed_steps) +
          ", \"nothing_compared_steps\": " + std::to_string(nothing_compared) +
-         "},\n  \"ranks\": [\n" + body + "\n  ]\n}\n";
+         ", \"root_cause_first_seen\": " + first_cause + "},\n  \"ranks\": [\n" + body +
+         "\n  ]\n}\n";
 }
 
 }  // namespace dynaprobe::analyze

@@ -278,7 +278,7 @@ TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
   EXPECT_NE(json.find("\"summary\": {\"all_pass\": false, \"rows\": 5, \"pass\": 3, "
                       "\"fail\": 0, \"warn\": 2, \"skip\": 0, \"compared\": 3, "
                       "\"loss_fail\": 0, \"steps\": 1, \"failed_steps\": 1, "
-                      "\"nothing_compared_steps\": 0}"),
+                      "\"nothing_compared_steps\": 0, \"root_cause_first_seen\": null}"),
             std::string::npos)
       << json;
 }

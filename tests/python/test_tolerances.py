@@ -4,6 +4,7 @@ differences first appear."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -63,9 +64,12 @@ def test_malformed_rules_are_refused_by_name(tmp_path, dynaprobe_cli):
 def test_several_steps_say_where_the_root_cause_first_appears(tmp_path, dynaprobe_cli):
     results = _run(tmp_path, steps=2)
     assert not any(result.all_pass for result in results)
-    proc = subprocess.run([dynaprobe_cli, "compare", results[0].dump_dir], capture_output=True,
-                          text=True)
+    json_path = tmp_path / "report.json"
+    proc = subprocess.run([dynaprobe_cli, "compare", results[0].dump_dir, "--json", json_path],
+                          capture_output=True, text=True)
     assert proc.returncode == 1
+    summary = json.loads(json_path.read_text())["summary"]
+    assert summary["root_cause_first_seen"] == {"rank": 0, "step": 0}
     assert "Summary: 2 steps, 0 ALL PASS, 2 FAILED" in proc.stdout
     assert ("Root cause first seen in step 0: forward stage1 fwd_output[0] (max_abs="
             in proc.stdout)
