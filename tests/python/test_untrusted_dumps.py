@@ -4,6 +4,12 @@ accident on a damaged or crafted dump, and never writes outside the folders it w
 The mutation test damages real step files as a bad disk or an attacker would (bit flips in data
 and metadata, zeroed blocks, truncation, appended garbage) and asserts, for each mutant: exit
 code 1 or 3, or a report identical to the undamaged file's; never a signal, never a timeout.
+
+Under ASan + UBSan (a -DDYNAPROBE_SANITIZE=ON build; DYNAPROBE_CLI=<its dynaprobe>,
+ASAN_OPTIONS=detect_leaks=0:abort_on_error=1) the mutation test passes too: what ASan reports is
+inside libhdf5's global heap (H5HG_read), and the CLI contains it as exit 3. The memory-limit test
+does not apply there (RLIMIT_AS is not set under ASan, whose shadow memory needs the address
+space).
 """
 
 import json
@@ -98,8 +104,8 @@ def test_mutated_step_files_exit_1_or_3_or_report_as_before(tmp_path, dynaprobe_
         same_report = rc == before.returncode and proc.stdout == before.stdout
         if rc < 0 or not (rc in (1, 3) or same_report):
             bad.append((i, kind, rc, proc.stdout[-200:], proc.stderr[-300:]))
-        elif rc == 3:
-            assert proc.stderr.startswith(b"dynaprobe: error: "), proc.stderr
+        elif rc == 3:  # (under ASan, its report of an HDF5 bug comes first)
+            assert b"dynaprobe: error: " in proc.stderr, proc.stderr
     assert not bad, f"{len(bad)} mutants misread (outcomes {outcomes}): {bad[:5]}"
     assert outcomes.get(3, 0) > MUTANTS // 4  # most damage is detected, not just survived
 
