@@ -228,7 +228,7 @@ int run_compare(const CompareOptions& cmd) {
     result.rank = eager_ranks[i].rank;
     result.comparison = analyze::compare(eager_ranks[i].path, compiled_ranks[i].path, options);
     const auto& provenance = result.comparison.compiled_provenance;
-    auto scenario = provenance.find("scenario");
+    auto scenario = provenance.find(std::string(formats::vocabulary::provenance::kScenario));
     result.scenario = scenario == provenance.end() ? "" : scenario->second;
 
     for (const auto& warning : result.comparison.warnings) {

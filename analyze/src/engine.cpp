@@ -29,6 +29,7 @@ using formats::Kind;
 using formats::RecordInfo;
 using formats::Side;
 using formats::StepReader;
+namespace vocabulary = formats::vocabulary;
 
 namespace {
 
@@ -77,8 +78,8 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
   return dump;
 }
 
-std::string provenance_value(const formats::Provenance& provenance, const std::string& key) {
-  auto found = provenance.find(key);
+std::string provenance_value(const formats::Provenance& provenance, std::string_view key) {
+  auto found = provenance.find(std::string(key));
   return found == provenance.end() ? std::string() : found->second;
 }
 
@@ -88,8 +89,9 @@ bool valid_tolerance(double value) { return std::isfinite(value) && value >= 0; 
 
 // The dump's own tolerance (its provenance), if it has one. One that is not a valid tolerance is
 // damage, reported as such rather than replaced by a default.
-std::optional<double> dump_tolerance(const formats::Provenance& provenance, const std::string& key,
-                                     const fs::path& dump) {
+std::optional<double> dump_tolerance(const formats::Provenance& provenance,
+                                     std::string_view key_name, const fs::path& dump) {
+  const std::string key(key_name);
   auto found = provenance.find(key);
   if (found == provenance.end()) return std::nullopt;
   double value = NAN;
@@ -108,7 +110,7 @@ std::optional<double> dump_tolerance(const formats::Provenance& provenance, cons
 std::vector<ToleranceRule> dump_tolerance_rules(const formats::Provenance& provenance,
                                                 const fs::path& dump) {
   std::vector<ToleranceRule> rules;
-  const std::string text = provenance_value(provenance, "tolerance_rules");
+  const std::string text = provenance_value(provenance, vocabulary::provenance::kToleranceRules);
   std::size_t start = 0;
   while (start < text.size()) {
     std::size_t end = text.find('\n', start);
@@ -156,11 +158,14 @@ SidesHeld sides_held(const OpenDump& dump) {
 void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
                  const OpenDump& compiled, const formats::Provenance& eager_provenance,
                  const formats::Provenance& compiled_provenance) {
-  const std::string eager_mode = provenance_value(eager_provenance, "mode");
-  const std::string compiled_mode = provenance_value(compiled_provenance, "mode");
+  const std::string eager_mode = provenance_value(eager_provenance, vocabulary::provenance::kMode);
+  const std::string compiled_mode =
+      provenance_value(compiled_provenance, vocabulary::provenance::kMode);
   const SidesHeld e = sides_held(eager), c = sides_held(compiled);
-  const bool eager_is_compiled = eager_mode == "compiled_only" || (!e.eager && e.compiled);
-  const bool compiled_is_eager = compiled_mode == "eager_only" || (!c.compiled && c.eager);
+  const bool eager_is_compiled =
+      eager_mode == vocabulary::mode::kCompiledOnly || (!e.eager && e.compiled);
+  const bool compiled_is_eager =
+      compiled_mode == vocabulary::mode::kEagerOnly || (!c.compiled && c.eager);
   if (eager_is_compiled && compiled_is_eager) {
     throw UsageError("the two sides look swapped: " + eager_path.string() +
                      " holds the compiled side (mode=" + formats::printable_name(eager_mode) +
@@ -298,9 +303,11 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   report.dtype_aware = dtype_aware_;
   const StepReader* any = eager ? eager : compiled;
   const formats::Provenance& provenance = any->provenance();
-  report.single_pass = provenance_value(provenance, "mode") == "single_pass";
-  report.capture_input = provenance_value(provenance, "capture_input") != "false";
-  const std::string cast = provenance_value(provenance, "cast_dtype");
+  report.single_pass =
+      provenance_value(provenance, vocabulary::provenance::kMode) == vocabulary::mode::kSinglePass;
+  report.capture_input =
+      provenance_value(provenance, vocabulary::provenance::kCaptureInput) != "false";
+  const std::string cast = provenance_value(provenance, vocabulary::provenance::kCastDtype);
   report.cast_dtype = cast == "None" ? "" : cast;
   report.loss_eager = read_loss(eager, Side::kEager);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
@@ -358,8 +365,8 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   for (const auto& [module, attributes] : module_attributes) {
     auto role = attributes.find(std::string(module_attributes::kRole));
     if (role == attributes.end()) continue;
-    if (role->second == "wrapped") wrapped.push_back(module);
-    if (role->second == "ignored") ignored.push_back(module);
+    if (role->second == vocabulary::role::kWrapped) wrapped.push_back(module);
+    if (role->second == vocabulary::role::kIgnored) ignored.push_back(module);
   }
   const auto is_ignored = [&](const std::string& module) {
     return std::any_of(ignored.begin(), ignored.end(), [&](const std::string& prefix) {
@@ -381,7 +388,8 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       // Only the ignored modules themselves get a row; their submodules are covered by it.
       const bool listed = attributes != module_attributes.end() &&
                           attributes->second.count(std::string(module_attributes::kRole)) &&
-                          attributes->second.at(std::string(module_attributes::kRole)) == "ignored";
+                          attributes->second.at(std::string(module_attributes::kRole)) ==
+                              vocabulary::role::kIgnored;
       if (listed) {
         Row row;
         row.module = module;
@@ -397,7 +405,7 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
         Row row;
         row.module = module;
         row.note = note->second;
-        row.status = note->second.starts_with("SKIP") ? Status::kSkip : Status::kWarn;
+        row.status = note_status(note->second);
         auto reason = attributes->second.find(std::string(module_attributes::kReason));
         if (reason != attributes->second.end()) row.reason = reason->second;
         // The capture counts the calls of the compiled copy only: a module it saw no call of
@@ -648,6 +656,19 @@ void require_committed_steps(const fs::path& path, const formats::DumpFiles& fil
                     "read");
 }
 
+Status note_status(std::string_view note) {
+  // The spec's skip markers (常见标记说明); all other notes warn.
+  static constexpr std::pair<std::string_view, Status> kNoteStatus[] = {
+      {notes::kIgnored, Status::kSkip},
+      {notes::kCompiledWrapper, Status::kSkip},
+      {notes::kInsideCompiled, Status::kSkip},
+  };
+  for (const auto& [name, status] : kNoteStatus) {
+    if (name == note) return status;
+  }
+  return Status::kWarn;
+}
+
 std::string_view status_name(Status status) {
   switch (status) {
     case Status::kPass:
@@ -748,11 +769,14 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     for (const auto& [key, value] : result.eager_provenance) keys.insert(key);
     for (const auto& [key, value] : result.compiled_provenance) keys.insert(key);
     for (const std::string& key : keys) {
-      if (key == "created") continue;  // always differs
+      if (key == vocabulary::provenance::kCreated) continue;  // always differs
       const std::string a = provenance_value(result.eager_provenance, key);
       const std::string b = provenance_value(result.compiled_provenance, key);
       // Two one-sided captures differ in their mode by design (the sides are checked below).
-      if (key == "mode" && a == "eager_only" && b == "compiled_only") continue;
+      if (key == vocabulary::provenance::kMode && a == vocabulary::mode::kEagerOnly &&
+          b == vocabulary::mode::kCompiledOnly) {
+        continue;
+      }
       if (a != b) result.provenance_differences.push_back({key, a, b});
     }
   }
@@ -763,14 +787,14 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
   Tolerances tolerances;
   const fs::path& tolerance_source = same ? eager_dump : compiled_dump;
   // The dump's value is read only when the option is not given, so a damaged one can be replaced.
-  tolerances.atol = options.atol
-                        ? *options.atol
-                        : dump_tolerance(result.compiled_provenance, "atol", tolerance_source)
-                              .value_or(tolerances.atol);
-  tolerances.rtol = options.rtol
-                        ? *options.rtol
-                        : dump_tolerance(result.compiled_provenance, "rtol", tolerance_source)
-                              .value_or(tolerances.rtol);
+  tolerances.atol = options.atol ? *options.atol
+                                 : dump_tolerance(result.compiled_provenance,
+                                                  vocabulary::provenance::kAtol, tolerance_source)
+                                       .value_or(tolerances.atol);
+  tolerances.rtol = options.rtol ? *options.rtol
+                                 : dump_tolerance(result.compiled_provenance,
+                                                  vocabulary::provenance::kRtol, tolerance_source)
+                                       .value_or(tolerances.rtol);
 
   std::set<std::int64_t> steps;
   for (const auto& [step, reader] : eager.steps) steps.insert(step);
@@ -814,7 +838,8 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     rules.push_back(rule);
   }
   const bool dtype_aware = options.dtype_aware.value_or(
-      provenance_value(result.compiled_provenance, "dtype_aware_tolerances") != "false");
+      provenance_value(result.compiled_provenance, vocabulary::provenance::kDtypeAwareTolerances) !=
+      "false");
   std::vector<Task> tasks;
   StepBuilder builder(options, tolerances, std::move(rules), dtype_aware);
   result.steps.reserve(steps.size());
@@ -864,7 +889,7 @@ std::vector<RankDump> find_rank_dumps(const fs::path& path) {
     const auto files = formats::list_dump(path);
     if (!files.steps.empty()) {
       StepReader reader(files.steps.front());
-      auto value = reader.provenance().find("rank");
+      auto value = reader.provenance().find(std::string(vocabulary::provenance::kRank));
       if (value != reader.provenance().end()) rank = std::atoi(value->second.c_str());
     }
     ranks.push_back({rank, path});

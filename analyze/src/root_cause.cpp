@@ -120,10 +120,10 @@ std::optional<std::size_t> first_row(const StepReport& report,
 }
 
 const std::string* module_attribute(const StepReport& report, const std::string& module,
-                                    const std::string& key) {
+                                    std::string_view key) {
   auto found = report.modules.find(module);
   if (found == report.modules.end()) return nullptr;
-  auto value = found->second.find(key);
+  auto value = found->second.find(std::string(key));
   return value == found->second.end() ? nullptr : &value->second;
 }
 
@@ -139,9 +139,9 @@ std::string next_step(const StepReport& report) {
            ": a real divergence (overflow in a fused kernel, a wrong decomposition); narrow it "
            "down with finer wrapping (troubleshooting: \"Narrowing down: wrap finer\")";
   }
-  const std::string* note = module_attribute(report, row.module, "note");
-  const std::string* breaks = module_attribute(report, row.module, "graph_breaks");
-  if ((note && *note == "NOT_COMPILED") || (breaks && *breaks != "0" && !breaks->empty())) {
+  const std::string* note = module_attribute(report, row.module, module_attributes::kNote);
+  const std::string* breaks = module_attribute(report, row.module, module_attributes::kGraphBreaks);
+  if ((note && *note == notes::kNotCompiled) || (breaks && *breaks != "0" && !breaks->empty())) {
     return row.module +
            " was not compiled as one graph: see troubleshooting, \"Graph breaks "
            "and NOT_COMPILED\"";

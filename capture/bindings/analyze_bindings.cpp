@@ -159,6 +159,13 @@ void bind_analyze(py::module_& m) {
       py::arg("atol") = py::none(), py::arg("rtol") = py::none(), py::arg("module_glob") = "",
       py::arg("threads") = 0, py::arg("dtype_aware") = py::none(),
       "Compares the eager side of eager_dump with the compiled side of compiled_dump.");
+  m.def(
+      "note_status",
+      [](const std::string& note) {
+        return std::string(analyze::status_name(analyze::note_status(note)));
+      },
+      py::arg("note"),
+      "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
   m.def("render_csv", &analyze::render_csv, py::arg("steps"));
   m.def(
       "render_merged_csv",

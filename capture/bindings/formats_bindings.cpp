@@ -9,6 +9,7 @@
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/schema.h"
+#include "dynaprobe/formats/vocabulary.h"
 #include "dynaprobe/formats/writer.h"
 
 namespace py = pybind11;
@@ -180,6 +181,12 @@ py::tuple read_dataset(const std::filesystem::path& path, const std::string& dat
 }  // namespace
 
 void bind_formats(py::module_& m) {
+  // The names capture writes and the analyzer reads, defined once in formats/vocabulary.h.
+  py::module_ vocabulary = m.def_submodule(
+      "vocabulary", "Provenance keys and values, /modules attributes and roles, notes");
+  for (const auto& [name, value] : fmt::vocabulary::kExported) {
+    vocabulary.attr(std::string(name).c_str()) = std::string(value);
+  }
   m.def("format_version", [] {
     return std::to_string(fmt::schema::kFormatMajor) + "." +
            std::to_string(fmt::schema::kFormatMinor);

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from dynaprobe._C import vocabulary
 from dynaprobe import _C, _options
 from dynaprobe._capture import autocast_device_type, devices_of
 from dynaprobe._compiling import Compiler
@@ -195,21 +196,23 @@ class PrecisionChecker:
             "producer": "dynaprobe.PrecisionChecker",
             "torch_version": torch.__version__,
             "backend": backend,
-            "mode": mode,
-            "rank": str(rank),
+            vocabulary.PROVENANCE_MODE: mode,
+            vocabulary.PROVENANCE_RANK: str(rank),
             "world_size": str(world),
-            "scenario": self.scenario,
-            "atol": repr(float(self.threshold)),
-            "rtol": repr(float(self.rtol)),
-            "cast_dtype": str(self.cast_dtype) if self.cast_dtype is not None else "None",
-            "capture_input": "true" if self.capture_input else "false",
+            vocabulary.PROVENANCE_SCENARIO: self.scenario,
+            vocabulary.PROVENANCE_ATOL: repr(float(self.threshold)),
+            vocabulary.PROVENANCE_RTOL: repr(float(self.rtol)),
+            vocabulary.PROVENANCE_CAST_DTYPE: str(self.cast_dtype) if self.cast_dtype is not None
+            else "None",
+            vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if self.capture_input else "false",
             "reference": self.reference or "None",
-            "tolerance_rules": "".join(f"{atol!r} {rtol!r} {pattern}\n"
+            vocabulary.PROVENANCE_TOLERANCE_RULES: "".join(f"{atol!r} {rtol!r} {pattern}\n"
                                        for pattern, (atol, rtol) in self.tolerances.items()),
-            "dtype_aware_tolerances": "true" if self.dtype_aware_tolerances else "false",
+            vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
+                "true" if self.dtype_aware_tolerances else "false",
             **self._devices,
             "host": socket.gethostname(),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            vocabulary.PROVENANCE_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
 
     @property
@@ -237,8 +240,9 @@ class PrecisionChecker:
 
     def _begin_step(self, targets: List[Target]) -> Step:
         if self._recorder is None:
-            mode = ("single_pass" if self.single_pass else "two_pass") if self._capture_side is None \
-                else f"{self._capture_side}_only"
+            mode = {None: vocabulary.MODE_SINGLE_PASS if self.single_pass else vocabulary.MODE_TWO_PASS,
+                    "eager": vocabulary.MODE_EAGER_ONLY,
+                    "compiled": vocabulary.MODE_COMPILED_ONLY}[self._capture_side]
             self._recorder = _C.Recorder(self.dump_dir, self._provenance(mode),
                                          memory_budget_bytes=self.memory_budget_bytes)
         self._recorder.begin_step(self._step_index)
@@ -263,8 +267,10 @@ class PrecisionChecker:
             write_graph_files(graphs, self.graph_dir)
         for name, attributes in self._module_notes:
             attributes = dict(attributes, **step.attributes.get(name, {}))
-            if name in step.notes and "note" not in attributes:
-                attributes["note"], attributes["reason"] = step.notes[name]
+            if name in step.notes and vocabulary.ATTRIBUTE_NOTE not in attributes:
+                note, reason = step.notes[name]
+                attributes[vocabulary.ATTRIBUTE_NOTE] = note
+                attributes[vocabulary.ATTRIBUTE_REASON] = reason
             self._recorder.record_module(name, attributes)
         path = self._recorder.end_step()  # raises a background write error (disk full, ...)
         self._step = None
@@ -320,7 +326,7 @@ class PrecisionChecker:
             return
         for entry, attributes in self._module_notes:
             if entry == name:
-                attributes["nested_fully_shard"] = ", ".join(nested)
+                attributes[vocabulary.ATTRIBUTE_NESTED_FULLY_SHARD] = ", ".join(nested)
         warnings.warn(
             f"dynaprobe: wrapped module {name} contains fully_shard units ({', '.join(nested)}): "
             "the gradients of their parameters are not compared (they are sharded when it is "

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from dynaprobe._C import vocabulary
 from dynaprobe._graphs import GraphRecorder
 from dynaprobe._step import Step, Target
 
@@ -86,17 +87,18 @@ class Compiler:
             breaks, reasons = self.graph_breaks.get(target.name, (0, []))
             attributes = step.attributes.setdefault(target.name, {})
             attributes.update({
-                "calls": str(target.calls),
-                "compiled_functions": ",".join(functions),
-                "graph_breaks": str(breaks),
+                vocabulary.ATTRIBUTE_CALLS: str(target.calls),
+                vocabulary.ATTRIBUTE_COMPILED_FUNCTIONS: ",".join(functions),
+                vocabulary.ATTRIBUTE_GRAPH_BREAKS: str(breaks),
             })
             if reasons:
-                attributes["graph_break_reasons"] = "; ".join(reasons)
+                attributes[vocabulary.ATTRIBUTE_GRAPH_BREAK_REASONS] = "; ".join(reasons)
             failures = self.graphs.failures.get(target.name, [])
             if failures:
-                attributes["compile_errors"] = "; ".join(failures)
+                attributes[vocabulary.ATTRIBUTE_COMPILE_ERRORS] = "; ".join(failures)
             if target.calls == 0:
-                step.note(target.name, "NOT_RUN", "the wrapped module was not called in this step")
+                step.note(target.name, vocabulary.NOTE_NOT_RUN,
+                          "the wrapped module was not called in this step")
             elif not functions:
                 reason = "Dynamo compiled no graph for it (frame skipped, fallback to eager after " \
                          "an error, or no tensor operations): eager was compared with eager"
@@ -104,4 +106,4 @@ class Compiler:
                     reason += "; " + "; ".join(failures)
                 if reasons:
                     reason += "; Dynamo reported: " + "; ".join(reasons)
-                step.note(target.name, "NOT_COMPILED", reason)
+                step.note(target.name, vocabulary.NOTE_NOT_COMPILED, reason)

@@ -8,6 +8,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from dynaprobe._C import vocabulary
+
 
 def _under(name: str, prefix: str) -> bool:
     return prefix == "" and name != "" or name.startswith(prefix + ".")
@@ -42,14 +44,16 @@ def plan(model: nn.Module, wrapped_modules: List[nn.Module], ignored_modules: Li
         if any(i == name or _under(name, i) for i in ignored):
             continue
         if outer is not None:
-            entries.append((display(name), {"role": "wrapped", "note": "SKIP_inside_compiled",
-                                            "reason": f"inside {display(outer)}, which is "
-                                                      "compiled as a whole"}))
+            entries.append((display(name), {
+                vocabulary.ATTRIBUTE_ROLE: vocabulary.ROLE_WRAPPED,
+                vocabulary.ATTRIBUTE_NOTE: vocabulary.NOTE_INSIDE_COMPILED,
+                vocabulary.ATTRIBUTE_REASON: f"inside {display(outer)}, which is compiled as a whole",
+            }))
             continue
         targets.append(name)
-        entries.append((display(name), {"role": "wrapped"}))
+        entries.append((display(name), {vocabulary.ATTRIBUTE_ROLE: vocabulary.ROLE_WRAPPED}))
     for name in ignored:
-        entries.append((display(name), {"role": "ignored"}))
+        entries.append((display(name), {vocabulary.ATTRIBUTE_ROLE: vocabulary.ROLE_IGNORED}))
     entries.sort(key=lambda e: order.index(e[0]) if e[0] in order else -1)
     return [(display(n), n) for n in targets], entries
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from dynaprobe._C import vocabulary
 from dynaprobe import _C
 
 
@@ -116,8 +117,8 @@ class TensorDiff:
 
 
 def _is_skip_note(note: str) -> bool:
-    # msProbe's rule, which the spec's report follows: SKIP_* and IGNORED are skipped.
-    return note.startswith("SKIP") or note == "IGNORED"
+    # The analyzer's note table (the spec's SKIP_* markers and IGNORED are skips).
+    return _C.note_status(note) == "SKIP"
 
 
 @dataclass
@@ -315,7 +316,7 @@ class CompareResult:
     @property
     def scenario(self) -> str:
         """The checker's ``scenario`` label, from the dump's provenance."""
-        return self._step_comparison().compiled_provenance.get("scenario", "")
+        return self._step_comparison().compiled_provenance.get(vocabulary.PROVENANCE_SCENARIO, "")
 
     def merged_csv(self, rank: int) -> str:
         """The multi-rank CSV of this step alone: ``rank,scenario`` and the 9 columns."""

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from dynaprobe._C import vocabulary
 from dynaprobe._capture import (
     RngState,
     _in_eager_backward,
@@ -68,7 +69,7 @@ class SinglePass:
         inputs or parameters) before the step is written."""
         for pending in step.pending:
             if not pending.done and pending.grads and pending.params_freed():
-                step.note(pending.target.name, "HOOK_ERROR",
+                step.note(pending.target.name, vocabulary.NOTE_HOOK_ERROR,
                           "eager backward not run: no gradient reached the module's inputs or "
                           "parameters during the backward, and FSDP2 has since freed the full "
                           "parameters it saved")
@@ -105,7 +106,7 @@ class SinglePass:
             rng_before = RngState(devices)
             params = self._call_params(step, target)
         except Exception as error:  # never break training because of the checker
-            step.note(name, "HOOK_ERROR", f"{type(error).__name__}: {error}")
+            step.note(name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
             return target.run(*args, **kwargs)
 
         if grad_mode:
@@ -140,7 +141,8 @@ class SinglePass:
                 reference = self._reference_call(step, target, call, reference_args, grad_mode,
                                                  inputs)
         except Exception as error:
-            step.note(name, "HOOK_ERROR", f"eager re-run failed: {type(error).__name__}: {error}")
+            step.note(name, vocabulary.NOTE_HOOK_ERROR,
+                      f"eager re-run failed: {type(error).__name__}: {error}")
             return compiled_out
         finally:
             state_after.apply()
@@ -180,7 +182,7 @@ class SinglePass:
                                      map_tensors)
         except Exception as error:
             what = f"{type(error).__name__}: {error}"
-            step.attributes.setdefault(target.name, {})["reference_error"] = what
+            step.attributes.setdefault(target.name, {})[vocabulary.ATTRIBUTE_REFERENCE_ERROR] = what
             self._warn_once(target.name, "reference",
                             f"dynaprobe: {target.name}: the fp64 reference could not run ({what})")
             return None
@@ -191,7 +193,8 @@ class SinglePass:
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training
         sees. Said once per module and kind of argument, and kept in the dump."""
-        step.attributes.setdefault(name, {})["shared_arguments"] = "; ".join(shared)
+        step.attributes.setdefault(name, {})[vocabulary.ATTRIBUTE_SHARED_ARGUMENTS] = "; ".join(
+            shared)
         for what in shared:
             self._warn_once(
                 name, what, f"dynaprobe: {name}: an argument of type {what} cannot be "

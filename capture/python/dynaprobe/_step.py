@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dynaprobe._C import vocabulary
 from dynaprobe._capture import Shard, _eager_backward, local_tensor
 
 LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
@@ -130,7 +131,7 @@ class PendingBackward:
                 with _eager_backward(), torch.enable_grad():
                     grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
             except Exception as error:  # never break the training backward because of the checker
-                self.step.note(self.target.name, "HOOK_ERROR",
+                self.step.note(self.target.name, vocabulary.NOTE_HOOK_ERROR,
                                f"eager backward failed: {type(error).__name__}: {error}")
                 grads = ()
             for (index, leaf), grad in zip(self.leaves, grads):
@@ -160,7 +161,8 @@ class PendingBackward:
             with _eager_backward(), torch.enable_grad():
                 grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
         except Exception as error:  # the reference is a diagnosis aid: it never fails a check
-            self.step.attributes.setdefault(self.target.name, {})["reference_error"] = (
+            attributes = self.step.attributes.setdefault(self.target.name, {})
+            attributes[vocabulary.ATTRIBUTE_REFERENCE_ERROR] = (
                 f"backward: {type(error).__name__}: {error}")
             return
         for (index, _), grad in zip(reference.leaves, grads):

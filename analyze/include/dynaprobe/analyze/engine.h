@@ -16,31 +16,21 @@
 #include "dynaprobe/analyze/metrics.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/record.h"
+#include "dynaprobe/formats/vocabulary.h"
 
 namespace dynaprobe::analyze {
 
 enum class Status { kPass, kFail, kSkip, kWarn };
 std::string_view status_name(Status status);  // "PASS", "FAIL", "SKIP", "WARN"
 
-// Notes of the spec's report (常见标记说明) and the ones dynaprobe adds.
-namespace notes {
-inline constexpr std::string_view kIgnored = "IGNORED";
-inline constexpr std::string_view kCompiledWrapper = "SKIP_compiled_wrapper";
-inline constexpr std::string_view kInsideCompiled = "SKIP_inside_compiled";
-inline constexpr std::string_view kMissingFwdInCompiled = "MISSING_fwd_in_compiled";
-inline constexpr std::string_view kMissingFwdInEager = "MISSING_fwd_in_eager";
-inline constexpr std::string_view kMissingBwdInCompiled = "MISSING_bwd_in_compiled";
-inline constexpr std::string_view kMissingBwdInEager = "MISSING_bwd_in_eager";
-// A capture note (module attribute): the compiled copy of a wrapped module was not called.
-inline constexpr std::string_view kNotRun = "NOT_RUN";
-}  // namespace notes
+// The notes and /modules attributes, as the dump spells them (formats/vocabulary.h).
+namespace notes = formats::vocabulary::note;
+namespace module_attributes = formats::vocabulary::module_attribute;
 
-// Attributes of /modules/<module> that the engine reads (written by the capture).
-namespace module_attributes {
-inline constexpr std::string_view kRole = "role";  // "wrapped", "ignored"
-inline constexpr std::string_view kNote = "note";  // e.g. "NOT_COMPILED": the module is a WARN
-inline constexpr std::string_view kReason = "reason";
-}  // namespace module_attributes
+// What a note makes of its row: the table in engine.cpp (the spec's SKIP markers and IGNORED are
+// skips; every other note, known or not, is a warning: a module that could not be compared is
+// never a pass).
+Status note_status(std::string_view note);
 
 // Tolerances for the rows a pattern selects: shell-style glob matched against the module
 // ("layers.*.mlp"), the check type ("grad_*") or the report's row name ("layers.0.grad_input").

@@ -1,0 +1,109 @@
+// The names the capture writes into a dump and the analyzer reads back: provenance keys and
+// values, /modules attributes and roles, notes. Defined once, here next to the schema, and
+// exported to Python as dynaprobe._C.vocabulary (capture/bindings/formats_bindings.cpp), which
+// the Python package uses instead of literals: the two sides cannot spell a name differently.
+// docs/dump-format.md describes what each means.
+#pragma once
+
+#include <string_view>
+#include <utility>
+
+namespace dynaprobe::formats::vocabulary {
+
+// Root attribute "provenance" of a step file: keys, and the values of "mode".
+namespace provenance {
+inline constexpr std::string_view kMode = "mode";
+inline constexpr std::string_view kCaptureInput = "capture_input";
+inline constexpr std::string_view kCastDtype = "cast_dtype";
+inline constexpr std::string_view kScenario = "scenario";
+inline constexpr std::string_view kRank = "rank";
+inline constexpr std::string_view kAtol = "atol";
+inline constexpr std::string_view kRtol = "rtol";
+inline constexpr std::string_view kToleranceRules = "tolerance_rules";  // "<atol> <rtol> <glob>\n"
+inline constexpr std::string_view kDtypeAwareTolerances = "dtype_aware_tolerances";
+inline constexpr std::string_view kCreated = "created";
+}  // namespace provenance
+namespace mode {
+inline constexpr std::string_view kSinglePass = "single_pass";
+inline constexpr std::string_view kTwoPass = "two_pass";
+inline constexpr std::string_view kEagerOnly = "eager_only";  // capture(side="eager")
+inline constexpr std::string_view kCompiledOnly = "compiled_only";
+}  // namespace mode
+
+// Attributes of /modules/<module>.
+namespace module_attribute {
+inline constexpr std::string_view kRole = "role";  // role::*
+inline constexpr std::string_view kNote = "note";  // note::*: the module is a SKIP or a WARN
+inline constexpr std::string_view kReason = "reason";
+inline constexpr std::string_view kCalls = "calls";
+inline constexpr std::string_view kCompiledFunctions = "compiled_functions";
+inline constexpr std::string_view kGraphBreaks = "graph_breaks";
+inline constexpr std::string_view kGraphBreakReasons = "graph_break_reasons";
+inline constexpr std::string_view kCompileErrors = "compile_errors";
+inline constexpr std::string_view kSharedArguments = "shared_arguments";
+inline constexpr std::string_view kReferenceError = "reference_error";
+inline constexpr std::string_view kNestedFullyShard = "nested_fully_shard";
+}  // namespace module_attribute
+namespace role {
+inline constexpr std::string_view kWrapped = "wrapped";
+inline constexpr std::string_view kIgnored = "ignored";
+}  // namespace role
+
+// Notes: the spec's report markers (常见标记说明) and the ones dynaprobe adds. Whether a note is a
+// SKIP or a WARN is analyze's decision (its note table), not the name's spelling.
+namespace note {
+inline constexpr std::string_view kIgnored = "IGNORED";
+inline constexpr std::string_view kCompiledWrapper = "SKIP_compiled_wrapper";
+inline constexpr std::string_view kInsideCompiled = "SKIP_inside_compiled";
+inline constexpr std::string_view kMissingFwdInCompiled = "MISSING_fwd_in_compiled";
+inline constexpr std::string_view kMissingFwdInEager = "MISSING_fwd_in_eager";
+inline constexpr std::string_view kMissingBwdInCompiled = "MISSING_bwd_in_compiled";
+inline constexpr std::string_view kMissingBwdInEager = "MISSING_bwd_in_eager";
+// Capture notes (module attribute "note").
+inline constexpr std::string_view kNotRun = "NOT_RUN";            // the compiled copy never ran
+inline constexpr std::string_view kNotCompiled = "NOT_COMPILED";  // Dynamo compiled no graph
+inline constexpr std::string_view kHookError = "HOOK_ERROR";      // the eager re-run failed
+}  // namespace note
+
+// What Python sees: dynaprobe._C.vocabulary.<NAME>.
+inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
+    {"PROVENANCE_MODE", provenance::kMode},
+    {"PROVENANCE_CAPTURE_INPUT", provenance::kCaptureInput},
+    {"PROVENANCE_CAST_DTYPE", provenance::kCastDtype},
+    {"PROVENANCE_SCENARIO", provenance::kScenario},
+    {"PROVENANCE_RANK", provenance::kRank},
+    {"PROVENANCE_ATOL", provenance::kAtol},
+    {"PROVENANCE_RTOL", provenance::kRtol},
+    {"PROVENANCE_TOLERANCE_RULES", provenance::kToleranceRules},
+    {"PROVENANCE_DTYPE_AWARE_TOLERANCES", provenance::kDtypeAwareTolerances},
+    {"PROVENANCE_CREATED", provenance::kCreated},
+    {"MODE_SINGLE_PASS", mode::kSinglePass},
+    {"MODE_TWO_PASS", mode::kTwoPass},
+    {"MODE_EAGER_ONLY", mode::kEagerOnly},
+    {"MODE_COMPILED_ONLY", mode::kCompiledOnly},
+    {"ATTRIBUTE_ROLE", module_attribute::kRole},
+    {"ATTRIBUTE_NOTE", module_attribute::kNote},
+    {"ATTRIBUTE_REASON", module_attribute::kReason},
+    {"ATTRIBUTE_CALLS", module_attribute::kCalls},
+    {"ATTRIBUTE_COMPILED_FUNCTIONS", module_attribute::kCompiledFunctions},
+    {"ATTRIBUTE_GRAPH_BREAKS", module_attribute::kGraphBreaks},
+    {"ATTRIBUTE_GRAPH_BREAK_REASONS", module_attribute::kGraphBreakReasons},
+    {"ATTRIBUTE_COMPILE_ERRORS", module_attribute::kCompileErrors},
+    {"ATTRIBUTE_SHARED_ARGUMENTS", module_attribute::kSharedArguments},
+    {"ATTRIBUTE_REFERENCE_ERROR", module_attribute::kReferenceError},
+    {"ATTRIBUTE_NESTED_FULLY_SHARD", module_attribute::kNestedFullyShard},
+    {"ROLE_WRAPPED", role::kWrapped},
+    {"ROLE_IGNORED", role::kIgnored},
+    {"NOTE_IGNORED", note::kIgnored},
+    {"NOTE_COMPILED_WRAPPER", note::kCompiledWrapper},
+    {"NOTE_INSIDE_COMPILED", note::kInsideCompiled},
+    {"NOTE_MISSING_FWD_IN_COMPILED", note::kMissingFwdInCompiled},
+    {"NOTE_MISSING_FWD_IN_EAGER", note::kMissingFwdInEager},
+    {"NOTE_MISSING_BWD_IN_COMPILED", note::kMissingBwdInCompiled},
+    {"NOTE_MISSING_BWD_IN_EAGER", note::kMissingBwdInEager},
+    {"NOTE_NOT_RUN", note::kNotRun},
+    {"NOTE_NOT_COMPILED", note::kNotCompiled},
+    {"NOTE_HOOK_ERROR", note::kHookError},
+};
+
+}  // namespace dynaprobe::formats::vocabulary
