@@ -108,8 +108,8 @@ std::vector<std::uint8_t> mutate(std::vector<std::uint8_t> bytes, std::mt19937_6
       break;
     case 2: {  // a zeroed block
       const std::size_t start = below(bytes.size());
-      const std::size_t length = std::min<std::size_t>(std::size_t{8} << (3 * below(4)),
-                                                        bytes.size() - start);
+      const std::size_t length =
+          std::min<std::size_t>(std::size_t{8} << (3 * below(4)), bytes.size() - start);
       std::fill_n(bytes.begin() + static_cast<std::ptrdiff_t>(start), length, 0);
       break;
     }
