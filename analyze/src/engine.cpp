@@ -20,7 +20,6 @@
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
-#include "dynaprobe/formats/writer.h"
 #include "tensor_pair.h"
 
 namespace dynaprobe::analyze {
@@ -38,9 +37,6 @@ std::string format_double(double value) {
   std::snprintf(buffer, sizeof(buffer), "%g", value);
   return buffer;
 }
-
-constexpr Kind kTensorKinds[] = {Kind::kFwdInput, Kind::kFwdOutput, Kind::kGradInput,
-                                 Kind::kGradOutput, Kind::kParamGrad};
 
 bool is_forward(Kind kind) { return kind == Kind::kFwdInput || kind == Kind::kFwdOutput; }
 

@@ -36,6 +36,15 @@ constexpr DTypeInfo kInfos[] = {
     {DType::kBool, "bool", 1},
 };
 
+// kInfos is indexed by the enumerator: each entry must stand at its own dtype's position.
+constexpr bool infos_in_enumerator_order() {
+  for (std::size_t i = 0; i < std::size(kInfos); ++i) {
+    if (static_cast<std::size_t>(kInfos[i].dtype) != i) return false;
+  }
+  return std::size(kInfos) == static_cast<std::size_t>(DType::kBool) + 1;
+}
+static_assert(infos_in_enumerator_order(), "kInfos must list every DType in enumerator order");
+
 const DTypeInfo& info(DType dtype) { return kInfos[static_cast<std::size_t>(dtype)]; }
 
 // Decodes an 8-bit float with the given layout. `fnuz`: 0x80 is the only NaN, no -0, no inf.

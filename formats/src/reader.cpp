@@ -32,12 +32,6 @@ ZSTD_DCtx* thread_decompressor() {
   return context.get();
 }
 
-std::uint64_t product(const std::vector<std::int64_t>& shape) {
-  std::uint64_t n = 1;
-  for (auto d : shape) n *= static_cast<std::uint64_t>(d);
-  return n;
-}
-
 std::atomic<OpenObserver> open_observer{nullptr};
 
 // /chunk_hashes of a format 1.2 file (fixed-size integers: nothing in HDF5's global heap).
@@ -131,23 +125,7 @@ bool link_exists(hid_t location, const std::string& path) {
 
 }  // namespace
 
-std::uint64_t RecordInfo::numel() const { return product(shape); }
-
-std::string dataset_path(const RecordKey& key) {
-  return "/" + std::string(schema::kTensorsGroup) + "/" + key.module + "/" +
-         std::string(kind_name(key.kind)) + "." + std::string(side_name(key.side)) + "." +
-         std::to_string(key.call) + "." + std::to_string(key.tensor_index);
-}
-
-std::string shape_string(const std::vector<std::int64_t>& shape) {
-  std::string text = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  if (shape.size() == 1) text += ",";
-  return text + ")";
-}
+std::uint64_t RecordInfo::numel() const { return shape_numel(shape); }
 
 struct TensorStream::State {
   std::shared_ptr<h5::Handle> file;  // keeps the file open while the stream lives
@@ -473,7 +451,7 @@ std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file
   std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
   H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
   state->shape.assign(dims.begin(), dims.end());
-  state->numel = product(state->shape);
+  state->numel = shape_numel(state->shape);
 
   h5::Handle dcpl = h5::plist_handle(H5Dget_create_plist(dataset), "reading layout", where);
   if (H5Pget_layout(dcpl.get()) == H5D_CHUNKED && state->numel > 0) {

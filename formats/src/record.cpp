@@ -1,8 +1,10 @@
 #include "dynaprobe/formats/record.h"
 
 #include <array>
+#include <cstdio>
 
 #include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/schema.h"
 
 namespace dynaprobe::formats {
 namespace {
@@ -10,6 +12,9 @@ namespace {
 constexpr std::array<std::string_view, 6> kKindNames = {"fwd_input",   "fwd_output", "grad_input",
                                                         "grad_output", "param_grad", "loss"};
 constexpr std::array<std::string_view, 3> kSideNames = {"eager", "compiled", "reference"};
+// Indexed by the enumerators: one name each, in enumerator order.
+static_assert(kKindNames.size() == static_cast<std::size_t>(Kind::kLoss) + 1);
+static_assert(kSideNames.size() == static_cast<std::size_t>(Side::kReference) + 1);
 
 template <typename Enum, std::size_t N>
 std::optional<Enum> parse_name(const std::array<std::string_view, N>& names,
@@ -117,10 +122,36 @@ void validate_module_path(std::string_view module) {
   }
 }
 
-std::uint64_t TensorView::numel() const {
+std::uint64_t TensorView::numel() const { return shape_numel(shape); }
+
+std::uint64_t shape_numel(const std::vector<std::int64_t>& shape) {
   std::uint64_t n = 1;
   for (auto d : shape) n *= static_cast<std::uint64_t>(d);
   return n;
+}
+
+std::string dataset_path(const RecordKey& key) {
+  return "/" + std::string(schema::kTensorsGroup) + "/" + key.module + "/" +
+         std::string(kind_name(key.kind)) + "." + std::string(side_name(key.side)) + "." +
+         std::to_string(key.call) + "." + std::to_string(key.tensor_index);
+}
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string text = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) text += ",";
+  return text + ")";
+}
+std::filesystem::path step_file_name(std::int64_t step) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "%.*s%08lld%.*s",
+                static_cast<int>(schema::kStepFilePrefix.size()), schema::kStepFilePrefix.data(),
+                static_cast<long long>(step), static_cast<int>(schema::kStepFileSuffix.size()),
+                schema::kStepFileSuffix.data());
+  return name;
 }
 
 }  // namespace dynaprobe::formats

@@ -21,7 +21,6 @@
 #include "chunk_layout.h"
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/hdf5.h"
-#include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/schema.h"
 #include "hdf5_types.h"
 
@@ -194,15 +193,6 @@ class NiceObserver : public tbb::task_scheduler_observer {
 thread_local int NiceObserver::previous_ = 0;
 
 }  // namespace
-
-fs::path step_file_name(std::int64_t step) {
-  char name[64];
-  std::snprintf(name, sizeof(name), "%.*s%08lld%.*s",
-                static_cast<int>(schema::kStepFilePrefix.size()), schema::kStepFilePrefix.data(),
-                static_cast<long long>(step), static_cast<int>(schema::kStepFileSuffix.size()),
-                schema::kStepFileSuffix.data());
-  return name;
-}
 
 struct StepWriter::Impl {
   fs::path final_path;
@@ -719,6 +709,10 @@ void StepWriter::write_graph(const Graph& graph) {
   Impl& impl = *impl_;
   impl.ensure_usable("write graph " + graph.name);
   validate_module_path(graph.name);
+  // Checked before anything is written: a refused graph leaves no dataset behind.
+  if (graph.attributes.count(std::string(schema::kGraphKindAttr))) {
+    throw UsageError("graph attribute 'kind' is reserved; set Graph::kind instead");
+  }
   if (!impl.graph_names.insert(graph.name).second) {
     throw UsageError("graph " + graph.name + " was already written in step " +
                      std::to_string(impl.step));
@@ -737,9 +731,6 @@ void StepWriter::write_graph(const Graph& graph) {
               where);
     h5::write_string_attribute(dataset.get(), schema::kGraphKindAttr, graph.kind, where);
     for (const auto& [key, value] : graph.attributes) {
-      if (key == schema::kGraphKindAttr) {
-        throw UsageError("graph attribute 'kind' is reserved; set Graph::kind instead");
-      }
       h5::write_string_attribute(dataset.get(), key, value, where);
     }
   } catch (const IoError&) {

@@ -427,5 +427,19 @@ TEST(Engine, ModuleThatRanOnTheEagerSideOnlyIsMissingItsCompiledGradients) {
   EXPECT_NE(text.find(row), std::string::npos) << text;
 }
 
+TEST(Engine, NoteStatusIsATableThatWarnsForEveryNoteItDoesNotKnow) {
+  EXPECT_EQ(note_status(notes::kIgnored), Status::kSkip);
+  EXPECT_EQ(note_status(notes::kCompiledWrapper), Status::kSkip);
+  EXPECT_EQ(note_status(notes::kInsideCompiled), Status::kSkip);
+  for (std::string_view warning :
+       {notes::kMissingFwdInCompiled, notes::kMissingFwdInEager, notes::kMissingBwdInCompiled,
+        notes::kMissingBwdInEager, notes::kNotRun, notes::kNotCompiled, notes::kHookError}) {
+    EXPECT_EQ(note_status(warning), Status::kWarn) << warning;
+  }
+  // Spelling is not a verdict: an unknown note warns, even one that starts like a skip.
+  EXPECT_EQ(note_status("SKIP_something_new"), Status::kWarn);
+  EXPECT_EQ(note_status(""), Status::kWarn);
+}
+
 }  // namespace
 }  // namespace dynaprobe::analyze

@@ -265,6 +265,18 @@ TEST(RoundTrip, NegativeAndHighZstdLevels) {
   }
 }
 
+TEST(RoundTrip, AGraphWithAReservedAttributeIsRefusedBeforeAnythingIsWritten) {
+  TempDir dir;
+  StepWriter writer(dir.path(), 0, {});
+  const Graph bad{"g", "forward", "text", {{"kind", "backward"}}};
+  EXPECT_THROW(writer.write_graph(bad), UsageError);
+  // Nothing of it was written: the same name can still be written, correctly.
+  writer.write_graph({"g", "forward", "text", {}});
+  const auto graphs = StepReader(writer.commit()).graphs();
+  ASSERT_EQ(graphs.size(), 1u);
+  EXPECT_EQ(graphs[0].kind, "forward");
+}
+
 TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
   TempDir dir;
   const auto data = random_bytes(64, 3);

@@ -36,9 +36,6 @@ struct RecordInfo {
   std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }
 };
 
-std::string dataset_path(const RecordKey& key);  // "/tensors/layers.0/fwd_output.eager.0.1"
-std::string shape_string(const std::vector<std::int64_t>& shape);  // "(2, 128, 4096)", "()"
-
 // A run of elements of a tensor in flat C order.
 struct ChunkExtent {
   std::uint64_t first_element = 0;

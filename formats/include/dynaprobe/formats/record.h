@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <string>
@@ -92,5 +93,11 @@ struct Graph {
   std::string text;
   std::map<std::string, std::string> attributes;  // e.g. the modules it was compiled for
 };
+
+// Naming rules of a dump, defined once (docs/dump-format.md).
+std::string dataset_path(const RecordKey& key);  // "/tensors/layers.0/fwd_output.eager.0.1"
+std::filesystem::path step_file_name(std::int64_t step);            // "step_00000042.h5"
+std::string shape_string(const std::vector<std::int64_t>& shape);   // "(2, 128, 4096)", "()"
+std::uint64_t shape_numel(const std::vector<std::int64_t>& shape);  // 1 for a scalar's ()
 
 }  // namespace dynaprobe::formats

@@ -61,7 +61,4 @@ class StepWriter {
   std::unique_ptr<Impl> impl_;
 };
 
-// "step_00000042.h5"
-std::filesystem::path step_file_name(std::int64_t step);
-
 }  // namespace dynaprobe::formats
