@@ -45,9 +45,9 @@
 
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/formats/error.h"
-#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/writer.h"
+#include "h5.h"  // formats/src: private, for white-box tests and benchmarks
 
 #ifndef DYNAPROBE_SOURCE_DIR
 #define DYNAPROBE_SOURCE_DIR "."

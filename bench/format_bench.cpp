@@ -36,9 +36,9 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
-#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/writer.h"
+#include "h5.h"  // formats/src: private, for white-box tests and benchmarks
 
 namespace {
 

@@ -9,8 +9,6 @@
 #include <optional>
 #include <vector>
 
-#include "dynaprobe/formats/hdf5.h"
-
 namespace dynaprobe::analyze {
 namespace {
 
@@ -267,8 +265,8 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
     Item item{next++, free_slots.take()};
     typename SlotQueue<Slot>::Return on_error{free_slots, item.slot};
     Slot& slot = *item.slot;
-    // One lock for all the HDF5 calls of a pair (the lock is recursive).
-    formats::h5::Lock lock(formats::h5::hdf5_mutex());
+    // One batch (formats' lock taken once) for all the reads of a pair.
+    formats::ReadBatch batch;
     slot.eager.reset();
     slot.compiled.reset();
     PairStreams pair = open(item.index);

@@ -1,11 +1,10 @@
-#include "dynaprobe/formats/hdf5.h"
-
 #include <unistd.h>
 
 #include <cerrno>
 #include <vector>
 
 #include "dynaprobe/formats/filters.h"
+#include "h5.h"
 
 namespace dynaprobe::formats::h5 {
 

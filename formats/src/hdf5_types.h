@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "dynaprobe/formats/dtype.h"
-#include "dynaprobe/formats/hdf5.h"
+#include "h5.h"
 
 namespace dynaprobe::formats {
 

@@ -18,8 +18,8 @@
 
 #include "chunk_layout.h"
 #include "dynaprobe/formats/filters.h"
-#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/schema.h"
+#include "h5.h"
 #include "hdf5_types.h"
 
 namespace dynaprobe::formats {
@@ -124,6 +124,9 @@ bool link_exists(hid_t location, const std::string& path) {
 }
 
 }  // namespace
+
+ReadBatch::ReadBatch() : lock_(std::make_unique<h5::Lock>(h5::hdf5_mutex())) {}
+ReadBatch::~ReadBatch() = default;
 
 std::uint64_t RecordInfo::numel() const { return shape_numel(shape); }
 

@@ -20,8 +20,8 @@
 
 #include "chunk_layout.h"
 #include "dynaprobe/formats/filters.h"
-#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/schema.h"
+#include "h5.h"
 #include "hdf5_types.h"
 
 namespace dynaprobe::formats {

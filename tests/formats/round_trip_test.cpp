@@ -8,9 +8,9 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
-#include "dynaprobe/formats/hdf5.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/writer.h"
+#include "h5.h"  // formats/src: private, for white-box tests and benchmarks
 #include "test_util.h"
 
 namespace dynaprobe::formats {

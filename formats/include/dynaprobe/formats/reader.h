@@ -48,6 +48,25 @@ struct RawChunk {
   std::uint32_t filter_mask = 0;
 };
 
+namespace h5 {
+class Lock;
+}
+
+// A batch of opens and fetches on this thread with formats' HDF5 lock taken once: the HDF5
+// library runs behind one global lock, and many small reads (a model's small records) pay for
+// taking it per call. Other threads' reads wait until the batch ends; reads inside it work as
+// usual (the lock is recursive).
+class ReadBatch {
+ public:
+  ReadBatch();
+  ~ReadBatch();
+  ReadBatch(const ReadBatch&) = delete;
+  ReadBatch& operator=(const ReadBatch&) = delete;
+
+ private:
+  std::unique_ptr<h5::Lock> lock_;
+};
+
 // One stored tensor, read chunk by chunk. fetch() reads a chunk's stored bytes: with one pread
 // for a record /index locates, else through HDF5 under its lock; decode() needs no lock and may
 // run on many threads at once. Datasets that do not use dynaprobe's chunk layout (other tools'
