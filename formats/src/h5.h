@@ -1,6 +1,8 @@
 // Checked, RAII access to the HDF5 C API. Every call that can fail goes through check(), which
 // turns the HDF5 error stack into an exception naming the file or object. The HDF5 library is
 // thread-safe only behind one global lock, so every use of it holds hdf5_mutex().
+// Private to formats (tests and benchmarks of formats' internals add formats/src to their include
+// path): other folders ask formats for steps, records and chunks, never for HDF5 handles.
 #pragma once
 
 #include <hdf5.h>
