@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <limits>
+#include <map>
 
 #include "dynaprobe/analyze/report.h"
 
@@ -11,8 +11,6 @@ namespace dynaprobe::analyze {
 using formats::Kind;
 
 namespace {
-
-constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
 
 bool same_call(const Row& a, const Row& b) { return a.module == b.module && a.call == b.call; }
 
@@ -94,17 +92,33 @@ Finding backward_origin(const StepReport& report, std::size_t index) {
 }
 
 // Backward order: when a module call's gradients were recorded. param_grad rows (summed over
-// calls, recorded at the end of the step) take their module's earliest gradient record.
-std::uint64_t backward_sequence(const StepReport& report, const Row& row) {
-  std::uint64_t best = kNever;
-  for (const Row& r : report.rows) {
-    if (!r.kind || r.module != row.module) continue;
-    if (*r.kind != Kind::kGradInput && *r.kind != Kind::kGradOutput) continue;
-    if (*row.kind != Kind::kParamGrad && r.call != row.call) continue;
-    best = std::min(best, r.sequence);
+// calls, recorded at the end of the step) take their module's earliest gradient record. Indexed
+// once per step: a large model has thousands of rows.
+class BackwardOrder {
+ public:
+  explicit BackwardOrder(const StepReport& report) {
+    for (const Row& r : report.rows) {
+      if (!r.kind || (*r.kind != Kind::kGradInput && *r.kind != Kind::kGradOutput)) continue;
+      auto [call, call_new] = by_call_.try_emplace({r.module, r.call}, r.sequence);
+      if (!call_new) call->second = std::min(call->second, r.sequence);
+      auto [module, module_new] = by_module_.try_emplace(r.module, r.sequence);
+      if (!module_new) module->second = std::min(module->second, r.sequence);
+    }
   }
-  return best == kNever ? row.sequence : best;
-}
+
+  std::uint64_t operator()(const Row& row) const {
+    if (*row.kind == Kind::kParamGrad) {
+      auto found = by_module_.find(row.module);
+      return found == by_module_.end() ? row.sequence : found->second;
+    }
+    auto found = by_call_.find({row.module, row.call});
+    return found == by_call_.end() ? row.sequence : found->second;
+  }
+
+ private:
+  std::map<std::pair<std::string, std::uint32_t>, std::uint64_t> by_call_;
+  std::map<std::string, std::uint64_t> by_module_;
+};
 
 // The first row (in `order`) among those `pick` selects; nullopt when none.
 std::optional<std::size_t> first_row(const StepReport& report,
@@ -192,7 +206,7 @@ void find_root_cause(StepReport& report) {
         report, [](const Row& r) { return *r.kind == Kind::kFwdInput; }, run_order);
   }
   if (forward) cause.forward = forward_origin(report, *forward);
-  const auto backward_order = [&](const Row& row) { return backward_sequence(report, row); };
+  const BackwardOrder backward_order(report);
   auto backward = first_row(
       report,
       [](const Row& r) { return *r.kind == Kind::kGradInput || *r.kind == Kind::kParamGrad; },
