@@ -128,7 +128,7 @@ class ModuleState:
         for owner in module.modules():
             attributes = dict(owner.__dict__)
             contents = {name: copy.copy(value) for name, value in attributes.items()
-                        if type(value) in _CONTAINERS or isinstance(value, dict)}
+                        if isinstance(value, _CONTAINERS)}
             if clone_buffers and "_buffers" in contents:
                 contents["_buffers"] = {name: None if buffer is None else buffer.detach().clone()
                                         for name, buffer in contents["_buffers"].items()}
