@@ -67,6 +67,7 @@ struct CompareOptions {
   std::optional<double> atol, rtol;
   std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
   bool fixed_tolerances = false;             // no dtype-aware rtol floor
+  bool recompute = false;                    // metrics from the tensors, not the capture's
   std::optional<std::int64_t> step;
   std::string module;
   int threads = 0;

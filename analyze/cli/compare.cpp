@@ -183,6 +183,10 @@ void setup_compare(CLI::App& app, Command& selected) {
   sub->add_flag("--fixed-tolerances", options->fixed_tolerances,
                 "Judge bf16/fp16/fp8 rows with the tolerances as they are, without their "
                 "dtype's floor (bf16: atol 1e-2, rtol 1.6e-2)");
+  sub->add_flag("--recompute", options->recompute,
+                "Compute every pair's metrics from its stored tensors, also where the capture "
+                "stored the metrics it computed in memory (checks them; slower). Pairs whose "
+                "tensors were not stored (dump='failing' or 'stats') keep their stored metrics");
   sub->add_option("--step", options->step, "Compare only step N (default: every step)")
       ->type_name("N")
       ->check(non_negative("3", /*integer=*/true));
@@ -206,6 +210,7 @@ int run_compare(const CompareOptions& cmd) {
     options.tolerance_rules.push_back(parse_tolerance_rule(text));
   }
   if (cmd.fixed_tolerances) options.dtype_aware = false;
+  options.recompute = cmd.recompute;
   options.step = cmd.step;
   options.module_glob = cmd.module;
   options.threads = cmd.threads;

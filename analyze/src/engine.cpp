@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
@@ -74,64 +75,6 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
   return dump;
 }
 
-std::string provenance_value(const formats::Provenance& provenance, std::string_view key) {
-  auto found = provenance.find(std::string(key));
-  return found == provenance.end() ? std::string() : found->second;
-}
-
-// A tolerance must be a finite number >= 0: NaN would fail every element and infinity pass every
-// one, silently.
-bool valid_tolerance(double value) { return std::isfinite(value) && value >= 0; }
-
-// The dump's own tolerance (its provenance), if it has one. One that is not a valid tolerance is
-// damage, reported as such rather than replaced by a default.
-std::optional<double> dump_tolerance(const formats::Provenance& provenance,
-                                     std::string_view key_name, const fs::path& dump) {
-  const std::string key(key_name);
-  auto found = provenance.find(key);
-  if (found == provenance.end()) return std::nullopt;
-  double value = NAN;
-  const std::string& text = found->second;
-  const auto parsed = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (parsed.ec != std::errc() || parsed.ptr != text.data() + text.size() ||
-      !valid_tolerance(value)) {
-    throw FormatError(dump.string() + ": provenance " + key + "=" + formats::quoted_name(text) +
-                      " is not a finite number >= 0; give the tolerance with --" + key);
-  }
-  return value;
-}
-
-// The dump's tolerance rules (PrecisionChecker(tolerances=...)): one rule a line,
-// "<atol> <rtol> <pattern>". Damage is reported as such.
-std::vector<ToleranceRule> dump_tolerance_rules(const formats::Provenance& provenance,
-                                                const fs::path& dump) {
-  std::vector<ToleranceRule> rules;
-  const std::string text = provenance_value(provenance, vocabulary::provenance::kToleranceRules);
-  std::size_t start = 0;
-  while (start < text.size()) {
-    std::size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(start, end - start);
-    start = end + 1;
-    if (line.empty()) continue;
-    ToleranceRule rule;
-    const char* first = line.data();
-    const char* last = line.data() + line.size();
-    auto atol = std::from_chars(first, last, rule.tolerances.atol);
-    auto rtol = atol.ec == std::errc() && atol.ptr < last && *atol.ptr == ' '
-                    ? std::from_chars(atol.ptr + 1, last, rule.tolerances.rtol)
-                    : std::from_chars_result{first, std::errc::invalid_argument};
-    if (rtol.ec != std::errc() || rtol.ptr >= last || *rtol.ptr != ' ' ||
-        !valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
-      throw FormatError(dump.string() + ": provenance tolerance_rules line " +
-                        formats::quoted_name(line) +
-                        " is not '<atol> <rtol> <pattern>' with tolerances >= 0");
-    }
-    rule.pattern = std::string(rtol.ptr + 1, last);
-    rules.push_back(std::move(rule));
-  }
-  return rules;
-}
 
 // Which sides a dump holds records of.
 struct SidesHeld {
@@ -154,9 +97,9 @@ SidesHeld sides_held(const OpenDump& dump) {
 void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
                  const OpenDump& compiled, const formats::Provenance& eager_provenance,
                  const formats::Provenance& compiled_provenance) {
-  const std::string eager_mode = provenance_value(eager_provenance, vocabulary::provenance::kMode);
+  const std::string eager_mode = formats::provenance_value(eager_provenance, vocabulary::provenance::kMode);
   const std::string compiled_mode =
-      provenance_value(compiled_provenance, vocabulary::provenance::kMode);
+      formats::provenance_value(compiled_provenance, vocabulary::provenance::kMode);
   const SidesHeld e = sides_held(eager), c = sides_held(compiled);
   const bool eager_is_compiled =
       eager_mode == vocabulary::mode::kCompiledOnly || (!e.eager && e.compiled);
@@ -238,26 +181,9 @@ bool matches(const std::string& glob, const std::string& module) {
   return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
 }
 
-// What a row is judged with: the step's tolerances, raised to the dtype-aware floor, then the
-// last tolerance rule whose pattern matches it.
 Tolerances row_tolerances(const StepReport& report, const Row& row) {
-  Tolerances tolerances = report.tolerances;
-  if (report.dtype_aware && row.eager && row.compiled) {
-    for (const formats::DType dtype : {row.eager->dtype, row.compiled->dtype}) {
-      const Tolerances floor = dtype_tolerance_floor(dtype);
-      tolerances.atol = std::max(tolerances.atol, floor.atol);
-      tolerances.rtol = std::max(tolerances.rtol, floor.rtol);
-    }
-  }
-  const std::string kind(formats::kind_name(*row.kind));
-  const std::string name = row.module + "." + kind;
-  for (const ToleranceRule& rule : report.tolerance_rules) {
-    if (matches(rule.pattern, row.module) || matches(rule.pattern, kind) ||
-        matches(rule.pattern, name)) {
-      tolerances = rule.tolerances;
-    }
-  }
-  return tolerances;
+  const Judging judging{report.tolerances, report.tolerance_rules, report.dtype_aware};
+  return judging.row_tolerances(row.module, *row.kind, row.eager->dtype, row.compiled->dtype);
 }
 
 class StepBuilder {
@@ -300,10 +226,10 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   const StepReader* any = eager ? eager : compiled;
   const formats::Provenance& provenance = any->provenance();
   report.single_pass =
-      provenance_value(provenance, vocabulary::provenance::kMode) == vocabulary::mode::kSinglePass;
+      formats::provenance_value(provenance, vocabulary::provenance::kMode) == vocabulary::mode::kSinglePass;
   report.capture_input =
-      provenance_value(provenance, vocabulary::provenance::kCaptureInput) != "false";
-  const std::string cast = provenance_value(provenance, vocabulary::provenance::kCastDtype);
+      formats::provenance_value(provenance, vocabulary::provenance::kCaptureInput) != "false";
+  const std::string cast = formats::provenance_value(provenance, vocabulary::provenance::kCastDtype);
   report.cast_dtype = cast == "None" ? "" : cast;
   report.loss_eager = read_loss(eager, Side::kEager);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
@@ -430,7 +356,7 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       // Single-pass re-runs the eager module on the very inputs of the compiled one and seeds
       // its backward with the compiled module's grad_output: a tensor recorded once stands for
       // both sides.
-      if (report.single_pass && (key.kind == Kind::kFwdInput || key.kind == Kind::kGradOutput)) {
+      if (recorded_once(key.kind, report.single_pass)) {
         if (!pair.eager) pair.eager = pair.compiled;
         if (!pair.compiled) pair.compiled = pair.eager;
       }
@@ -566,11 +492,35 @@ class ProgressTicker {
   std::thread thread_;
 };
 
-void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
-  std::uint64_t total = 0;
-  for (const Task& task : tasks) total += task.eager->nbytes() + task.compiled->nbytes();
-  std::atomic<std::uint64_t> done{0};
-  ProgressTicker ticker(options, done, total);
+// The metrics the capture stored for a task's pair, if they hold for the task's tolerances.
+const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
+  if (task.target != Target::kRow) return nullptr;
+  const formats::StoredMetrics* stored = task.compiled_reader->find_metrics(task.compiled->key);
+  return stored && stored_metrics_hold(*stored, task.tolerances) ? stored : nullptr;
+}
+
+// A pair judged at capture that cannot be judged again with these tolerances: its tensors were
+// not stored. An error rather than a guess.
+[[noreturn]] void throw_needs_tensors(const Task& task, std::size_t count) {
+  const Row& row = task.report->rows[task.row];
+  const formats::StoredMetrics* stored = task.compiled_reader->find_metrics(task.compiled->key);
+  std::string judged = "no stored metrics";
+  if (stored) {
+    judged = "judged at capture with atol=" + format_double(stored->tolerances.atol) +
+             " rtol=" + format_double(stored->tolerances.rtol);
+  }
+  throw UsageError(
+      task.compiled_reader->path().string() + ": " + std::to_string(count) +
+      " compared pair(s) cannot be judged with these tolerances, because the capture did not "
+      "store their tensors (PrecisionChecker(dump=\"failing\" or \"stats\")); e.g. " +
+      formats::printable_name(row.module) + " " + std::string(formats::kind_name(*row.kind)) +
+      "[" + std::to_string(row.tensor_index) + "], " + judged + ", asked for atol=" +
+      format_double(task.tolerances.atol) + " rtol=" + format_double(task.tolerances.rtol) +
+      ". Compare with the capture's tolerances (leave --atol, --rtol and --tolerance out), or "
+      "capture with dump=\"full\" to judge again with others");
+}
+
+void run_tasks(std::vector<Task>& all_tasks, const CompareOptions& options) {
   const auto set_result = [](Task& task, const TensorMetrics& metrics) {
     Row& row = task.report->rows[task.row];
     if (task.target != Target::kRow) {
@@ -584,12 +534,32 @@ void run_tasks(std::vector<Task>& tasks, const CompareOptions& options) {
       row.reason = std::to_string(metrics.nonfinite_only_compiled) + " NaN/Inf only in compiled";
     }
   };
+  // Pairs the capture judged in memory take its metrics (the same bits the tensors give: see
+  // compare_in_memory); the rest are computed from the stored tensors.
+  std::vector<Task*> tasks;
+  std::vector<const Task*> need_tensors;
+  for (Task& task : all_tasks) {
+    const bool tensors_stored = task.eager->stored && task.compiled->stored;
+    const formats::StoredMetrics* stored = usable_stored_metrics(task);
+    if (stored && !(options.recompute && tensors_stored)) {
+      set_result(task, stored->metrics);
+    } else if (tensors_stored) {
+      tasks.push_back(&task);
+    } else if (task.target == Target::kRow) {
+      need_tensors.push_back(&task);
+    }  // a reference pair without tensors: no reference metrics for that row
+  }
+  if (!need_tensors.empty()) throw_needs_tensors(*need_tensors.front(), need_tensors.size());
+  std::uint64_t total = 0;
+  for (const Task* task : tasks) total += task->eager->nbytes() + task->compiled->nbytes();
+  std::atomic<std::uint64_t> done{0};
+  ProgressTicker ticker(options, done, total);
   // Most records of a model are small, and opening their datasets costs more than comparing
   // them: those go through one pipeline (see compare_small_pairs). Large ones stream chunk pairs.
   std::vector<Task*> small, large;
-  for (Task& task : tasks) {
-    const bool is_small = task.eager->nbytes() + task.compiled->nbytes() <= kSmallPairBytes;
-    (is_small ? small : large).push_back(&task);
+  for (Task* task : tasks) {
+    const bool is_small = task->eager->nbytes() + task->compiled->nbytes() <= kSmallPairBytes;
+    (is_small ? small : large).push_back(task);
   }
   tbb::task_arena arena(options.threads > 0 ? options.threads : tbb::task_arena::automatic);
   arena.execute([&] {
@@ -619,23 +589,6 @@ std::string reference_verdict(const Row& row, const Tolerances& tolerances) {
 }
 
 }  // namespace
-
-Tolerances dtype_tolerance_floor(formats::DType dtype) {
-  switch (dtype) {
-    case formats::DType::kBFloat16:
-      return {1e-2, 1.6e-2};
-    case formats::DType::kFloat16:
-      return {1e-3, 2e-3};
-    case formats::DType::kFloat8E4M3FN:
-    case formats::DType::kFloat8E4M3FNUZ:
-      return {0.125, 0.25};
-    case formats::DType::kFloat8E5M2:
-    case formats::DType::kFloat8E5M2FNUZ:
-      return {0.25, 0.5};
-    default:
-      return {0, 0};
-  }
-}
 
 void require_committed_steps(const fs::path& path, const formats::DumpFiles& files) {
   if (!files.steps.empty()) return;
@@ -766,8 +719,8 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     for (const auto& [key, value] : result.compiled_provenance) keys.insert(key);
     for (const std::string& key : keys) {
       if (key == vocabulary::provenance::kCreated) continue;  // always differs
-      const std::string a = provenance_value(result.eager_provenance, key);
-      const std::string b = provenance_value(result.compiled_provenance, key);
+      const std::string a = formats::provenance_value(result.eager_provenance, key);
+      const std::string b = formats::provenance_value(result.compiled_provenance, key);
       // Two one-sided captures differ in their mode by design (the sides are checked below).
       if (key == vocabulary::provenance::kMode && a == vocabulary::mode::kEagerOnly &&
           b == vocabulary::mode::kCompiledOnly) {
@@ -780,17 +733,9 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     check_sides(eager_dump, eager, compiled_dump, compiled, result.eager_provenance,
                 result.compiled_provenance);
   }
-  Tolerances tolerances;
   const fs::path& tolerance_source = same ? eager_dump : compiled_dump;
-  // The dump's value is read only when the option is not given, so a damaged one can be replaced.
-  tolerances.atol = options.atol ? *options.atol
-                                 : dump_tolerance(result.compiled_provenance,
-                                                  vocabulary::provenance::kAtol, tolerance_source)
-                                       .value_or(tolerances.atol);
-  tolerances.rtol = options.rtol ? *options.rtol
-                                 : dump_tolerance(result.compiled_provenance,
-                                                  vocabulary::provenance::kRtol, tolerance_source)
-                                       .value_or(tolerances.rtol);
+  Judging judging = dump_judging(result.compiled_provenance, tolerance_source, options.atol,
+                                 options.rtol, options.dtype_aware);
 
   std::set<std::int64_t> steps;
   for (const auto& [step, reader] : eager.steps) steps.insert(step);
@@ -822,8 +767,6 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                      "; give one of them with --step, or leave --step out to compare every step");
   }
   if (!options.module_glob.empty()) check_module_glob(options.module_glob, eager, compiled_side);
-  std::vector<ToleranceRule> rules =
-      dump_tolerance_rules(result.compiled_provenance, tolerance_source);
   for (const ToleranceRule& rule : options.tolerance_rules) {
     if (!valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
       throw UsageError("the tolerances of rule '" + rule.pattern +
@@ -831,13 +774,10 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                        format_double(rule.tolerances.atol) +
                        " rtol=" + format_double(rule.tolerances.rtol));
     }
-    rules.push_back(rule);
+    judging.rules.push_back(rule);
   }
-  const bool dtype_aware = options.dtype_aware.value_or(
-      provenance_value(result.compiled_provenance, vocabulary::provenance::kDtypeAwareTolerances) !=
-      "false");
   std::vector<Task> tasks;
-  StepBuilder builder(options, tolerances, std::move(rules), dtype_aware);
+  StepBuilder builder(options, judging.tolerances, std::move(judging.rules), judging.dtype_aware);
   result.steps.reserve(steps.size());
   for (std::int64_t step : steps) {
     auto e = eager.steps.find(step);

@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include "dynaprobe/analyze/judging.h"
+
 namespace dynaprobe::analyze {
 namespace {
 
@@ -297,6 +299,32 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
   tbb::parallel_pipeline(slots.size(),
                          tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, fetch) &
                              tbb::make_filter<Item, void>(tbb::filter_mode::parallel, compare));
+}
+
+TensorMetrics compare_in_memory(const formats::TensorView& eager,
+                                const formats::TensorView& compiled, const Tolerances& tolerances,
+                                std::size_t chunk_bytes) {
+  // PairPlan's units over the chunks the writer would store: the side with fewer chunks drives,
+  // each of its chunks is one accumulation, merged in element order.
+  const auto eager_chunks = formats::chunk_extents(eager.dtype, eager.shape, chunk_bytes);
+  const auto compiled_chunks = formats::chunk_extents(compiled.dtype, compiled.shape, chunk_bytes);
+  const auto& units = eager_chunks.size() <= compiled_chunks.size() ? eager_chunks : compiled_chunks;
+  const auto* eager_bytes = static_cast<const std::byte*>(eager.data);
+  const auto* compiled_bytes = static_cast<const std::byte*>(compiled.data);
+  const std::size_t eager_size = formats::dtype_size(eager.dtype);
+  const std::size_t compiled_size = formats::dtype_size(compiled.dtype);
+  std::vector<float> eager_f32, compiled_f32;
+  MetricsAccumulator total;
+  for (const ChunkExtent& unit : units) {
+    const float* a = as_float32(eager.dtype, eager_bytes + unit.first_element * eager_size,
+                                unit.element_count, eager_f32);
+    const float* b = as_float32(compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
+                                unit.element_count, compiled_f32);
+    MetricsAccumulator part;
+    part.accumulate(a, b, unit.element_count, unit.first_element, tolerances);
+    total.merge(part);
+  }
+  return total.result();
 }
 
 }  // namespace dynaprobe::analyze

@@ -144,7 +144,8 @@ void bind_analyze(py::module_& m) {
       "compare",
       [](const std::filesystem::path& eager_dump, const std::filesystem::path& compiled_dump,
          std::optional<std::int64_t> step, std::optional<double> atol, std::optional<double> rtol,
-         const std::string& module_glob, int threads, std::optional<bool> dtype_aware) {
+         const std::string& module_glob, int threads, std::optional<bool> dtype_aware,
+         bool recompute) {
         analyze::CompareOptions options;
         options.step = step;
         options.atol = atol;
@@ -152,12 +153,13 @@ void bind_analyze(py::module_& m) {
         options.module_glob = module_glob;
         options.threads = threads;
         options.dtype_aware = dtype_aware;
+        options.recompute = recompute;
         py::gil_scoped_release release;
         return analyze::compare(eager_dump, compiled_dump, options);
       },
       py::arg("eager_dump"), py::arg("compiled_dump"), py::arg("step") = py::none(),
       py::arg("atol") = py::none(), py::arg("rtol") = py::none(), py::arg("module_glob") = "",
-      py::arg("threads") = 0, py::arg("dtype_aware") = py::none(),
+      py::arg("threads") = 0, py::arg("dtype_aware") = py::none(), py::arg("recompute") = false,
       "Compares the eager side of eager_dump with the compiled side of compiled_dump.");
   m.def(
       "note_status",

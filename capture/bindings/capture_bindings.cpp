@@ -55,16 +55,28 @@ earlier steps are intact, and the next begin_step() works normally. Calls from s
 take turns.
 )doc")
       .def(py::init([](const std::filesystem::path& dump_dir, fmt::Provenance provenance,
-                       std::size_t memory_budget_bytes, int zstd_level, std::size_t chunk_bytes) {
+                       std::size_t memory_budget_bytes, int zstd_level, std::size_t chunk_bytes,
+                       const std::string& store) {
+             using dynaprobe::capture::StoreMode;
              dynaprobe::capture::RecorderOptions options;
              options.memory_budget_bytes = memory_budget_bytes;
              options.writer.zstd_level = zstd_level;
              options.writer.chunk_bytes = chunk_bytes;
+             if (store == "full") {
+               options.store = StoreMode::kFull;
+             } else if (store == "failing") {
+               options.store = StoreMode::kFailing;
+             } else if (store == "stats") {
+               options.store = StoreMode::kStats;
+             } else {
+               throw dynaprobe::UsageError("store must be 'full', 'failing' or 'stats', not '" +
+                                           store + "'");
+             }
              return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);
            }),
            py::arg("dump_dir"), py::arg("provenance"),
            py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
-           py::arg("chunk_bytes") = std::size_t{1} << 20)
+           py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full")
       // Every method releases the GIL before it touches the recorder: a call waiting for the
       // recorder (another thread's record() under back-pressure) must not hold the GIL.
       .def("begin_step", &Recorder::begin_step, py::arg("step"),
@@ -133,5 +145,7 @@ Args:
       .def_property_readonly("dump_dir",
                              [](const Recorder& self) { return self.dump_dir().string(); })
       .def_property_readonly("queued_bytes", &Recorder::queued_bytes,
-                             "Bytes of snapshots not yet written.");
+                             "Bytes of snapshots not yet written or judged.")
+      .def_property_readonly("held_bytes", &Recorder::held_bytes,
+                             "Bytes of snapshots waiting for their twin to be judged.");
 }

@@ -46,6 +46,7 @@ py::dict record_dict(const fmt::RecordInfo& info) {
   d["dtype"] = std::string(fmt::dtype_name(info.dtype));
   d["shape"] = py::tuple(py::cast(info.shape));
   d["stored_bytes"] = info.stored_bytes;
+  d["stored"] = info.stored;
   return d;
 }
 
@@ -135,6 +136,20 @@ py::dict read_step(const std::filesystem::path& path) {
   py::list records;
   for (const auto& info : reader.records()) records.append(record_dict(info));
   d["records"] = records;
+  py::list metrics;  // judged at capture (format 1.3): the key of each pair, its tolerances
+  for (const auto& stored : reader.stored_metrics()) {
+    py::dict m;
+    m["module"] = stored.key.module;
+    m["call"] = stored.key.call;
+    m["kind"] = std::string(fmt::kind_name(stored.key.kind));
+    m["tensor_index"] = stored.key.tensor_index;
+    m["atol"] = stored.tolerances.atol;
+    m["rtol"] = stored.tolerances.rtol;
+    m["allclose"] = stored.metrics.allclose;
+    m["max_abs"] = stored.metrics.max_abs;
+    metrics.append(m);
+  }
+  d["metrics"] = metrics;
   py::list graphs;
   for (const auto& graph : reader.graphs()) {
     graphs.append(py::make_tuple(graph.name, graph.kind, graph.text, graph.attributes));

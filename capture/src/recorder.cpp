@@ -7,7 +7,11 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/view_as_real.h>
 #include <c10/core/DispatchKey.h>
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -21,13 +25,16 @@
 #include <set>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
 
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "dynaprobe/formats/vocabulary.h"
 
 namespace dynaprobe::capture {
 namespace fs = std::filesystem;
@@ -95,11 +102,13 @@ formats::DType dtype_of(const at::Tensor& tensor) {
 
 namespace {
 
-// A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to.
+// A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to;
+// for a device tensor they are valid once `copied` has completed (see snapshot_of).
 struct RecordItem {
   formats::Record record;
   at::Tensor snapshot;
   std::size_t bytes = 0;
+  std::shared_ptr<c10::Event> copied;
 };
 struct BeginItem {
   std::int64_t step = 0;
@@ -173,18 +182,182 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
   std::size_t kept_ = 0;
 };
 
-// Copies `tensor` into contiguous CPU memory from `pool`: any device, any strides (views,
-// expanded and transposed tensors), conjugate and negative bits resolved, sparse made dense,
-// complex stored as real pairs (at::view_as_real, trailing dimension 2).
-at::Tensor snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
+// A device tensor's copy to the host, in flight: the snapshot's bytes are valid once `copied`
+// has completed.
+struct Snapshot {
+  at::Tensor host;
+  std::shared_ptr<c10::Event> copied;  // null: a CPU tensor, copied already
+};
+
+// Copies a device tensor (CUDA, or any device with streams) without stalling the device or the
+// training thread. The caller may change the tensor as soon as record() returns, so first a
+// device-to-device copy on the producing stream (fast, in order with whatever changes it next),
+// then a non-blocking copy of that into pinned host memory (torch's caching host allocator) on a
+// side stream that waits for the producing stream. The caching device allocator is told that the
+// side stream uses the staging copy, so its memory is not reused before the copy has read it. The
+// background thread waits for `copied` before reading the bytes.
+Snapshot device_snapshot(const at::Tensor& source) {
+  const c10::Device device = source.device();
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  const at::Tensor staged = source.resolve_conj().resolve_neg().clone(at::MemoryFormat::Contiguous);
+  const c10::Stream producer = guard.getStream(device);
+  const c10::Stream side = guard.getStreamFromGlobalPool(device);
+  c10::Event staged_event(device.type());
+  staged_event.record(producer);
+  staged_event.block(side);
+  Snapshot snapshot;
+  snapshot.host = at::empty(staged.sizes(), at::TensorOptions()
+                                                .dtype(staged.scalar_type())
+                                                .device(at::kCPU)
+                                                .pinned_memory(true));
+  {
+    const c10::StreamGuard on_side(side);
+    snapshot.host.copy_(staged, /*non_blocking=*/true);
+  }
+  guard.recordDataPtrOnStream(staged.storage().data_ptr(), side);
+  snapshot.copied = std::make_shared<c10::Event>(device.type());
+  snapshot.copied->record(side);
+  return snapshot;
+}
+
+// Copies `tensor` into contiguous host memory: any device, any strides (views, expanded and
+// transposed tensors), conjugate and negative bits resolved, sparse made dense, complex stored as
+// real pairs (at::view_as_real, trailing dimension 2). CPU tensors go into memory from `pool`;
+// device tensors as device_snapshot() says.
+Snapshot snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   at::Tensor source = tensor.detach();
   if (source.layout() != at::kStrided) source = source.to_dense();
-  // One copy: copy_ into a plain tensor materialises the lazy conj/neg bits of `source`.
-  at::Tensor copy = pool.empty(source.sizes(), source.scalar_type());
-  copy.copy_(source);
-  if (copy.is_complex()) copy = at::view_as_real(copy);
-  return copy;
+  Snapshot snapshot;
+  if (source.device().is_cpu()) {
+    // One copy: copy_ into a plain tensor materialises the lazy conj/neg bits of `source`.
+    snapshot.host = pool.empty(source.sizes(), source.scalar_type());
+    snapshot.host.copy_(source);
+  } else {
+    snapshot = device_snapshot(source);
+  }
+  if (snapshot.host.is_complex()) snapshot.host = at::view_as_real(snapshot.host);
+  return snapshot;
 }
+
+// The background thread's judging in memory (see Recorder): holds each snapshot until its twin
+// arrives, compares the pair with the engine's code and says which tensors to store.
+class PairJudge {
+ public:
+  PairJudge(const formats::Provenance& provenance, const fs::path& dump, StoreMode mode,
+            std::size_t chunk_bytes, std::size_t hold_cap)
+      : judging_(analyze::dump_judging(provenance, dump)),
+        mode_(mode),
+        chunk_bytes_(chunk_bytes),
+        hold_cap_(hold_cap) {
+    namespace vocabulary = formats::vocabulary;
+    const std::string capture_mode =
+        formats::provenance_value(provenance, vocabulary::provenance::kMode);
+    single_pass_ = capture_mode == vocabulary::mode::kSinglePass;
+    active_ = single_pass_ || capture_mode == vocabulary::mode::kTwoPass;
+  }
+
+  // Takes a record: into `store` (its tensor is written), `describe` (its index row only) or
+  // held for its twin; a held record may go out later, with another record's call.
+  void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
+    const formats::RecordKey& key = item.record.key;
+    if (!active_ || key.kind == formats::Kind::kLoss || key.side == formats::Side::kReference ||
+        spilled_.count(pair_key(key))) {
+      store.push_back(std::move(item));
+      return;
+    }
+    if (mode_ == StoreMode::kFull) store.push_back(item);
+    const PairKey pair = pair_key(key);
+    Slot& slot = pending_[pair];
+    held_bytes_ += item.bytes;
+    (key.side == formats::Side::kEager ? slot.eager : slot.compiled) = std::move(item);
+    order_.push_back(pair);
+    if (slot.eager && slot.compiled) finish(pair, store, describe);
+    spill_over_cap(store);
+  }
+
+  // The step's end: records whose twin never came (single-pass fwd_input and grad_output are
+  // recorded once and compared with themselves; others are one-sided rows).
+  void end_step(std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
+    while (!pending_.empty()) finish(pending_.begin()->first, store, describe);
+    order_.clear();
+    spilled_.clear();
+  }
+
+  std::vector<formats::StoredMetrics> take_metrics() { return std::exchange(metrics_, {}); }
+  std::size_t held_bytes() const { return held_bytes_; }
+
+ private:
+  using PairKey = std::tuple<std::string, std::uint32_t, formats::Kind, std::uint32_t>;
+  struct Slot {
+    std::optional<RecordItem> eager, compiled;
+  };
+  static PairKey pair_key(const formats::RecordKey& key) {
+    return {key.module, key.call, key.kind, key.tensor_index};
+  }
+
+  // Judges pending pair `pair` (or its one record) and hands its records on.
+  void finish(const PairKey& pair, std::vector<RecordItem>& store,
+              std::vector<RecordItem>& describe) {
+    auto found = pending_.find(pair);
+    Slot slot = std::move(found->second);
+    pending_.erase(found);
+    const RecordItem* eager = slot.eager ? &*slot.eager : nullptr;
+    const RecordItem* compiled = slot.compiled ? &*slot.compiled : nullptr;
+    if (!eager || !compiled) {
+      const RecordItem* only = eager ? eager : compiled;
+      if (analyze::recorded_once(only->record.key.kind, single_pass_)) eager = compiled = only;
+    }
+    bool keep_tensors = true;  // a one-sided row, a shape mismatch or a failing pair
+    if (eager && compiled && eager->record.tensor.shape == compiled->record.tensor.shape) {
+      const formats::TensorView& a = eager->record.tensor;
+      const formats::TensorView& b = compiled->record.tensor;
+      formats::StoredMetrics stored;
+      stored.key = compiled->record.key;
+      stored.tolerances =
+          judging_.row_tolerances(stored.key.module, stored.key.kind, a.dtype, b.dtype);
+      stored.metrics = analyze::compare_in_memory(a, b, stored.tolerances, chunk_bytes_);
+      keep_tensors = !stored.metrics.allclose;
+      metrics_.push_back(std::move(stored));
+    }
+    for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled}) {
+      if (!*side) continue;
+      held_bytes_ -= (*side)->bytes;
+      if (mode_ == StoreMode::kFull) continue;  // stored when it came
+      const bool store_it = mode_ == StoreMode::kFailing && keep_tensors;
+      (store_it ? store : describe).push_back(std::move(**side));
+    }
+  }
+
+  // Holds at most hold_cap_ bytes: the oldest waiting records are stored whole, and their twins
+  // follow them when they come (the pair is then compared from the dump).
+  void spill_over_cap(std::vector<RecordItem>& store) {
+    while (held_bytes_ > hold_cap_ && !order_.empty()) {
+      const PairKey pair = order_.front();
+      order_.pop_front();
+      auto found = pending_.find(pair);
+      if (found == pending_.end()) continue;
+      for (std::optional<RecordItem>* side : {&found->second.eager, &found->second.compiled}) {
+        if (!*side) continue;
+        held_bytes_ -= (*side)->bytes;
+        if (mode_ != StoreMode::kFull) store.push_back(std::move(**side));
+      }
+      pending_.erase(found);
+      spilled_.insert(pair);
+    }
+  }
+
+  analyze::Judging judging_;
+  StoreMode mode_;
+  std::size_t chunk_bytes_;
+  std::size_t hold_cap_;
+  bool single_pass_ = false;
+  bool active_ = false;  // the step holds both sides
+  std::map<PairKey, Slot> pending_;
+  std::deque<PairKey> order_;  // when each record came, for spilling the oldest first
+  std::set<PairKey> spilled_;
+  std::size_t held_bytes_ = 0;
+  std::vector<formats::StoredMetrics> metrics_;
+};
 
 // `error` with a note that the step is lost, keeping its type so callers can tell disk trouble
 // (IoError) from a bad record (UsageError).
@@ -207,6 +380,22 @@ std::exception_ptr step_lost(std::exception_ptr error, std::int64_t step, const 
 }
 
 }  // namespace
+
+// Writes the tensors of `store` and the index rows of `describe` (see PairJudge).
+void write_items(formats::StepWriter& writer, std::vector<RecordItem>& store,
+                 std::vector<RecordItem>& describe) {
+  for (auto* items : {&store, &describe}) {
+    if (items->empty()) continue;
+    std::vector<formats::Record> records;
+    records.reserve(items->size());
+    for (auto& r : *items) records.push_back(std::move(r.record));
+    if (items == &store) {
+      writer.write(records);
+    } else {
+      writer.describe(records);
+    }
+  }
+}
 
 struct Recorder::Impl {
   fs::path dump_dir;
@@ -231,6 +420,7 @@ struct Recorder::Impl {
   std::condition_variable caller_cv;  // callers wait for budget or for the end of a step
   std::deque<Item> queue;
   std::size_t queued_bytes = 0;   // snapshots queued or being written
+  std::size_t held_bytes = 0;     // snapshots the background thread holds for their twin
   std::exception_ptr step_error;  // why the current step is lost
   bool step_done = false;         // the background thread has handled the EndItem
   fs::path committed;
@@ -281,8 +471,14 @@ void Recorder::Impl::run() {
   const std::size_t batch_cap = std::max<std::size_t>(options.memory_budget_bytes / 4, 1);
   constexpr std::size_t kMaxBatchRecords = 4096;
 
+  std::unique_ptr<PairJudge> judge;  // of the step being written
   const auto fail = [&](std::exception_ptr error) {
     writer.reset();  // removes the partial file
+    judge.reset();   // and the snapshots it held
+    {
+      std::lock_guard lock(mutex);
+      held_bytes = 0;
+    }
     lost = true;
     {
       std::lock_guard lock(mutex);
@@ -322,10 +518,12 @@ void Recorder::Impl::run() {
       for (const auto& r : batch) bytes += r.bytes;
       if (writer && !lost) {
         try {
-          std::vector<formats::Record> records;
-          records.reserve(batch.size());
-          for (auto& r : batch) records.push_back(std::move(r.record));
-          writer->write(records);
+          std::vector<RecordItem> store, describe;
+          for (auto& r : batch) {
+            if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
+            judge->take(std::move(r), store, describe);
+          }
+          write_items(*writer, store, describe);
         } catch (...) {
           fail(std::current_exception());
         }
@@ -334,6 +532,7 @@ void Recorder::Impl::run() {
       {
         std::lock_guard lock(mutex);
         queued_bytes -= bytes;
+        held_bytes = judge && !lost ? judge->held_bytes() : 0;
       }
       caller_cv.notify_all();
       continue;
@@ -347,16 +546,31 @@ void Recorder::Impl::run() {
               writer.reset();
               writing_step = value.step;
               lost = false;
+              judge.reset();
               writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
                                                              options.writer);
+              judge = std::make_unique<PairJudge>(provenance, dump_dir, options.store,
+                                                  options.writer.chunk_bytes,
+                                                  options.memory_budget_bytes / 2);
             } else if constexpr (std::is_same_v<T, formats::Graph>) {
               if (writer && !lost) writer->write_graph(value);
             } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
               if (writer && !lost) writer->write_module(value);
             } else if constexpr (std::is_same_v<T, EndItem>) {
               fs::path path;
-              if (writer && !lost) path = writer->commit();
+              if (writer && !lost) {
+                std::vector<RecordItem> store, describe;
+                judge->end_step(store, describe);
+                write_items(*writer, store, describe);
+                writer->write_metrics(judge->take_metrics());
+                path = writer->commit();
+              }
               writer.reset();
+              judge.reset();
+              {
+                std::lock_guard lock(mutex);
+                held_bytes = 0;
+              }
               {
                 std::lock_guard lock(mutex);
                 committed = std::move(path);
@@ -398,6 +612,7 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
   if (error) {
     throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
   }
+  analyze::dump_judging(provenance, dump_dir);  // a bad tolerance fails here, not at a step
   impl.dump_dir = std::move(dump_dir);
   impl.provenance = std::move(provenance);
   impl.options = options;
@@ -470,13 +685,15 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
     std::unique_lock lock(impl.mutex);
     impl.caller_cv.wait(lock, [&] {
       return impl.step_error || impl.queued_bytes == 0 ||
-             impl.queued_bytes + bytes <= impl.options.memory_budget_bytes;
+             impl.queued_bytes + impl.held_bytes + bytes <= impl.options.memory_budget_bytes;
     });
     if (impl.step_lost_locked()) return;
   }
 
   RecordItem item;
-  item.snapshot = snapshot_of(tensor, *impl.pool);
+  Snapshot snapshot = snapshot_of(tensor, *impl.pool);
+  item.snapshot = std::move(snapshot.host);
+  item.copied = std::move(snapshot.copied);
   item.bytes = bytes;
   item.record.key = key;
   item.record.label = std::move(label);
@@ -543,6 +760,11 @@ fs::path Recorder::end_step() {
 }
 
 const fs::path& Recorder::dump_dir() const { return impl_->dump_dir; }
+
+std::size_t Recorder::held_bytes() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->held_bytes;
+}
 
 std::size_t Recorder::queued_bytes() const {
   std::lock_guard lock(impl_->mutex);

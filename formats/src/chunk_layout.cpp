@@ -74,4 +74,15 @@ std::vector<hsize_t> ChunkLayout::offset(std::size_t chunk) const {
   return coordinates;
 }
 
+std::vector<ChunkExtent> chunk_extents(DType dtype, const std::vector<std::int64_t>& shape,
+                                       std::size_t chunk_bytes) {
+  const std::uint64_t numel = shape_numel(shape);
+  if (numel == 0) return {};
+  if (shape.empty()) return {ChunkExtent{0, numel}};
+  const ChunkLayout layout = ChunkLayout::plan(shape, dtype_size(dtype), chunk_bytes);
+  std::vector<ChunkExtent> extents(layout.chunk_count());
+  for (std::size_t i = 0; i < extents.size(); ++i) extents[i] = layout.extent(i);
+  return extents;
+}
+
 }  // namespace dynaprobe::formats

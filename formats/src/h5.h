@@ -110,6 +110,12 @@ void write_string_attribute(hid_t object, std::string_view name, std::string_vie
                             std::string_view where);
 std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where);
 bool has_attribute(hid_t object, std::string_view name);
+// Scalar uint64 attributes (the checksums). The reader throws FormatError, naming `what`, when
+// the attribute is missing or not one number.
+void write_u64_attribute(hid_t object, std::string_view name, std::uint64_t value,
+                         std::string_view where);
+std::uint64_t read_u64_attribute(hid_t object, std::string_view name, std::string_view what,
+                                 std::string_view where);
 
 // Names of an object's attributes (by name), and of a group's links (by name, or by creation order
 // where the group tracks it). Listing first and reading afterwards keeps C++ exceptions out of

@@ -139,6 +139,40 @@ void write_string_attribute(hid_t object, std::string_view name, std::string_vie
   check(H5Awrite(attribute.get(), type, &pointer), "writing attribute", context);
 }
 
+void write_u64_attribute(hid_t object, std::string_view name, std::uint64_t value,
+                         std::string_view where) {
+  Lock lock(hdf5_mutex());
+  const std::string attribute_name(name);
+  const std::string context = std::string(where) + " attribute " + attribute_name;
+  Handle space = space_handle(H5Screate(H5S_SCALAR), "creating a dataspace", context);
+  Handle attribute = attribute_handle(H5Acreate2(object, attribute_name.c_str(), H5T_STD_U64LE,
+                                                 space.get(), H5P_DEFAULT, H5P_DEFAULT),
+                                      "creating attribute", context);
+  check(H5Awrite(attribute.get(), H5T_NATIVE_UINT64, &value), "writing attribute", context);
+}
+
+std::uint64_t read_u64_attribute(hid_t object, std::string_view name, std::string_view what,
+                                 std::string_view where) {
+  Lock lock(hdf5_mutex());
+  const std::string attribute_name(name);
+  const std::string context(where);
+  if (H5Aexists(object, attribute_name.c_str()) <= 0) {
+    throw FormatError(context + ": damaged " + std::string(what) + ": no '" + attribute_name +
+                      "' attribute, which its format has");
+  }
+  Handle attribute = attribute_handle(H5Aopen(object, attribute_name.c_str(), H5P_DEFAULT),
+                                      "opening attribute " + attribute_name, context);
+  Handle space = space_handle(H5Aget_space(attribute.get()), "reading attribute", context);
+  if (H5Sget_simple_extent_npoints(space.get()) != 1) {
+    throw FormatError(context + ": damaged " + std::string(what) + ": its '" + attribute_name +
+                      "' attribute is not one number");
+  }
+  std::uint64_t value = 0;
+  check<FormatError>(H5Aread(attribute.get(), H5T_NATIVE_UINT64, &value),
+                     "reading attribute " + attribute_name, context);
+  return value;
+}
+
 bool has_attribute(hid_t object, std::string_view name) {
   Lock lock(hdf5_mutex());
   return H5Aexists(object, std::string(name).c_str()) > 0;

@@ -1,6 +1,7 @@
 #include "hdf5_types.h"
 
 #include <cstddef>
+#include <cstring>
 #include <type_traits>
 
 #include "dynaprobe/formats/filters.h"
@@ -188,6 +189,106 @@ std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
   for (const auto& [key, value] : provenance) {
     append_text(bytes, key.c_str());
     append_text(bytes, value.c_str());
+  }
+  return xxh64(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
+}
+
+namespace {
+
+struct MetricsField {
+  std::string_view name;
+  std::size_t offset;
+  bool floating;  // double, else a 64-bit integer
+};
+// The /metrics columns, in order: the compound type and the checksum both walk this table.
+constexpr MetricsField kMetricsFields[] = {
+    {"record", offsetof(MetricsRow, record), false},
+    {"atol", offsetof(MetricsRow, atol), true},
+    {"rtol", offsetof(MetricsRow, rtol), true},
+    {"max_abs", offsetof(MetricsRow, max_abs), true},
+    {"mean_abs", offsetof(MetricsRow, mean_abs), true},
+    {"max_rel", offsetof(MetricsRow, max_rel), true},
+    {"allclose", offsetof(MetricsRow, allclose), false},
+    {"cosine", offsetof(MetricsRow, cosine), true},
+    {"rmse", offsetof(MetricsRow, rmse), true},
+    {"elements", offsetof(MetricsRow, elements), false},
+    {"mismatches", offsetof(MetricsRow, mismatches), false},
+    {"nan_eager", offsetof(MetricsRow, nan_eager), false},
+    {"nan_compiled", offsetof(MetricsRow, nan_compiled), false},
+    {"inf_eager", offsetof(MetricsRow, inf_eager), false},
+    {"inf_compiled", offsetof(MetricsRow, inf_compiled), false},
+    {"nonfinite_only_compiled", offsetof(MetricsRow, nonfinite_only_compiled), false},
+    {"worst_index", offsetof(MetricsRow, worst_index), false},
+    {"worst_eager", offsetof(MetricsRow, worst_eager), true},
+    {"worst_compiled", offsetof(MetricsRow, worst_compiled), true},
+};
+static_assert(std::size(kMetricsFields) * 8 == sizeof(MetricsRow),
+              "every MetricsRow field is a /metrics column");
+
+}  // namespace
+
+MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record) {
+  const TensorMetrics& m = stored.metrics;
+  return MetricsRow{record,         stored.tolerances.atol,
+                    stored.tolerances.rtol,
+                    m.max_abs,      m.mean_abs,
+                    m.max_rel,      m.allclose ? 1u : 0u,
+                    m.cosine,       m.rmse,
+                    m.elements,     m.mismatches,
+                    m.nan_eager,    m.nan_compiled,
+                    m.inf_eager,    m.inf_compiled,
+                    m.nonfinite_only_compiled,
+                    m.worst_index,  m.worst_eager,
+                    m.worst_compiled};
+}
+
+StoredMetrics metrics_of_row(const MetricsRow& row) {
+  StoredMetrics stored;
+  stored.tolerances = {row.atol, row.rtol};
+  TensorMetrics& m = stored.metrics;
+  m.max_abs = row.max_abs;
+  m.mean_abs = row.mean_abs;
+  m.max_rel = row.max_rel;
+  m.allclose = row.allclose != 0;
+  m.cosine = row.cosine;
+  m.rmse = row.rmse;
+  m.elements = row.elements;
+  m.mismatches = row.mismatches;
+  m.nan_eager = row.nan_eager;
+  m.nan_compiled = row.nan_compiled;
+  m.inf_eager = row.inf_eager;
+  m.inf_compiled = row.inf_compiled;
+  m.nonfinite_only_compiled = row.nonfinite_only_compiled;
+  m.worst_index = row.worst_index;
+  m.worst_eager = row.worst_eager;
+  m.worst_compiled = row.worst_compiled;
+  return stored;
+}
+
+h5::Handle metrics_row_type() {
+  h5::Lock lock(h5::hdf5_mutex());
+  h5::Handle row =
+      h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(MetricsRow)), "defining", kWhere);
+  for (const MetricsField& field : kMetricsFields) {
+    const hid_t type = field.floating ? H5T_NATIVE_DOUBLE
+                       : field.name == "worst_index" ? H5T_NATIVE_INT64
+                                                     : H5T_NATIVE_UINT64;
+    h5::check(H5Tinsert(row.get(), std::string(field.name).c_str(), field.offset, type),
+              "defining /metrics", kWhere);
+  }
+  return row;
+}
+
+std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows) {
+  std::string bytes;
+  bytes.reserve(rows.size() * sizeof(MetricsRow) + 8);
+  append_int<std::uint64_t>(bytes, rows.size());
+  for (const MetricsRow& row : rows) {
+    for (const MetricsField& field : kMetricsFields) {
+      std::uint64_t value = 0;  // a double's bits, or the integer's
+      std::memcpy(&value, reinterpret_cast<const char*>(&row) + field.offset, sizeof(value));
+      append_int(bytes, value);
+    }
   }
   return xxh64(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
 }

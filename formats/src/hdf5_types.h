@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dynaprobe/formats/dtype.h"
+#include "dynaprobe/formats/metrics.h"
 #include "h5.h"
 
 namespace dynaprobe::formats {
@@ -45,5 +46,25 @@ h5::Handle index_row_type(bool with_chunk_location = true, bool with_chunk_hashe
 std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
                              const std::vector<std::uint64_t>& chunk_hashes, std::int64_t step,
                              const std::map<std::string, std::string>& provenance);
+
+// One row of /metrics (format 1.3): a pair's metrics judged at capture. `record` is the position
+// in /index of the pair's key. Every field is 8 bytes wide, so the struct has no padding.
+struct MetricsRow {
+  std::uint64_t record;
+  double atol, rtol;
+  double max_abs, mean_abs, max_rel;
+  std::uint64_t allclose;
+  double cosine, rmse;
+  std::uint64_t elements, mismatches, nan_eager, nan_compiled, inf_eager, inf_compiled,
+      nonfinite_only_compiled;
+  std::int64_t worst_index;
+  double worst_eager, worst_compiled;
+};
+MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record);
+// The metrics of a row; the key is the caller's (from the index row it names).
+StoredMetrics metrics_of_row(const MetricsRow& row);
+h5::Handle metrics_row_type();
+// The checksum of /metrics: XXH64 of every field of every row, little-endian, in order.
+std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows);
 
 }  // namespace dynaprobe::formats

@@ -57,23 +57,49 @@ std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& wher
   return hashes;
 }
 
-std::uint64_t read_index_checksum(hid_t table, const std::string& where) {
-  const std::string name(schema::kIndexChecksumAttr);
-  if (H5Aexists(table, name.c_str()) <= 0) {
-    throw FormatError(where + ": damaged /index: no '" + name +
-                      "' attribute, which its format has");
+// The metrics judged at capture (format 1.3), verified against their checksum; each names an
+// index row, whose key it takes.
+std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<RecordInfo>& records,
+                                               const std::vector<std::int64_t>& record_of_row,
+                                               const std::string& where) {
+  const std::string name = "/" + std::string(schema::kMetricsDataset);
+  if (H5Lexists(file, name.c_str(), H5P_DEFAULT) <= 0) return {};
+  const std::string context = where + " " + name;
+  h5::Handle table = h5::dataset_handle(H5Dopen2(file, name.c_str(), H5P_DEFAULT),
+                                        "opening the metrics table", where);
+  h5::Handle space = h5::space_handle(H5Dget_space(table.get()), "reading the metrics", context);
+  const hssize_t count = H5Sget_simple_extent_npoints(space.get());
+  if (count < 0 || H5Sget_simple_extent_ndims(space.get()) != 1) {
+    throw FormatError(context + ": damaged: expected a 1-D table");
   }
-  h5::Handle attribute = h5::attribute_handle(H5Aopen(table, name.c_str(), H5P_DEFAULT),
-                                              "opening the index checksum", where);
-  h5::Handle space =
-      h5::space_handle(H5Aget_space(attribute.get()), "reading the index checksum", where);
-  if (H5Sget_simple_extent_npoints(space.get()) != 1) {
-    throw FormatError(where + ": damaged /index: its checksum is not one number");
+  std::vector<MetricsRow> rows(static_cast<std::size_t>(count));
+  h5::Handle type = metrics_row_type();
+  if (!rows.empty()) {
+    h5::check<FormatError>(
+        H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
+        "reading the metrics", context);
   }
-  std::uint64_t checksum = 0;
-  h5::check<FormatError>(H5Aread(attribute.get(), H5T_NATIVE_UINT64, &checksum),
-                         "reading the index checksum", where);
-  return checksum;
+  if (metrics_checksum(rows) !=
+      h5::read_u64_attribute(table.get(), schema::kMetricsChecksumAttr, name, where)) {
+    throw FormatError(context +
+                      ": damaged: its XXH64 checksum does not match the metrics (a damaged disk, "
+                      "or the file was edited in place)");
+  }
+  std::vector<StoredMetrics> metrics;
+  metrics.reserve(rows.size());
+  for (const MetricsRow& row : rows) {
+    if (row.record >= record_of_row.size()) {
+      throw FormatError(context + ": damaged: a row names index row " +
+                        std::to_string(row.record) + ", but the index has " +
+                        std::to_string(record_of_row.size()));
+    }
+    const std::int64_t record = record_of_row[row.record];
+    if (record < 0) continue;  // of a record this reader skips
+    StoredMetrics stored = metrics_of_row(row);
+    stored.key = records[static_cast<std::size_t>(record)].key;
+    metrics.push_back(std::move(stored));
+  }
+  return metrics;
 }
 
 // Opens an HDF5 file read-only, telling "cannot read" (IoError) from "not a valid HDF5 file"
@@ -520,6 +546,8 @@ struct StepReader::Impl {
   std::vector<RecordInfo> records;
   std::map<RecordKey, std::size_t> by_key;
   std::vector<std::string> skipped;
+  std::vector<StoredMetrics> metrics;
+  std::map<RecordKey, std::size_t> metrics_by_key;
 };
 
 StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
@@ -612,7 +640,8 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   if (hashed) {
     // Verified before any offset, hash or name of the index is trusted.
     chunk_hashes = read_chunk_hashes(file, where);
-    const std::uint64_t stored = read_index_checksum(table.get(), where);
+    const std::uint64_t stored =
+        h5::read_u64_attribute(table.get(), schema::kIndexChecksumAttr, index_name, where);
     if (index_checksum(rows, chunk_hashes, impl.step, impl.provenance) != stored) {
       throw FormatError(where +
                         ": damaged /index: its XXH64 checksum does not match the index, the chunk "
@@ -621,6 +650,7 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     }
   }
   impl.records.reserve(rows.size());
+  std::vector<std::int64_t> record_of_row(rows.size(), -1);  // -1: skipped (a newer kind, ...)
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const IndexRow& row = rows[i];
     RecordInfo info;
@@ -668,8 +698,16 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
       const auto first = chunk_hashes.begin() + static_cast<std::ptrdiff_t>(row.chunk_hashes_first);
       info.chunk_hashes.assign(first, first + static_cast<std::ptrdiff_t>(row.chunk_count));
     }
+    // Format 1.3: a record with elements but no stored bytes was judged at capture and not
+    // stored (older writers stored every record).
+    info.stored = !(major == 1 && minor >= 3 && info.numel() > 0 && info.stored_bytes == 0);
+    record_of_row[i] = static_cast<std::int64_t>(impl.records.size());
     impl.by_key.emplace(info.key, impl.records.size());
     impl.records.push_back(std::move(info));
+  }
+  impl.metrics = read_stored_metrics(file, impl.records, record_of_row, where);
+  for (std::size_t i = 0; i < impl.metrics.size(); ++i) {
+    impl.metrics_by_key.emplace(impl.metrics[i].key, i);
   }
 }
 
@@ -683,6 +721,12 @@ const std::string& StepReader::format_version() const { return impl_->format_ver
 const Provenance& StepReader::provenance() const { return impl_->provenance; }
 const std::vector<RecordInfo>& StepReader::records() const { return impl_->records; }
 const std::vector<std::string>& StepReader::skipped_records() const { return impl_->skipped; }
+const std::vector<StoredMetrics>& StepReader::stored_metrics() const { return impl_->metrics; }
+
+const StoredMetrics* StepReader::find_metrics(const RecordKey& key) const {
+  auto found = impl_->metrics_by_key.find(key);
+  return found == impl_->metrics_by_key.end() ? nullptr : &impl_->metrics[found->second];
+}
 
 const RecordInfo* StepReader::find(const RecordKey& key) const {
   auto found = impl_->by_key.find(key);
@@ -744,6 +788,12 @@ std::vector<ModuleInfo> StepReader::modules() const {
 }
 
 TensorStream StepReader::open(const RecordInfo& record) const {
+  if (!record.stored) {
+    throw FormatError(impl_->path.string() + ": record " + to_string(record.key) +
+                      " was judged at capture and its tensor not stored (PrecisionChecker(dump="
+                      "\"failing\" or \"stats\")): only its dtype, shape and metrics are in the "
+                      "dump");
+  }
   // Most records of a step are small, and opening a dataset costs more than reading and checking
   // its bytes: a single-chunk record is read at the offset /index gives, checked by its hash.
   if (is_located(impl_->fd, record)) {

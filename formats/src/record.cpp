@@ -154,4 +154,9 @@ std::filesystem::path step_file_name(std::int64_t step) {
   return name;
 }
 
+std::string provenance_value(const Provenance& provenance, std::string_view key) {
+  const auto found = provenance.find(std::string(key));
+  return found == provenance.end() ? std::string() : found->second;
+}
+
 }  // namespace dynaprobe::formats

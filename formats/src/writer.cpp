@@ -243,7 +243,10 @@ struct StepWriter::Impl {
   void finish_dataset(const Plan& plan);
   void write_all(const std::vector<Plan>& plans);
   void write_index();
+  void write_metrics_table();
   void ensure_usable(std::string_view action) const;
+  std::set<RecordKey> check_new_records(std::span<const Record> records, bool with_data) const;
+  std::vector<StoredMetrics> metrics;  // for /metrics, written by commit()
 };
 
 void StepWriter::Impl::ensure_usable(std::string_view action) const {
@@ -529,15 +532,37 @@ void StepWriter::Impl::write_index() {
     h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
               "writing the index", where);
   }
-  {
-    h5::Handle scalar = h5::space_handle(H5Screate(H5S_SCALAR), "creating", where);
-    h5::Handle attribute = h5::attribute_handle(
-        H5Acreate2(table.get(), std::string(schema::kIndexChecksumAttr).c_str(), H5T_STD_U64LE,
-                   scalar.get(), H5P_DEFAULT, H5P_DEFAULT),
-        "creating the index checksum", where);
-    h5::check(H5Awrite(attribute.get(), H5T_NATIVE_UINT64, &checksum), "writing the index checksum",
-              where);
+  h5::write_u64_attribute(table.get(), schema::kIndexChecksumAttr, checksum, where);
+  table.close(where);
+}
+
+void StepWriter::Impl::write_metrics_table() {
+  if (metrics.empty()) return;
+  const std::string where = partial_path.string() + " /" + std::string(schema::kMetricsDataset);
+  std::map<RecordKey, std::uint64_t> position;
+  for (std::size_t i = 0; i < index.size(); ++i) position.emplace(index[i].key, i);
+  std::vector<MetricsRow> rows;
+  rows.reserve(metrics.size());
+  for (const StoredMetrics& stored : metrics) {
+    const auto found = position.find(stored.key);
+    if (found == position.end()) {
+      throw UsageError("metrics of " + to_string(stored.key) +
+                       ": no such record in the step; write or describe it first");
+    }
+    rows.push_back(metrics_row(stored, found->second));
   }
+  const std::uint64_t checksum = metrics_checksum(rows);
+  h5::Handle type = metrics_row_type();
+  h5::Lock lock(h5::hdf5_mutex());
+  const hsize_t count = rows.size();
+  h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
+  h5::Handle table =
+      h5::dataset_handle(H5Dcreate2(file.get(), std::string(schema::kMetricsDataset).c_str(),
+                                    type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "creating the metrics table", where);
+  h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
+            "writing the metrics table", where);
+  h5::write_u64_attribute(table.get(), schema::kMetricsChecksumAttr, checksum, where);
   table.close(where);
 }
 
@@ -628,20 +653,19 @@ StepWriter::~StepWriter() {
   fs::remove(impl_->partial_path, ignored);
 }
 
-void StepWriter::write(std::span<const Record> records) {
-  Impl& impl = *impl_;
-  impl.ensure_usable("write records");
-  std::vector<Impl::Plan> plans;
-  plans.reserve(records.size());
+// The keys of `records`, checked: new in this step, of this step, a shape HDF5 can hold and,
+// when `with_data`, data for their elements.
+std::set<RecordKey> StepWriter::Impl::check_new_records(std::span<const Record> records,
+                                                        bool with_data) const {
   std::set<RecordKey> batch_keys;
   for (const Record& record : records) {
     const RecordKey& key = record.key;
     validate_module_path(key.module);
-    if (key.step != impl.step) {
+    if (key.step != step) {
       throw UsageError("record " + to_string(key) + " belongs to step " + std::to_string(key.step) +
-                       ", but this writer writes step " + std::to_string(impl.step));
+                       ", but this writer writes step " + std::to_string(step));
     }
-    if (impl.keys.count(key) || !batch_keys.insert(key).second) {
+    if (keys.count(key) || !batch_keys.insert(key).second) {
       throw UsageError("record " + to_string(key) + " was already written in this step");
     }
     const auto& shape = record.tensor.shape;
@@ -652,10 +676,41 @@ void StepWriter::write(std::span<const Record> records) {
     for (auto d : shape) {
       if (d < 0) throw UsageError("record " + to_string(key) + " has a negative dimension");
     }
-    if (record.tensor.numel() > 0 && record.tensor.data == nullptr) {
+    if (with_data && record.tensor.numel() > 0 && record.tensor.data == nullptr) {
       throw UsageError("record " + to_string(key) + " has elements but no data pointer");
     }
   }
+  return batch_keys;
+}
+
+void StepWriter::describe(std::span<const Record> records) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("describe records");
+  const std::set<RecordKey> batch_keys = impl.check_new_records(records, false);
+  for (const Record& record : records) {
+    RecordInfo info;
+    info.key = record.key;
+    info.label = record.label;
+    info.dtype = record.tensor.dtype;
+    info.shape = record.tensor.shape;
+    info.stored = info.numel() == 0;  // stored_bytes 0: nothing stored (an empty one is whole)
+    impl.index.push_back(std::move(info));
+  }
+  impl.keys.insert(batch_keys.begin(), batch_keys.end());
+}
+
+void StepWriter::write_metrics(std::span<const StoredMetrics> metrics) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("write metrics");
+  impl.metrics.insert(impl.metrics.end(), metrics.begin(), metrics.end());
+}
+
+void StepWriter::write(std::span<const Record> records) {
+  Impl& impl = *impl_;
+  impl.ensure_usable("write records");
+  std::vector<Impl::Plan> plans;
+  plans.reserve(records.size());
+  const std::set<RecordKey> batch_keys = impl.check_new_records(records, true);
   // A record whose bytes repeat an earlier one's (eager and compiled agreeing bit for bit, a
   // block's output that is the next block's input) is stored once: its dataset is a hard link to
   // the first one's, its index row repeats that one's location. Repeats within the batch are
@@ -768,6 +823,7 @@ fs::path StepWriter::commit() {
   const std::string where = impl.partial_path.string();
   try {
     impl.write_index();
+    impl.write_metrics_table();
     h5::Lock lock(h5::hdf5_mutex());
     impl.module_groups.clear();
     impl.tensors.close(where);

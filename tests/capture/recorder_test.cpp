@@ -428,5 +428,103 @@ TEST(Recorder, ReservedProvenanceKeyIsRejectedUpFront) {
   EXPECT_THROW(Recorder(dir.path(), {{"step", "1"}}), UsageError);
 }
 
+// Judging in memory: a pair of each kind, one equal and one that differs, under each StoreMode.
+struct JudgedStep {
+  fs::path file;
+  std::vector<formats::RecordInfo> records;
+  std::vector<formats::StoredMetrics> metrics;
+  bool stored(const std::string& module, Side side) const {
+    for (const auto& r : records) {
+      if (r.key.module == module && r.key.side == side) return r.stored;
+    }
+    ADD_FAILURE() << "no record of " << module;
+    return false;
+  }
+};
+
+JudgedStep judged_step(const fs::path& dir, StoreMode mode) {
+  RecorderOptions options;
+  options.store = mode;
+  Recorder recorder(dir, {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
+                    options);
+  recorder.begin_step(0);
+  const at::Tensor x = at::randn({256, 256});  // 256 KiB
+  recorder.record(key("same", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  recorder.record(key("same", 0, Kind::kFwdOutput, Side::kEager), x);
+  recorder.record(key("differs", 0, Kind::kFwdOutput, Side::kCompiled), x.add(1));
+  recorder.record(key("differs", 0, Kind::kFwdOutput, Side::kEager), x);
+  // Single-pass records a module's input once, for both sides: compared with itself.
+  recorder.record(key("same", 0, Kind::kFwdInput, Side::kCompiled), x);
+  // A record without a twin (a one-sided row).
+  recorder.record(key("alone", 0, Kind::kFwdOutput, Side::kEager), x);
+  JudgedStep step;
+  step.file = recorder.end_step();
+  formats::StepReader reader(step.file);
+  step.records = reader.records();
+  step.metrics = reader.stored_metrics();
+  return step;
+}
+
+TEST(Recorder, EveryPairIsJudgedInMemoryAndItsMetricsStored) {
+  for (const StoreMode mode : {StoreMode::kFull, StoreMode::kFailing, StoreMode::kStats}) {
+    TempDir dir;
+    const JudgedStep step = judged_step(dir.path(), mode);
+    ASSERT_EQ(step.metrics.size(), 3u);  // same, differs, and the input compared with itself
+    for (const auto& m : step.metrics) {
+      EXPECT_EQ(m.key.side, Side::kCompiled);
+      EXPECT_EQ(m.metrics.elements, 256u * 256u);
+      EXPECT_EQ(m.metrics.allclose, m.key.module != "differs") << m.key.module;
+      EXPECT_EQ(m.tolerances.atol, 1e-4);
+    }
+  }
+}
+
+TEST(Recorder, StoreModesKeepTheTensorsTheyPromise) {
+  TempDir full_dir, failing_dir, stats_dir;
+  const JudgedStep full = judged_step(full_dir.path(), StoreMode::kFull);
+  for (const auto& r : full.records) EXPECT_TRUE(r.stored) << formats::to_string(r.key);
+  const JudgedStep failing = judged_step(failing_dir.path(), StoreMode::kFailing);
+  EXPECT_FALSE(failing.stored("same", Side::kEager));
+  EXPECT_FALSE(failing.stored("same", Side::kCompiled));
+  EXPECT_TRUE(failing.stored("differs", Side::kEager));
+  EXPECT_TRUE(failing.stored("differs", Side::kCompiled));
+  EXPECT_TRUE(failing.stored("alone", Side::kEager));  // a WARN row keeps its tensor
+  const JudgedStep stats = judged_step(stats_dir.path(), StoreMode::kStats);
+  for (const auto& r : stats.records) {
+    EXPECT_FALSE(r.stored) << formats::to_string(r.key);
+    EXPECT_EQ(r.shape, (std::vector<std::int64_t>{256, 256}));
+  }
+  EXPECT_LT(fs::file_size(stats.file) * 20, fs::file_size(full.file));
+}
+
+TEST(Recorder, HeldSnapshotsStayWithinHalfTheBudgetAndTheRestIsStoredWhole) {
+  // Two-pass: every eager record comes before its compiled twin. 16 pairs of 64 KiB under a
+  // 256 KiB budget: at most 128 KiB wait for their twin; the older ones are stored whole.
+  TempDir dir;
+  RecorderOptions options;
+  options.store = StoreMode::kStats;
+  options.memory_budget_bytes = 256 << 10;
+  Recorder recorder(dir.path(), {{"mode", "two_pass"}}, options);
+  recorder.begin_step(0);
+  std::vector<at::Tensor> tensors;
+  for (int i = 0; i < 16; ++i) tensors.push_back(at::randn({128, 128}));  // 64 KiB each
+  std::size_t most_held = 0;
+  for (int i = 0; i < 16; ++i) {
+    recorder.record(key("m", i, Kind::kFwdOutput, Side::kEager), tensors[i]);
+    most_held = std::max(most_held, recorder.held_bytes());
+  }
+  for (int i = 0; i < 16; ++i) {
+    recorder.record(key("m", i, Kind::kFwdOutput, Side::kCompiled), tensors[i]);
+  }
+  formats::StepReader reader(recorder.end_step());
+  EXPECT_LE(most_held, options.memory_budget_bytes / 2);
+  std::size_t stored = 0;
+  for (const auto& r : reader.records()) stored += r.stored;
+  EXPECT_GT(stored, 0u);                  // spilled pairs, stored whole on both sides
+  EXPECT_EQ(stored % 2, 0u);
+  EXPECT_EQ(reader.stored_metrics().size() + stored / 2, 16u);  // every other pair judged
+  EXPECT_GT(reader.stored_metrics().size(), 0u);
+}
+
 }  // namespace
 }  // namespace dynaprobe::capture

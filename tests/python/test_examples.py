@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import dynaprobe
+
 from conftest import REPO
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -193,7 +195,8 @@ def test_record_tensors_cpp_writes_a_dump_the_cli_compares(tmp_path):
     for step in range(2):  # a second run adds a step, never overwrites the first
         proc = subprocess.run([program, dump], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert f"wrote {dump / f'step_{step:08d}.h5'} (format 1.2, step {step})" in proc.stdout
+        assert (f"wrote {dump / f'step_{step:08d}.h5'} (format {dynaprobe.format_version()}, "
+                f"step {step})") in proc.stdout
     lines = proc.stdout.splitlines()
     assert re.match(r"^  layer  fwd_input  eager     float32   \(4, 8\)   -2\.00000 ", lines[1])
     assert re.match(r"^  layer  fwd_output compiled  bfloat16  \(4, 8\) ", lines[4])

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _C, _options
+from dynaprobe import _C, _options, _storage
 from dynaprobe._capture import autocast_device_type, devices_of
 from dynaprobe._compiling import Compiler
 from dynaprobe._distributed import (
@@ -73,6 +73,18 @@ class PrecisionChecker:
         dtype_aware_tolerances: judge bf16, fp16 and fp8 rows with at least their dtype's floor
             (bf16: atol 1e-2, rtol 1.6e-2; docs/user-guide.md); float32 keeps
             ``threshold``/``rtol``.
+        dump: what a checked step stores. Every compared pair is judged in memory as it is
+            captured and its metrics are stored; ``"full"`` (default) also stores every tensor,
+            ``"failing"`` only the tensors of rows that FAIL or WARN, ``"stats"`` none (dtype,
+            shape and metrics only). ``dynaprobe compare`` re-renders every mode as the
+            in-process report; judging again with other tolerances needs the tensors.
+            ``capture()`` always stores full tensors; ``reference`` needs ``"full"``.
+        check_every: single-pass: check every N-th step (steps 0, N, 2N, ... of collect()); the
+            other steps run the compiled modules only and collect() returns None.
+        check_steps: single-pass: the steps to check (collect() indices from 0); wins over
+            ``check_every``.
+        disk_budget_bytes: the most bytes this rank's dump may hold; after each step the oldest
+            committed steps are removed to fit (never the one just written). None: no limit.
     """
 
     def __init__(
@@ -92,6 +104,10 @@ class PrecisionChecker:
         reference: Optional[str] = None,
         tolerances: Optional[Dict[str, Tuple[float, float]]] = None,
         dtype_aware_tolerances: bool = True,
+        dump: str = "full",
+        check_every: int = 1,
+        check_steps=None,
+        disk_budget_bytes: Optional[int] = None,
     ):
         self.backend = _options.expect_backend(backend)
         self.threshold = _options.expect_tolerance("threshold", threshold)
@@ -111,6 +127,16 @@ class PrecisionChecker:
         self.tolerances = _options.expect_tolerance_rules(tolerances)
         self.dtype_aware_tolerances = _options.expect_flag("dtype_aware_tolerances",
                                                            dtype_aware_tolerances)
+        self.dump = _storage.expect_dump_mode(dump)
+        if self.reference is not None and self.dump != "full":
+            raise ValueError(f"reference={self.reference!r} needs dump='full': the fp64 reference "
+                             "is compared with the stored tensors of both sides")
+        self._schedule = _storage.Schedule(_options.expect_positive_int("check_every", check_every),
+                                           _storage.expect_steps(check_steps))
+        self.disk_budget_bytes = None if disk_budget_bytes is None else \
+            _options.expect_positive_int("disk_budget_bytes", disk_budget_bytes)
+        # install()/collect() runs print a one-line estimate after their first checked step.
+        self._estimated = False
         self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
@@ -244,16 +270,19 @@ class PrecisionChecker:
                     "eager": vocabulary.MODE_EAGER_ONLY,
                     "compiled": vocabulary.MODE_COMPILED_ONLY}[self._capture_side]
             self._recorder = _C.Recorder(self.dump_dir, self._provenance(mode),
-                                         memory_budget_bytes=self.memory_budget_bytes)
+                                         memory_budget_bytes=self.memory_budget_bytes,
+                                         store="full" if self._capture_side else self.dump)
         self._recorder.begin_step(self._step_index)
         for target in targets:
             target.calls = 0
         self._step = Step(self._recorder, self._step_index)
         return self._step
 
-    def _current_step(self) -> Step:
+    def _current_step(self) -> Optional[Step]:
         """Single-pass: the step being checked, begun by the first wrapped call after install()
-        or collect()."""
+        or collect(); None in a step that is not checked (check_every, check_steps)."""
+        if self._step is None and not self._schedule.checks(self._step_index):
+            return None
         return self._step if self._step is not None else self._begin_step(
             self._single_pass.targets)
 
@@ -275,6 +304,11 @@ class PrecisionChecker:
         path = self._recorder.end_step()  # raises a background write error (disk full, ...)
         self._step = None
         self._step_index += 1
+        _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, path)
+        if not self._estimated and self._installed is not None:  # a run of steps: install()
+            self._estimated = True
+            _storage.report_first_step(self.dump_dir, path, self.dump, self._schedule, step.index,
+                                       self.disk_budget_bytes)
         if step.error is not None:
             raise step.error
         if not compare:
@@ -354,8 +388,9 @@ class PrecisionChecker:
         """
         self._recorded_loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
-    def collect(self, loss: Optional[torch.Tensor] = None) -> CompareResult:
-        """Single-pass: finishes the step that just ran, writes it and returns its comparison.
+    def collect(self, loss: Optional[torch.Tensor] = None) -> Optional[CompareResult]:
+        """Single-pass: finishes the step that just ran, writes it and returns its comparison;
+        None for a step that is not checked (``check_every``, ``check_steps``).
 
         Checking continues with the next step until ``uninstall()``.
         """
@@ -363,6 +398,10 @@ class PrecisionChecker:
             raise RuntimeError("collect() needs install(model) first (single-pass), then a "
                                "training or inference step")
         step = self._current_step()
+        if step is None:
+            self._step_index += 1
+            self._recorded_loss = None
+            return None
         self._single_pass.finish(step)
         if loss is None:
             loss = self._recorded_loss
@@ -387,6 +426,7 @@ class PrecisionChecker:
                 raise RuntimeError("compare() cannot run while install() is active; call "
                                    "collect() instead, or uninstall() first")
             self.install(model)
+            self._estimated = True  # one step, not a run: no estimate of a run's disk use
             try:
                 loss = fn(model)
                 return self.collect(loss)
@@ -430,8 +470,11 @@ class PrecisionChecker:
             self._step = None
 
     # ------------------------------------------------------------------ report
-    def report(self, result: CompareResult, csv_path: Optional[str] = None) -> None:
-        """Prints the stdout report; with ``csv_path``, also writes the CSV report there."""
+    def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None) -> None:
+        """Prints the stdout report; with ``csv_path``, also writes the CSV report there. A step
+        that was not checked (collect() returned None) has no report: nothing is printed."""
+        if result is None:
+            return
         print(result.text(), end="")
         if csv_path:
             _write_text(csv_path, result.csv())

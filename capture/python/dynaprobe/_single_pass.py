@@ -36,7 +36,8 @@ from dynaprobe._step import PendingBackward, Step, Target
 class SinglePass:
     """The installation on one model: its targets, their patched forwards and hooks.
 
-    ``current_step()`` gives the step being checked (begun by the first wrapped call);
+    ``current_step()`` gives the step being checked (begun by the first wrapped call), None in a
+    step that is not checked (the compiled modules then run alone);
     ``active_step()`` the step if one is begun, else None (hooks firing outside a step do
     nothing).
     """
@@ -79,7 +80,10 @@ class SinglePass:
 
     def _forward(self, target: Target) -> Callable:
         def forward(*args, **kwargs):
-            return self._checked_call(self.current_step(), target, args, kwargs)
+            step = self.current_step()
+            if step is None:  # a step that is not checked: the compiled module only
+                return target.run(*args, **kwargs)
+            return self._checked_call(step, target, args, kwargs)
 
         return forward
 

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/analyze/metrics.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/record.h"
@@ -31,20 +32,6 @@ namespace module_attributes = formats::vocabulary::module_attribute;
 // skips; every other note, known or not, is a warning: a module that could not be compared is
 // never a pass).
 Status note_status(std::string_view note);
-
-// Tolerances for the rows a pattern selects: shell-style glob matched against the module
-// ("layers.*.mlp"), the check type ("grad_*") or the report's row name ("layers.0.grad_input").
-// The last matching rule wins.
-struct ToleranceRule {
-  std::string pattern;
-  Tolerances tolerances;
-};
-
-// The dtype-aware floor (docs/user-guide.md, Tolerances): a row whose lower-precision side is
-// bfloat16, float16 or a float8 is judged with tolerances at least these (bf16: atol 1e-2, rtol
-// 1.6e-2; fp16: 1e-3, 2e-3; float8 e4m3: 0.125, 0.25; e5m2: 0.25, 0.5, about one and two of the
-// dtype's steps at magnitude 1); float32 and float64 keep the spec's. Zeros for those.
-Tolerances dtype_tolerance_floor(formats::DType dtype);
 
 struct TensorSide {
   formats::DType dtype = formats::DType::kFloat32;
@@ -172,6 +159,10 @@ struct CompareOptions {
   std::optional<std::int64_t> step;  // only this step
   std::string module_glob;           // only modules matching (fnmatch), empty: all
   int threads = 0;                   // 0: all cores
+  // Recompute every pair from its stored tensors, also where the capture stored its metrics
+  // (PrecisionChecker judges rows in memory): checks those against the tensors. Pairs whose
+  // tensors were not stored keep their stored metrics.
+  bool recompute = false;
   // Called now and then with uncompressed bytes compared so far and in total.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };

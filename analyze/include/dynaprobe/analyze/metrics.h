@@ -9,33 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "dynaprobe/formats/metrics.h"
+
 namespace dynaprobe::analyze {
 
-struct Tolerances {
-  double atol = 1e-4;
-  double rtol = 1e-3;
-};
-
-// The result of comparing two tensors.
-struct TensorMetrics {
-  double max_abs = 0;
-  double mean_abs = 0;
-  double max_rel = 0;
-  bool allclose = true;
-  double cosine = 1;  // 1 for two all-zero tensors
-  double rmse = 0;
-  std::uint64_t elements = 0;
-  std::uint64_t mismatches = 0;  // elements outside tolerance
-  std::uint64_t nan_eager = 0;
-  std::uint64_t nan_compiled = 0;
-  std::uint64_t inf_eager = 0;
-  std::uint64_t inf_compiled = 0;
-  std::uint64_t nonfinite_only_compiled = 0;  // NaN/Inf in compiled where eager is finite
-  // The element with the largest |a - b| (the first NaN difference if any); -1 when empty.
-  std::int64_t worst_index = -1;
-  double worst_eager = 0;
-  double worst_compiled = 0;
-};
+using formats::TensorMetrics;
+using formats::Tolerances;
 
 // Partial results over some elements of a tensor pair; merge() combines partials of disjoint
 // element ranges. Sums are kept in double. NaN follows torch: one NaN difference makes max_abs,

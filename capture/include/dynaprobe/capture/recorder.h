@@ -16,6 +16,13 @@
 
 namespace dynaprobe::capture {
 
+// What a step keeps of the pairs it judges (PrecisionChecker(dump=...)).
+enum class StoreMode {
+  kFull,     // every tensor, and the metrics of every pair
+  kFailing,  // metrics of every pair; tensors of the pairs that fail and of one-sided records
+  kStats,    // metrics only (dtype and shape of every record)
+};
+
 struct RecorderOptions {
   // Host bytes of snapshots waiting to be written. record() waits (the caller blocks) while the
   // queue holds more; nothing is dropped. A single tensor larger than the budget is still taken
@@ -25,11 +32,21 @@ struct RecorderOptions {
   // Compression and writes run at a lower priority (niceness 10) than the training threads: on
   // a machine whose cores training keeps busy, capture fills the gaps instead of slowing it.
   formats::WriterOptions writer{.nice = 10};
+  StoreMode store = StoreMode::kFull;
 };
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
 formats::DType dtype_of(const at::Tensor& tensor);
 
+// Judging in memory: when a step holds both sides (provenance mode single-pass or two-pass), the
+// background thread pairs each eager record with its compiled twin as they arrive, computes
+// their metrics from the snapshots with the tolerances the provenance names (the engine's own
+// code, analyze/judging.h: the same bits a comparison of the stored tensors gives) and writes
+// them to the step's /metrics, so that comparing the step reads no tensor. StoreMode decides
+// which tensors are stored as well. Snapshots waiting for their twin are held within half the
+// memory budget; beyond it the oldest are stored whole (also under kStats) and their pairs
+// compared from the dump. The loss and the fp64 reference's records are always stored whole.
+//
 // One recorder per dump (one process, one rank): steps are begun and ended in order.
 // Thread-safety: the methods may be called from any thread; calls from several threads take turns
 // (each call holds the recorder for its duration, record() also while it waits for the budget).
@@ -71,7 +88,8 @@ class Recorder {
   std::filesystem::path end_step();
 
   const std::filesystem::path& dump_dir() const;
-  std::size_t queued_bytes() const;  // snapshots not yet written
+  std::size_t queued_bytes() const;  // snapshots not yet written or judged
+  std::size_t held_bytes() const;    // snapshots waiting for their twin
 
  private:
   struct Impl;

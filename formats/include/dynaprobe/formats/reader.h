@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::formats {
@@ -32,6 +33,10 @@ struct RecordInfo {
   // checksum covers it). Empty: not known (older files); chunks are then not checked.
   std::vector<std::uint64_t> chunk_hashes;
 
+  // False for a record whose tensor the capture judged in memory and did not store (format
+  // 1.3, PrecisionChecker(dump="failing" or "stats")): dtype and shape only; open() refuses it.
+  bool stored = true;
+
   std::uint64_t numel() const;
   std::uint64_t nbytes() const { return numel() * dtype_size(dtype); }
 };
@@ -41,6 +46,11 @@ struct ChunkExtent {
   std::uint64_t first_element = 0;
   std::uint64_t element_count = 0;
 };
+
+// The chunks a StepWriter with this chunk_bytes stores a tensor of this dtype and shape in, as
+// TensorStream::extent() reads them back: one extent for 0-d tensors, none for empty ones.
+std::vector<ChunkExtent> chunk_extents(DType dtype, const std::vector<std::int64_t>& shape,
+                                       std::size_t chunk_bytes);
 
 // A chunk as stored: its bytes and HDF5's filter mask (bit i set: filter i was skipped).
 struct RawChunk {
@@ -124,6 +134,11 @@ class StepReader {
   const std::vector<std::string>& skipped_records() const;
   // nullptr when the file has no such record.
   const RecordInfo* find(const RecordKey& key) const;
+  // The metrics the capture computed in memory (format 1.3), in the order written; checked
+  // against their checksum when the file is opened.
+  const std::vector<StoredMetrics>& stored_metrics() const;
+  // The stored metrics of the pair whose key is `key`; nullptr when none were stored.
+  const StoredMetrics* find_metrics(const RecordKey& key) const;
   std::vector<Graph> graphs() const;
   // In the order they were written.
   std::vector<ModuleInfo> modules() const;

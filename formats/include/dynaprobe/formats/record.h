@@ -77,6 +77,8 @@ struct Record {
 
 // Provenance of a step file: torch version, backend, mode, rank, world size, scenario, host, ...
 using Provenance = std::map<std::string, std::string>;
+// The value of a provenance key; empty when the key is absent.
+std::string provenance_value(const Provenance& provenance, std::string_view key);
 
 // What the capture knew about a module in this step, as string attributes: its role ("wrapped",
 // "ignored"), a note when it could not be compared (e.g. "NOT_COMPILED"), its compiled

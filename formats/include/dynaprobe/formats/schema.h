@@ -10,6 +10,7 @@
 //   /index                 compound table listing every record (no tensor data needs reading),
 //                          attr checksum (since 1.2)
 //   /chunk_hashes          uint64 per chunk of multi-chunk records (since 1.2)
+//   /metrics               compound table of the pairs judged at capture, attr checksum (1.3)
 #pragma once
 
 #include <cstdint>
@@ -20,8 +21,10 @@ namespace dynaprobe::formats::schema {
 // A reader refuses files whose major version is newer than kFormatMajor.
 inline constexpr int kFormatMajor = 1;
 // 1.1: /index locates single-chunk records. 1.2: /chunk_hashes checks every chunk stored as it
-// is, and the index carries a checksum of itself and of the provenance.
-inline constexpr int kFormatMinor = 2;
+// is, and the index carries a checksum of itself and of the provenance. 1.3: /metrics holds the
+// metrics the capture computed in memory, and an index row with elements and stored_bytes 0 is a
+// record whose tensor was not stored (PrecisionChecker(dump="failing" or "stats")).
+inline constexpr int kFormatMinor = 3;
 
 inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
 inline constexpr std::string_view kStepAttr = "step";
@@ -52,6 +55,9 @@ inline constexpr std::string_view kIndexChunkCount = "chunk_count";             
 // holding the XXH64 of the index, the chunk hashes, the step and the provenance.
 inline constexpr std::string_view kChunkHashesDataset = "chunk_hashes";
 inline constexpr std::string_view kIndexChecksumAttr = "checksum";
+// Since 1.3: the metrics of pairs judged at capture, and their checksum (an attribute of it).
+inline constexpr std::string_view kMetricsDataset = "metrics";
+inline constexpr std::string_view kMetricsChecksumAttr = "checksum";
 
 inline constexpr std::string_view kRankDirPrefix = "rank";
 inline constexpr std::string_view kStepFilePrefix = "step_";

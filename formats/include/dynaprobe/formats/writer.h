@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 
+#include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::formats {
@@ -47,6 +48,13 @@ class StepWriter {
   // writing fails (disk full); after an error the writer is broken and commit() throws.
   void write(std::span<const Record> records);
   void write(const Record& record) { write(std::span<const Record>(&record, 1)); }
+  // Index rows for records whose tensors are not stored (PrecisionChecker(dump="failing" or
+  // "stats")): their key, label, dtype and shape; readers see RecordInfo::stored false. `data`
+  // is not read. The same key rules as write().
+  void describe(std::span<const Record> records);
+  // Metrics computed at capture, kept for commit(), which writes them to /metrics; each key must
+  // be in the index by then (UsageError otherwise).
+  void write_metrics(std::span<const StoredMetrics> metrics);
   void write_graph(const Graph& graph);
   void write_module(const ModuleInfo& module);
 

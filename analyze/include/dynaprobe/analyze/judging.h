@@ -1,0 +1,73 @@
+// How a row is judged: the tolerances of a step and of each row, and a pair's metrics computed
+// from tensors in memory exactly as the engine computes them from a dump. The engine judges dumps
+// with it, and the capture judges rows in memory with it (PrecisionChecker(dump="failing" or
+// "stats")), so that both reach the same verdict, bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dynaprobe/analyze/metrics.h"
+#include "dynaprobe/formats/metrics.h"
+#include "dynaprobe/formats/record.h"
+
+namespace dynaprobe::analyze {
+
+// Tolerances for the rows a pattern selects: shell-style glob matched against the module
+// ("layers.*.mlp"), the check type ("grad_*") or the report's row name ("layers.0.grad_input").
+// The last matching rule wins.
+struct ToleranceRule {
+  std::string pattern;
+  Tolerances tolerances;
+};
+
+// The dtype-aware floor (docs/user-guide.md, Tolerances): a row whose lower-precision side is
+// bfloat16, float16 or a float8 is judged with tolerances at least these (bf16: atol 1e-2, rtol
+// 1.6e-2; fp16: 1e-3, 2e-3; float8 e4m3: 0.125, 0.25; e5m2: 0.25, 0.5, about one and two of the
+// dtype's steps at magnitude 1); float32 and float64 keep the spec's. Zeros for those.
+Tolerances dtype_tolerance_floor(formats::DType dtype);
+
+// A tolerance must be a finite number >= 0: NaN would fail every element and infinity pass
+// every one, silently.
+bool valid_tolerance(double value);
+
+struct Judging {
+  Tolerances tolerances;  // the step's
+  std::vector<ToleranceRule> rules;
+  bool dtype_aware = true;
+
+  // What a row is judged with: the step's tolerances, raised to the dtype-aware floor of either
+  // side, then the last rule whose pattern matches it.
+  Tolerances row_tolerances(const std::string& module, formats::Kind kind, formats::DType eager,
+                            formats::DType compiled) const;
+};
+
+// The judging a dump's provenance asks for (atol, rtol, tolerance_rules, dtype_aware_tolerances),
+// each value given here replacing the dump's, which is then not read (so a damaged one can be
+// replaced). Throws FormatError naming `dump` for a damaged value.
+Judging dump_judging(const formats::Provenance& provenance, const std::filesystem::path& dump,
+                     std::optional<double> atol = std::nullopt,
+                     std::optional<double> rtol = std::nullopt,
+                     std::optional<bool> dtype_aware = std::nullopt);
+
+// Single-pass records a fwd_input and a grad_output once, for both sides (the eager re-run gets
+// the very inputs and grad_output of the compiled call): such a record is compared with itself.
+bool recorded_once(formats::Kind kind, bool single_pass);
+
+// The metrics of two tensors in memory (same element count, any dtypes), as the engine computes
+// them from a dump written with this chunk_bytes: the same chunks, merged in the same order, so
+// the same bits.
+TensorMetrics compare_in_memory(const formats::TensorView& eager,
+                                const formats::TensorView& compiled, const Tolerances& tolerances,
+                                std::size_t chunk_bytes);
+
+// Whether metrics judged at capture with `stored.tolerances` are what judging with `tolerances`
+// gives: the same tolerances, or wider ones for a pair that had no element outside the narrower
+// (closeness only grows with atol and rtol).
+bool stored_metrics_hold(const formats::StoredMetrics& stored, const Tolerances& tolerances);
+
+}  // namespace dynaprobe::analyze

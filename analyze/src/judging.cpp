@@ -1,0 +1,144 @@
+#include "dynaprobe/analyze/judging.h"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/vocabulary.h"
+
+namespace dynaprobe::analyze {
+namespace fs = std::filesystem;
+namespace vocabulary = formats::vocabulary;
+
+namespace {
+
+bool matches(const std::string& glob, const std::string& name) {
+  return fnmatch(glob.c_str(), name.c_str(), 0) == 0;
+}
+
+// The dump's own tolerance (its provenance), if it has one. One that is not a valid tolerance is
+// damage, reported as such rather than replaced by a default.
+std::optional<double> dump_tolerance(const formats::Provenance& provenance,
+                                     std::string_view key_name, const fs::path& dump) {
+  const std::string key(key_name);
+  auto found = provenance.find(key);
+  if (found == provenance.end()) return std::nullopt;
+  double value = NAN;
+  const std::string& text = found->second;
+  const auto parsed = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (parsed.ec != std::errc() || parsed.ptr != text.data() + text.size() ||
+      !valid_tolerance(value)) {
+    throw FormatError(dump.string() + ": provenance " + key + "=" + formats::quoted_name(text) +
+                      " is not a finite number >= 0; give the tolerance with --" + key);
+  }
+  return value;
+}
+
+// The dump's tolerance rules (PrecisionChecker(tolerances=...)): one rule a line,
+// "<atol> <rtol> <pattern>". Damage is reported as such.
+std::vector<ToleranceRule> dump_tolerance_rules(const formats::Provenance& provenance,
+                                                const fs::path& dump) {
+  std::vector<ToleranceRule> rules;
+  const std::string text = formats::provenance_value(provenance, vocabulary::provenance::kToleranceRules);
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    if (line.empty()) continue;
+    ToleranceRule rule;
+    const char* first = line.data();
+    const char* last = line.data() + line.size();
+    auto atol = std::from_chars(first, last, rule.tolerances.atol);
+    auto rtol = atol.ec == std::errc() && atol.ptr < last && *atol.ptr == ' '
+                    ? std::from_chars(atol.ptr + 1, last, rule.tolerances.rtol)
+                    : std::from_chars_result{first, std::errc::invalid_argument};
+    if (rtol.ec != std::errc() || rtol.ptr >= last || *rtol.ptr != ' ' ||
+        !valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
+      throw FormatError(dump.string() + ": provenance tolerance_rules line " +
+                        formats::quoted_name(line) +
+                        " is not '<atol> <rtol> <pattern>' with tolerances >= 0");
+    }
+    rule.pattern = std::string(rtol.ptr + 1, last);
+    rules.push_back(std::move(rule));
+  }
+  return rules;
+}
+
+}  // namespace
+
+bool valid_tolerance(double value) { return std::isfinite(value) && value >= 0; }
+
+Tolerances dtype_tolerance_floor(formats::DType dtype) {
+  switch (dtype) {
+    case formats::DType::kBFloat16:
+      return {1e-2, 1.6e-2};
+    case formats::DType::kFloat16:
+      return {1e-3, 2e-3};
+    case formats::DType::kFloat8E4M3FN:
+    case formats::DType::kFloat8E4M3FNUZ:
+      return {0.125, 0.25};
+    case formats::DType::kFloat8E5M2:
+    case formats::DType::kFloat8E5M2FNUZ:
+      return {0.25, 0.5};
+    default:
+      return {0, 0};
+  }
+}
+
+Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind,
+                                   formats::DType eager, formats::DType compiled) const {
+  Tolerances result = tolerances;
+  if (dtype_aware) {
+    for (const formats::DType dtype : {eager, compiled}) {
+      const Tolerances floor = dtype_tolerance_floor(dtype);
+      result.atol = std::max(result.atol, floor.atol);
+      result.rtol = std::max(result.rtol, floor.rtol);
+    }
+  }
+  const std::string kind_text(formats::kind_name(kind));
+  const std::string name = module + "." + kind_text;
+  for (const ToleranceRule& rule : rules) {
+    if (matches(rule.pattern, module) || matches(rule.pattern, kind_text) ||
+        matches(rule.pattern, name)) {
+      result = rule.tolerances;
+    }
+  }
+  return result;
+}
+
+Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump,
+                     std::optional<double> atol, std::optional<double> rtol,
+                     std::optional<bool> dtype_aware) {
+  Judging judging;
+  judging.tolerances.atol =
+      atol ? *atol
+           : dump_tolerance(provenance, vocabulary::provenance::kAtol, dump)
+                 .value_or(judging.tolerances.atol);
+  judging.tolerances.rtol =
+      rtol ? *rtol
+           : dump_tolerance(provenance, vocabulary::provenance::kRtol, dump)
+                 .value_or(judging.tolerances.rtol);
+  judging.rules = dump_tolerance_rules(provenance, dump);
+  judging.dtype_aware = dtype_aware.value_or(
+      formats::provenance_value(provenance, vocabulary::provenance::kDtypeAwareTolerances) !=
+      "false");
+  return judging;
+}
+
+bool recorded_once(formats::Kind kind, bool single_pass) {
+  return single_pass && (kind == formats::Kind::kFwdInput || kind == formats::Kind::kGradOutput);
+}
+
+bool stored_metrics_hold(const formats::StoredMetrics& stored, const Tolerances& tolerances) {
+  const Tolerances& judged = stored.tolerances;
+  if (judged.atol == tolerances.atol && judged.rtol == tolerances.rtol) return true;
+  return stored.metrics.allclose && stored.metrics.mismatches == 0 &&
+         tolerances.atol >= judged.atol && tolerances.rtol >= judged.rtol;
+}
+
+}  // namespace dynaprobe::analyze

@@ -1,0 +1,301 @@
+"""Scale benchmark: step time, dump volume and host memory of a checked training step on
+GPT-2-style models from `transformers`, at several sizes, side by side in one run.
+
+For each size (layers x hidden, vocabulary 50257, batch x sequence tokens), every configuration
+below trains its own copy of the model, step after step in turn (so that drift and neighbours hit
+all alike); the first step of each is warm-up (compilation) and the median of the others is
+reported:
+  compiled    the GPT2Blocks compiled with aot_eager, no checker
+  inherent    compiled, plus what any single-pass checker must do: an eager forward and backward
+              of every block call on its own inputs
+  full        dynaprobe's PrecisionChecker, single-pass, dump="full"
+  failing     dump="failing"
+  stats       dump="stats"
+  msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional)
+Per configuration: seconds per step, ratio to inherent, bytes of dump per step, and host memory
+growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
+
+    .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3]
+        [--json results.json] [--plot plot.svg]
+
+msProbe: `pip install --no-deps --target DIR mindstudio-probe` plus the packages its import
+needs (docs/performance.md lists them), then run with PYTHONPATH=DIR; never let it change torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+from torch.utils._pytree import tree_map
+
+from dynaprobe import PrecisionChecker
+
+torch.set_num_threads(os.cpu_count() or 1)
+warnings.filterwarnings("ignore")
+
+
+def gpt2(layers: int, hidden: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64),
+                        vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, use_cache=False)  # training: no KV cache
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def block_type():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return GPT2Block
+
+
+def rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class Config:
+    """One configuration: a model copy and how a step runs on it."""
+
+    def __init__(self, name, model, dump_dir=None):
+        self.name = name
+        self.model = model
+        self.dump_dir = dump_dir
+        self.times, self.growth, self.bytes = [], [], []
+
+    def setup(self):
+        pass
+
+    def step(self, ids):
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model(ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    def dump_bytes(self):
+        """Bytes the last step added to the dump."""
+        return 0
+
+
+class Compiled(Config):
+    def setup(self):
+        for module in self.model.modules():
+            if isinstance(module, block_type()):
+                module.forward = torch.compile(module.forward, backend="aot_eager")
+
+
+class Inherent(Compiled):
+    """Compiled blocks, then an eager forward and backward of every block call on its inputs."""
+
+    def setup(self):
+        self.calls = []
+        for module in self.model.modules():
+            if isinstance(module, block_type()):
+                original = module.forward
+                compiled = torch.compile(original, backend="aot_eager")
+
+                def forward(*args, _compiled=compiled, _original=original, **kwargs):
+                    out = _compiled(*args, **kwargs)
+                    detached = tree_map(
+                        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+                    detached[0][0].requires_grad_()
+                    self.calls.append((_original,) + detached)
+                    return out
+
+                module.forward = forward
+
+    def step(self, ids):
+        loss = super().step(ids)
+        for original, args, kwargs in self.calls:
+            out = original(*args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.ones_like(out))
+        self.calls.clear()
+        return loss
+
+
+class Dynaprobe(Config):
+    def __init__(self, name, model, dump_dir, dump):
+        super().__init__(name, model, dump_dir)
+        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir)
+        self.checker.wrap_by_policy(model, (block_type(),))
+
+    def setup(self):
+        self.checker.install(self.model)
+
+    def step(self, ids):
+        loss = super().step(ids)
+        result = self.checker.collect(loss)
+        self.last_file = result.dump_file
+        return loss
+
+    def dump_bytes(self):
+        size = os.path.getsize(self.last_file)
+        os.remove(self.last_file)  # keep the disk free; the size is what counts
+        return size
+
+
+class MsProbe(Config):
+    def __init__(self, name, model, dump_dir):
+        super().__init__(name, model, dump_dir)
+        from msprobe.pytorch.compile_accuracy_checker.precision_checker import \
+            PrecisionChecker as MsChecker
+
+        self.checker = MsChecker()
+        self.checker.wrap_by_policy(model, (block_type(),))
+
+    def setup(self):
+        self.checker.install(self.model)
+
+    def step(self, ids):
+        loss = super().step(ids)
+        self.checker.collect(loss)
+        return loss
+
+
+def msprobe_available() -> bool:
+    try:
+        import msprobe.pytorch.compile_accuracy_checker.precision_checker  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
+    template = gpt2(layers, hidden)
+    params = sum(p.numel() for p in template.parameters())
+    state = template.state_dict()
+
+    def copy_model():
+        model = gpt2(layers, hidden)
+        model.load_state_dict(state)
+        return model
+
+    configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
+    for dump in ("full", "failing", "stats"):
+        configs.append(Dynaprobe(dump, copy_model(), os.path.join(workdir, f"{layers}x{hidden}-{dump}"),
+                                 dump))
+    if with_msprobe:
+        configs.append(MsProbe("msprobe", copy_model(), workdir))
+    for config in configs:
+        config.setup()
+    ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(1))
+    for round_ in range(steps + 1):  # round 0: warm-up (compilation)
+        for config in configs:
+            before = rss_bytes("VmRSS")
+            reset_peak_rss()
+            start = time.perf_counter()
+            config.step(ids)
+            elapsed = time.perf_counter() - start
+            growth = rss_bytes("VmHWM") - before
+            written = config.dump_bytes()
+            if round_ > 0:
+                config.times.append(elapsed)
+                config.growth.append(growth)
+                config.bytes.append(written)
+    inherent = statistics.median(next(c for c in configs if c.name == "inherent").times)
+    rows = []
+    for config in configs:
+        seconds = statistics.median(config.times)
+        rows.append({
+            "layers": layers, "hidden": hidden, "params": params, "config": config.name,
+            "seconds": seconds, "vs_inherent": seconds / inherent,
+            "dump_bytes": statistics.median(config.bytes),
+            "rss_growth_bytes": max(config.growth),
+        })
+    return rows
+
+
+def print_table(rows):
+    print(f"{'size':>9} {'params':>7} {'config':>9} {'s/step':>7} {'x inherent':>10} "
+          f"{'dump/step':>10} {'RSS growth':>10}")
+    for r in rows:
+        print(f"{r['layers']:>3}x{r['hidden']:<5} {r['params'] / 1e6:6.1f}M {r['config']:>9} "
+              f"{r['seconds']:7.2f} {r['vs_inherent']:10.2f} {r['dump_bytes'] / 1e6:8.2f}MB "
+              f"{r['rss_growth_bytes'] / 1e6:8.0f}MB")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({(r["layers"], r["hidden"], r["params"]) for r in rows}, key=lambda s: s[2])
+    labels = [f"{l}x{h}\n{p / 1e6:.0f}M" for l, h, p in sizes]
+    names = [n for n in ("compiled", "inherent", "full", "failing", "stats", "msprobe")
+             if any(r["config"] == n for r in rows)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        by_size = {(r["layers"], r["hidden"]): r for r in rows if r["config"] == name}
+        left.plot(labels, [by_size[(l, h)]["seconds"] for l, h, _ in sizes], marker="o",
+                  label=name)
+        if name in ("full", "failing", "stats"):
+            right.plot(labels, [max(by_size[(l, h)]["dump_bytes"], 1) / 1e6 for l, h, _ in sizes],
+                       marker="o", label=name)
+    left.set(title="step time", ylabel="seconds per step", yscale="log")
+    right.set(title="dump per checked step", ylabel="MB", yscale="log")
+    for axis in (left, right):
+        axis.set_xlabel("layers x hidden, parameters")
+        axis.legend()
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="2x256,6x512,12x768")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
+    parser.add_argument("--json", help="write the rows there")
+    parser.add_argument("--plot", help="write a plot of step time and dump size there (SVG/PNG)")
+    args = parser.parse_args()
+    with_msprobe = msprobe_available()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; msProbe: "
+          f"{'measured' if with_msprobe else 'not installed, skipped'}", flush=True)
+    rows = []
+    workdir = tempfile.mkdtemp(prefix="dynaprobe-scale-")
+    old_cwd = os.getcwd()
+    os.chdir(workdir)  # msProbe writes into the working folder
+    try:
+        for size in args.sizes.split(","):
+            layers, hidden = (int(x) for x in size.split("x"))
+            rows += measure(layers, hidden, args.batch, args.seq, args.steps, workdir,
+                            with_msprobe)
+            print_table([r for r in rows if (r["layers"], r["hidden"]) == (layers, hidden)])
+            sys.stdout.flush()
+    finally:
+        os.chdir(old_cwd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

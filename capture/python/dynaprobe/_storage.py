@@ -1,0 +1,128 @@
+"""What a run keeps on disk: which steps are checked, what each checked step stores
+(``dump=``), and the disk budget of a dump, with a one-line estimate after the first step."""
+
+from __future__ import annotations
+
+import numbers
+import os
+import re
+import shutil
+import sys
+import warnings
+from typing import Iterable, List, Optional
+
+DUMP_MODES = ("full", "failing", "stats")
+_STEP_FILE = re.compile(r"step_(-?\d+)\.h5$")
+
+
+def expect_dump_mode(value) -> str:
+    if value not in DUMP_MODES:
+        raise ValueError(f"dump must be one of {', '.join(map(repr, DUMP_MODES))}, but received "
+                         f"{value!r}")
+    return value
+
+
+def expect_steps(value) -> Optional[frozenset]:
+    """None or step indices >= 0 (any iterable of ints)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"check_steps must be None or an iterable of step indices, but received "
+                        f"{value!r}")
+    steps = list(value)
+    for step in steps:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"check_steps must hold step indices >= 0, but holds {step!r}")
+    return frozenset(int(step) for step in steps)
+
+
+class Schedule:
+    """Which steps are checked: ``check_steps`` when given, else every ``check_every``-th step
+    (steps 0, N, 2N, ...). Steps count the collect() calls from 0, as the dump's step files do."""
+
+    def __init__(self, check_every: int, check_steps: Optional[frozenset]):
+        self.check_every = check_every
+        self.check_steps = check_steps
+
+    def checks(self, step: int) -> bool:
+        if self.check_steps is not None:
+            return step in self.check_steps
+        return step % self.check_every == 0
+
+    def remaining(self, after: int) -> Optional[int]:
+        """How many checked steps follow step ``after``; None when unbounded."""
+        if self.check_steps is None:
+            return None
+        return sum(1 for step in self.check_steps if step > after)
+
+
+def committed_steps(dump_dir: str) -> List[tuple]:
+    """(step, path, bytes) of the committed step files of a dump, oldest step first."""
+    found = []
+    try:
+        entries = list(os.scandir(dump_dir))
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        match = _STEP_FILE.match(entry.name)
+        if match and entry.is_file(follow_symlinks=False):
+            found.append((int(match.group(1)), entry.path, entry.stat(follow_symlinks=False).st_size))
+    return sorted(found)
+
+
+def enforce_budget(dump_dir: str, budget: Optional[int], keep: str) -> List[str]:
+    """Removes the oldest committed steps until the dump fits ``budget`` bytes; never ``keep``
+    (the step just written). Returns the removed files."""
+    if budget is None:
+        return []
+    steps = committed_steps(dump_dir)
+    total = sum(size for _, _, size in steps)
+    removed = []
+    for _, path, size in steps:
+        if total <= budget:
+            break
+        if os.path.samefile(path, keep):
+            continue
+        os.remove(path)
+        total -= size
+        removed.append(path)
+    return removed
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedule, step: int,
+                      budget: Optional[int]) -> None:
+    """After the first checked step: one line on stderr with the bytes a checked step takes,
+    and a warning when the run will not fit the disk budget or the free space."""
+    size = os.path.getsize(step_file)
+    free = shutil.disk_usage(dump_dir).free
+    remaining = schedule.remaining(step)
+    plan = (f"{remaining} more checked step(s): about {_size(size * remaining)}"
+            if remaining is not None else f"checking every {schedule.check_every} step(s)")
+    limit = f"disk budget {_size(budget)}" if budget is not None else "no disk budget"
+    print(f"dynaprobe: step {step} wrote {_size(size)} to {dump_dir} (dump={dump!r}); {plan}; "
+          f"{limit}; {_size(free)} free", file=sys.stderr)
+    if budget is not None and size > budget:
+        warnings.warn(f"dynaprobe: one checked step ({_size(size)}) is larger than the disk budget "
+                      f"({_size(budget)}): only the latest step is kept; raise disk_budget_bytes "
+                      "or store less (dump='failing' or 'stats')", stacklevel=4)
+    if budget is not None and budget > free + size:
+        warnings.warn(f"dynaprobe: the disk budget ({_size(budget)}) is larger than the free space "
+                      f"of {dump_dir} ({_size(free)}): the disk may fill before the budget does",
+                      stacklevel=4)
+    if budget is None:
+        ahead = size * remaining if remaining is not None else size * 10
+        if ahead > free:
+            what = (f"the {remaining} checked steps still to come" if remaining is not None
+                    else "ten more checked steps")
+            warnings.warn(f"dynaprobe: {what} would write about {_size(ahead)}, more than the "
+                          f"{_size(free)} free in {dump_dir}; set disk_budget_bytes, check fewer "
+                          "steps (check_every, check_steps) or store less (dump='failing' or "
+                          "'stats')", stacklevel=4)

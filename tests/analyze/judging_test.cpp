@@ -1,0 +1,192 @@
+// Judging in memory (analyze/judging.h) gives the engine's metrics bit for bit, and the engine
+// takes the metrics a capture stored, re-judges only what the stored tensors allow, and says so
+// when they do not.
+#include "dynaprobe/analyze/judging.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/writer.h"
+#include "formats/test_util.h"
+
+namespace dynaprobe::analyze {
+namespace {
+
+using formats::DType;
+using formats::Kind;
+using formats::Side;
+using formats::testing::TempDir;
+
+std::vector<float> noise(std::size_t n, std::uint32_t seed, float scale = 1) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> values(n);
+  for (auto& v : values) v = scale * normal(rng);
+  return values;
+}
+
+formats::Record record(Side side, std::vector<std::int64_t> shape, const void* data,
+                       DType dtype = DType::kFloat32, Kind kind = Kind::kFwdOutput) {
+  formats::Record r;
+  r.key = {0, "layers.0", 0, kind, 0, side};
+  r.tensor = {dtype, std::move(shape), data};
+  return r;
+}
+
+const formats::Provenance kSinglePass = {{"mode", "single_pass"}, {"atol", "0.0001"},
+                                         {"rtol", "0.001"}};
+
+TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
+  // Several chunks per side, and a bfloat16 side whose chunks hold twice the elements: the
+  // accumulation order is the engine's only if the chunking is reproduced.
+  const std::size_t n = 3 * 65536 + 123;
+  const auto eager = noise(n, 1);
+  std::vector<std::uint16_t> compiled_half(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = eager[i] * (1 + 1e-2f * static_cast<float>(i % 7));
+    std::uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    compiled_half[i] = static_cast<std::uint16_t>(bits >> 16);  // bfloat16, truncated
+  }
+  TempDir dir;
+  formats::WriterOptions options;
+  options.chunk_bytes = 64 << 10;
+  {
+    formats::StepWriter writer(dir.path(), 0, kSinglePass, options);
+    writer.write(record(Side::kEager, {static_cast<std::int64_t>(n)}, eager.data()));
+    writer.write(record(Side::kCompiled, {static_cast<std::int64_t>(n)}, compiled_half.data(),
+                        DType::kBFloat16));
+    writer.commit();
+  }
+  CompareOptions compare_options;
+  const Comparison from_dump = compare(dir.path(), dir.path(), compare_options);
+  ASSERT_EQ(from_dump.steps.at(0).rows.size(), 1u);
+  const TensorMetrics& expected = *from_dump.steps[0].rows[0].metrics;
+
+  const formats::TensorView a{DType::kFloat32, {static_cast<std::int64_t>(n)}, eager.data()};
+  const formats::TensorView b{DType::kBFloat16, {static_cast<std::int64_t>(n)},
+                              compiled_half.data()};
+  const Tolerances tolerances = dump_judging(kSinglePass, dir.path())
+                                    .row_tolerances("layers.0", Kind::kFwdOutput, a.dtype, b.dtype);
+  const TensorMetrics got = compare_in_memory(a, b, tolerances, options.chunk_bytes);
+  EXPECT_EQ(std::memcmp(&got.max_abs, &expected.max_abs, sizeof(double)), 0);
+  EXPECT_EQ(got.mean_abs, expected.mean_abs);  // sums in the same order: equal bits
+  EXPECT_EQ(got.rmse, expected.rmse);
+  EXPECT_EQ(got.cosine, expected.cosine);
+  EXPECT_EQ(got.max_rel, expected.max_rel);
+  EXPECT_EQ(got.mismatches, expected.mismatches);
+  EXPECT_EQ(got.worst_index, expected.worst_index);
+  EXPECT_EQ(got.allclose, expected.allclose);
+  EXPECT_FALSE(got.allclose);
+}
+
+// A dump as PrecisionChecker(dump="stats") writes it: index rows and metrics, no tensors.
+void write_stats_dump(const std::filesystem::path& dir, const formats::StoredMetrics& metrics) {
+  formats::StepWriter writer(dir, 0, kSinglePass);
+  const std::vector<formats::Record> records = {record(Side::kEager, {4, 8}, nullptr),
+                                                record(Side::kCompiled, {4, 8}, nullptr)};
+  writer.describe(records);
+  writer.write_metrics(std::span(&metrics, 1));
+  writer.commit();
+}
+
+formats::StoredMetrics passing_metrics() {
+  formats::StoredMetrics stored;
+  stored.key = {0, "layers.0", 0, Kind::kFwdOutput, 0, Side::kCompiled};
+  stored.tolerances = {1e-4, 1e-3};
+  stored.metrics.max_abs = 3e-5;
+  stored.metrics.elements = 32;
+  stored.metrics.worst_index = 17;
+  return stored;
+}
+
+TEST(Judging, StatsDumpReadsBackItsMetricsAndNoTensor) {
+  TempDir dir;
+  write_stats_dump(dir.path(), passing_metrics());
+  const formats::StepReader reader(dir.path() / formats::step_file_name(0));
+  ASSERT_EQ(reader.records().size(), 2u);
+  for (const auto& info : reader.records()) {
+    EXPECT_FALSE(info.stored);
+    EXPECT_EQ(info.shape, (std::vector<std::int64_t>{4, 8}));
+    EXPECT_THROW(reader.open(info), FormatError);
+  }
+  ASSERT_EQ(reader.stored_metrics().size(), 1u);
+  EXPECT_EQ(reader.stored_metrics()[0].key.module, "layers.0");
+  EXPECT_EQ(reader.stored_metrics()[0].metrics.worst_index, 17);
+
+  const Comparison result = compare(dir.path(), dir.path(), CompareOptions{});
+  const Row& row = result.steps.at(0).rows.at(0);
+  EXPECT_EQ(row.status, Status::kPass);
+  EXPECT_EQ(row.metrics->max_abs, 3e-5);
+  EXPECT_TRUE(result.all_pass());
+}
+
+TEST(Judging, WiderTolerancesKeepAPassNarrowerOnesNeedTheTensors) {
+  TempDir dir;
+  write_stats_dump(dir.path(), passing_metrics());
+  CompareOptions wider;
+  wider.atol = 1e-3;
+  EXPECT_EQ(compare(dir.path(), dir.path(), wider).steps.at(0).rows.at(0).status, Status::kPass);
+  CompareOptions narrower;
+  narrower.atol = 1e-6;
+  try {
+    compare(dir.path(), dir.path(), narrower);
+    FAIL() << "judging a stats dump with narrower tolerances must be refused";
+  } catch (const UsageError& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("did not store their tensors"), std::string::npos) << message;
+    EXPECT_NE(message.find("layers.0 fwd_output[0]"), std::string::npos) << message;
+    EXPECT_NE(message.find("atol=0.0001"), std::string::npos) << message;
+  }
+}
+
+TEST(Judging, EngineTakesStoredMetricsAndRecomputeChecksThemAgainstTheTensors) {
+  // Stored metrics that disagree with the stored tensors (as a damaged or forged /metrics
+  // would): compare() reports them, recompute reports the tensors' own.
+  const std::vector<float> a = {1, 2, 3, 4}, b = {1, 2, 3, 5};
+  TempDir dir;
+  {
+    formats::StepWriter writer(dir.path(), 0, kSinglePass);
+    writer.write(record(Side::kEager, {4}, a.data()));
+    writer.write(record(Side::kCompiled, {4}, b.data()));
+    formats::StoredMetrics stored = passing_metrics();
+    writer.write_metrics(std::span(&stored, 1));
+    writer.commit();
+  }
+  EXPECT_EQ(compare(dir.path(), dir.path(), {}).steps.at(0).rows.at(0).status, Status::kPass);
+  CompareOptions recompute;
+  recompute.recompute = true;
+  const Row row = compare(dir.path(), dir.path(), recompute).steps.at(0).rows.at(0);
+  EXPECT_EQ(row.status, Status::kFail);
+  EXPECT_EQ(row.metrics->max_abs, 1.0);
+}
+
+TEST(Judging, MetricsOfARecordNotInTheStepAreRefused) {
+  TempDir dir;
+  formats::StepWriter writer(dir.path(), 0, kSinglePass);
+  const formats::StoredMetrics stored = passing_metrics();
+  writer.write_metrics(std::span(&stored, 1));
+  EXPECT_THROW(writer.commit(), UsageError);
+}
+
+TEST(Judging, RowTolerancesApplyTheFloorThenTheLastMatchingRule) {
+  Judging judging;
+  judging.rules = {{"layers.*", {1, 2}}, {"grad_*", {3, 4}}};
+  EXPECT_EQ(judging.row_tolerances("head", Kind::kFwdOutput, DType::kFloat32, DType::kBFloat16)
+                .rtol,
+            1.6e-2);
+  EXPECT_EQ(judging.row_tolerances("layers.0", Kind::kGradInput, DType::kFloat32, DType::kFloat32)
+                .atol,
+            3);
+  EXPECT_EQ(judging.row_tolerances("layers.0", Kind::kFwdOutput, DType::kFloat32, DType::kFloat32)
+                .atol,
+            1);
+}
+
+}  // namespace
+}  // namespace dynaprobe::analyze

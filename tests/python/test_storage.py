@@ -1,0 +1,228 @@
+"""What a run keeps: dump="full" / "failing" / "stats" (every pair judged in memory, its metrics
+stored), which steps are checked, the disk budget, and the report they give — the same in the
+process and from `dynaprobe compare` (docs/user-guide.md, Storage and scale)."""
+
+import os
+import warnings
+
+import h5py
+import pytest
+import torch
+import torch.nn as nn
+
+from dynaprobe import PrecisionChecker, _C
+from models import MLP, perturbed_gelu_backend
+from test_analyze import run_cli
+
+
+class Chain(nn.Module):
+    """norm -> mlp (GELU, perturbed by the backend) -> proj: only mlp's rows fail."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.proj(self.mlp(self.norm(x)))
+
+
+def checked_step(tmp_path, dump, width=16, batch=8, single_pass=True, **kwargs):
+    """One checked training step of Chain under `dump`; returns (result, step file)."""
+    torch.manual_seed(0)
+    model = Chain(width)
+    x = torch.randn(batch, width)
+    checker = PrecisionChecker(backend=perturbed_gelu_backend, dump=dump, single_pass=single_pass,
+                               dump_dir=str(tmp_path / dump), **kwargs)
+    checker.wrap_all_children(model, depth=0)
+    if single_pass:
+        checker.install(model)
+        loss = model(x).square().sum()
+        loss.backward()
+        result = checker.collect(loss)
+        checker.uninstall()
+    else:
+        result = checker.compare(lambda m: m(x).square().sum(), model)
+    return result, result.dump_file
+
+
+def rows(result):
+    return [(r.module, r.check_type, r.tensor_index, r.status, r.max_abs, r.max_rel, r.mean_abs)
+            for r in result]
+
+
+def stored_tensors(step_file):
+    info = _C.read_step(step_file)
+    return {(r["module"], r["kind"], r["side"]) for r in info["records"] if r["stored"]}
+
+
+@pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "two_pass"])
+def test_every_dump_mode_gives_the_full_report(tmp_path, single_pass):
+    results = {dump: checked_step(tmp_path, dump, single_pass=single_pass)[0]
+               for dump in ("full", "failing", "stats")}
+    assert not results["full"].all_pass
+    assert {r.module for r in results["full"].failures} == {"mlp", "proj"} - (
+        {"proj"} if single_pass else set())
+    for dump in ("failing", "stats"):
+        assert rows(results[dump]) == rows(results["full"]), dump
+        assert results[dump].text().replace(f"/{dump}", "/full") == results["full"].text()
+
+
+def test_the_cli_prints_the_in_process_report_byte_for_byte(tmp_path, dynaprobe_cli, capsys):
+    for dump in ("full", "failing", "stats"):
+        result, step_file = checked_step(tmp_path, dump)
+        proc = run_cli(dynaprobe_cli, "compare", os.path.dirname(step_file))
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stdout == result.text(), dump
+
+
+def test_what_each_mode_stores(tmp_path):
+    _, full = checked_step(tmp_path, "full")
+    _, failing = checked_step(tmp_path, "failing")
+    _, stats = checked_step(tmp_path, "stats")
+    every = stored_tensors(full)
+    assert {m for m, _, _ in every} == {"norm", "mlp", "proj", "LOSS"}
+    # failing: the failing rows' pairs (mlp's outputs and gradients) and the loss; no passing
+    # pair (norm, proj) has a tensor.
+    kept = stored_tensors(failing)
+    assert {m for m, _, _ in kept} == {"mlp", "LOSS"}
+    assert ("mlp", "fwd_output", "eager") in kept and ("mlp", "fwd_output", "compiled") in kept
+    assert stored_tensors(stats) == {("LOSS", "loss", "compiled")}
+    # Every pair's metrics are in the dump, whatever the mode; h5py sees no tensor of a pair
+    # stats did not store.
+    for step_file in (full, failing, stats):
+        assert len(_C.read_step(step_file)["metrics"]) == len(_C.read_step(full)["metrics"]) > 10
+    with h5py.File(stats, "r") as f:
+        assert "norm" not in f["tensors"] and "metrics" in f
+
+
+def test_stats_store_at_most_a_percent_of_full(tmp_path):
+    sizes = {dump: os.path.getsize(checked_step(tmp_path, dump, width=512, batch=512)[1])
+             for dump in ("full", "stats")}
+    assert sizes["stats"] <= 0.01 * sizes["full"], sizes
+
+
+def test_the_metrics_judged_in_memory_are_the_tensors_own(tmp_path):
+    result, step_file = checked_step(tmp_path, "full", width=64, batch=4096)
+    dump = os.path.dirname(step_file)
+    stored = _C.compare(dump, dump)
+    recomputed = _C.compare(dump, dump, recompute=True)
+    as_rows = lambda c: [(r["module"], r["check_type"], r["tensor_index"], r["status"], r["metrics"])
+                         for r in c.steps[0].rows if r["metrics"]]
+    assert as_rows(stored) == as_rows(recomputed) and len(as_rows(stored)) > 10
+
+
+def test_other_tolerances_need_the_tensors_the_cli_says_which(tmp_path, dynaprobe_cli):
+    _, step_file = checked_step(tmp_path, "stats")
+    dump = os.path.dirname(step_file)
+    # mlp's failing rows cannot be judged again with other tolerances, wider or narrower.
+    wider = run_cli(dynaprobe_cli, "compare", dump, "--atol", "10", "--rtol", "10")
+    assert wider.returncode == 2
+    assert "did not store their tensors" in wider.stderr
+    narrower = run_cli(dynaprobe_cli, "compare", dump, "--atol", "1e-9")
+    assert narrower.returncode == 2
+    assert "did not store their tensors" in narrower.stderr and "dump=\"full\"" in narrower.stderr
+    # failing kept the failing rows' tensors: they are judged again; the passing ones keep their
+    # pass under wider tolerances.
+    _, step_file = checked_step(tmp_path, "failing")
+    proc = run_cli(dynaprobe_cli, "compare", os.path.dirname(step_file), "--atol", "10",
+                   "--rtol", "10")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: ALL PASS" in proc.stdout
+
+
+def test_check_every_and_check_steps_choose_the_steps(tmp_path):
+    def run(**schedule):
+        torch.manual_seed(0)
+        model = Chain()
+        checker = PrecisionChecker(dump_dir=str(tmp_path / str(schedule)), **schedule)
+        checker.wrap_all_children(model, depth=0)
+        checker.install(model)
+        results = []
+        for _ in range(5):
+            loss = model(torch.randn(4, 16)).sum()
+            loss.backward()
+            results.append(checker.collect(loss))
+        checker.uninstall()
+        files = sorted(os.listdir(checker.dump_dir))
+        return [r is not None for r in results], files
+
+    checked, files = run(check_every=2)
+    assert checked == [True, False, True, False, True]
+    assert files == ["step_00000000.h5", "step_00000002.h5", "step_00000004.h5"]
+    checked, files = run(check_steps=[1, 3])
+    assert checked == [False, True, False, True, False]
+    assert files == ["step_00000001.h5", "step_00000003.h5"]
+
+
+def test_an_unchecked_step_runs_the_compiled_modules_alone(tmp_path):
+    calls = []
+    model = Chain()
+    checker = PrecisionChecker(check_steps=[1], dump_dir=str(tmp_path / "d"))
+    checker.wrap(model.mlp)
+    checker.install(model)
+    model.mlp.register_forward_hook(lambda *_: calls.append(1))
+    loss = model(torch.randn(2, 16)).sum()
+    loss.backward()
+    assert checker.collect(loss) is None and calls == [1]  # no eager re-run
+    checker.report(None)  # nothing to print, no error
+    loss = model(torch.randn(2, 16)).sum()
+    loss.backward()
+    assert checker.collect(loss).all_pass
+    checker.uninstall()
+
+
+def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):
+    def train(budget, steps=5):
+        model = Chain()
+        checker = PrecisionChecker(dump_dir=str(tmp_path / str(budget)), disk_budget_bytes=budget)
+        checker.wrap_all_children(model, depth=0)
+        checker.install(model)
+        for _ in range(steps):
+            loss = model(torch.randn(4, 16)).sum()
+            loss.backward()
+            checker.collect(loss)
+        checker.uninstall()
+        return sorted(os.listdir(checker.dump_dir)), checker
+
+    files, checker = train(10 ** 9)
+    # Steps after the first hold no graphs (compiled once): they all have one size.
+    step_size = os.path.getsize(os.path.join(checker.dump_dir, files[-1]))
+    assert "dynaprobe: step 0 wrote " in capsys.readouterr().err
+    files, _ = train(int(2.5 * step_size))
+    assert files == ["step_00000003.h5", "step_00000004.h5"]
+    with pytest.warns(UserWarning, match="larger than the disk budget"):
+        files, _ = train(step_size // 2)
+    assert files == ["step_00000004.h5"]  # never the step just written
+
+
+def test_two_pass_over_the_memory_budget_stores_what_it_cannot_hold(tmp_path):
+    # Two-pass holds the whole eager side until the compiled side comes: with a budget far below
+    # it, the oldest records are stored whole, and the report is still the full one.
+    full, _ = checked_step(tmp_path, "full", single_pass=False, width=64, batch=64)
+    stats, step_file = checked_step(tmp_path, "stats", single_pass=False, width=64, batch=64,
+                                    memory_budget_bytes=64 << 10)
+    assert rows(stats) == rows(full)
+    assert len(stored_tensors(step_file)) > 1  # spilled pairs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dump="some"), "dump must be one of 'full', 'failing', 'stats'"),
+    (dict(dump="stats", reference="fp64"), "reference='fp64' needs dump='full'"),
+    (dict(check_every=0), "check_every must be a positive integer"),
+    (dict(check_steps=[-1]), "check_steps must hold step indices >= 0"),
+    (dict(disk_budget_bytes=0), "disk_budget_bytes must be a positive integer"),
+])
+def test_storage_arguments_are_checked(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        PrecisionChecker(**kwargs)
+
+
+def test_a_one_sided_capture_keeps_full_tensors(tmp_path):
+    model = Chain()
+    checker = PrecisionChecker(dump="stats", dump_dir=str(tmp_path / "eager"))
+    checker.wrap_all_children(model, depth=0)
+    step_file = checker.capture(lambda m: m(torch.randn(2, 16)).sum(), model, side="eager")
+    info = _C.read_step(step_file)
+    assert all(r["stored"] for r in info["records"]) and info["metrics"] == []
