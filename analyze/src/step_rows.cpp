@@ -31,8 +31,6 @@ bool contains(const std::vector<std::string>& modules, const std::string& module
 
 }  // namespace
 
-bool is_forward(Kind kind) { return kind == Kind::kFwdInput || kind == Kind::kFwdOutput; }
-
 std::string provenance_value(const formats::Provenance& provenance, std::string_view key) {
   const std::string* found = find_attribute(provenance, key);
   return found ? *found : std::string();

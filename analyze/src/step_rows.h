@@ -22,7 +22,7 @@ namespace dynaprobe::analyze {
 // /modules/<module> attributes by module, both sides merged.
 using ModuleAttributes = std::map<std::string, std::map<std::string, std::string>>;
 
-bool is_forward(formats::Kind kind);
+using formats::is_forward;
 
 // The value of a provenance key, empty when the dump has none.
 std::string provenance_value(const formats::Provenance& provenance, std::string_view key);

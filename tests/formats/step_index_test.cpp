@@ -105,7 +105,8 @@ TEST(StepIndex, IndexRowBecomesARecordOfTheStep) {
 TEST(StepIndex, UnknownKindSideOrDtypeIsNamed) {
   std::vector<std::int64_t> dims = {3};
   const std::pair<IndexRow, std::string> cases[] = {
-      {row("buffer", "eager", "float32", dims), "unknown kind 'buffer'"},
+      {row("kind_from_the_future", "eager", "float32", dims),
+       "unknown kind 'kind_from_the_future'"},
       {row("fwd_output", "sideways", "float32", dims), "unknown side 'sideways'"},
       {row("fwd_output", "eager", "float4", dims), "unknown dtype 'float4'"},
   };
