@@ -21,6 +21,7 @@
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "step_rows.h"
 #include "tensor_pair.h"
 
 namespace dynaprobe::analyze {
@@ -38,8 +39,6 @@ std::string format_double(double value) {
   std::snprintf(buffer, sizeof(buffer), "%g", value);
   return buffer;
 }
-
-bool is_forward(Kind kind) { return kind == Kind::kFwdInput || kind == Kind::kFwdOutput; }
 
 // The committed steps of one dump, opened (which reads each file's index, no tensor data).
 struct OpenDump {
@@ -142,20 +141,6 @@ std::optional<double> read_loss(const StepReader* reader, Side side) {
   return value;
 }
 
-struct TensorKey {
-  std::string module;
-  std::uint32_t call;
-  Kind kind;
-  std::uint32_t tensor_index;
-  auto operator<=>(const TensorKey&) const = default;
-};
-
-struct Pair {
-  const RecordInfo* eager = nullptr;
-  const RecordInfo* compiled = nullptr;
-  const RecordInfo* reference = nullptr;
-};
-
 // Which metrics of a row a task computes: the row's own (eager vs compiled, which decide its
 // status), or a side against the fp64 reference.
 enum class Target { kRow, kReferenceEager, kReferenceCompiled };
@@ -172,11 +157,6 @@ struct Task {
   Tolerances tolerances;
 };
 
-bool under(const std::string& module, const std::string& prefix) {
-  return module.size() > prefix.size() && module.compare(0, prefix.size(), prefix) == 0 &&
-         module[prefix.size()] == '.';
-}
-
 bool matches(const std::string& glob, const std::string& module) {
   return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
 }
@@ -186,6 +166,9 @@ Tolerances row_tolerances(const StepReport& report, const Row& row) {
   return judging.row_tolerances(row.module, *row.kind, row.eager->dtype, row.compiled->dtype);
 }
 
+// Builds one step's report: its header, then, for the wanted modules in model order, a row per
+// module note and per tensor key, and the metric tasks of the rows both sides hold (run_tasks
+// computes them later and sets those rows' statuses). The phases are in step_rows.h.
 class StepBuilder {
  public:
   StepBuilder(const CompareOptions& options, Tolerances tolerances,
@@ -199,228 +182,129 @@ class StepBuilder {
                    std::vector<Task>& tasks_out);
 
  private:
-  void add_module_order(const std::string& module) {
-    if (seen_.insert(module).second) order_.push_back(module);
-  }
+  // What the rows of one step are built from.
+  struct StepRecords {
+    const StepReader* eager;
+    const StepReader* compiled;
+    const ModuleAttributes& modules;
+    const Pairs& pairs;
+    const CallsRun& calls;
+    const ModuleRoles& roles;
+  };
+
   bool wanted(const std::string& module) const {
     return options_.module_glob.empty() || matches(options_.module_glob, module);
   }
+  StepReport report_header(std::int64_t step, const StepReader* eager,
+                           const StepReader* compiled) const;
+  void add_module_rows(const std::string& module, const StepRecords& records, StepReport& report,
+                       std::vector<Task>& tasks) const;
+  void add_tensor_row(const TensorKey& key, Pair pair, const StepRecords& records,
+                      StepReport& report, std::vector<Task>& tasks) const;
+  void add_tasks(const Pair& pair, const StepRecords& records, const StepReport& report, Row& row,
+                 std::vector<Task>& tasks) const;
 
   const CompareOptions& options_;
   Tolerances tolerances_;
   std::vector<ToleranceRule> rules_;
   bool dtype_aware_;
-  std::vector<std::string> order_;
-  std::set<std::string> seen_;
 };
 
 StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
                               const StepReader* compiled, std::vector<Task>& tasks) {
-  order_.clear();
-  seen_.clear();
+  StepReport report = report_header(step, eager, compiled);
+  ModuleOrder order;
+  const ModuleAttributes modules = merge_module_attributes(eager, compiled, order);
+  for (const auto& [module, attributes] : modules) {
+    if (wanted(module)) report.modules.emplace(module, attributes);
+  }
+  const Pairs pairs = pair_records(eager, compiled, order);
+  const CallsRun calls = calls_run(pairs);
+  const ModuleRoles roles(modules);
+  const StepRecords records{eager, compiled, modules, pairs, calls, roles};
+  for (const std::string& module : order.modules()) {
+    if (wanted(module)) add_module_rows(module, records, report, tasks);
+  }
+  return report;
+}
+
+StepReport StepBuilder::report_header(std::int64_t step, const StepReader* eager,
+                                      const StepReader* compiled) const {
   StepReport report;
   report.step = step;
   report.tolerances = tolerances_;
   report.tolerance_rules = rules_;
   report.dtype_aware = dtype_aware_;
-  const StepReader* any = eager ? eager : compiled;
-  const formats::Provenance& provenance = any->provenance();
-  report.single_pass =
-      formats::provenance_value(provenance, vocabulary::provenance::kMode) == vocabulary::mode::kSinglePass;
-  report.capture_input =
-      formats::provenance_value(provenance, vocabulary::provenance::kCaptureInput) != "false";
-  const std::string cast = formats::provenance_value(provenance, vocabulary::provenance::kCastDtype);
-  report.cast_dtype = cast == "None" ? "" : cast;
+  apply_provenance((eager ? eager : compiled)->provenance(), report);
   report.loss_eager = read_loss(eager, Side::kEager);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
-
-  // Module order and roles: the capture's module list (model order), then modules seen in records.
-  std::map<std::string, std::map<std::string, std::string>> module_attributes;
-  for (const StepReader* reader : {eager, compiled}) {
-    if (!reader) continue;
-    for (const auto& info : reader->modules()) {
-      add_module_order(info.module);
-      auto& attributes = module_attributes[info.module];
-      for (const auto& [key, value] : info.attributes) attributes.emplace(key, value);
-    }
-  }
-  for (const auto& [module, attributes] : module_attributes) {
-    if (wanted(module)) report.modules.emplace(module, attributes);
-  }
-  std::map<TensorKey, Pair> pairs;
-  const auto collect = [&](const StepReader* reader, Side side) {
-    if (!reader) return;
-    for (const RecordInfo& info : reader->records()) {
-      if (info.key.side != side || info.key.kind == Kind::kLoss) continue;
-      add_module_order(info.key.module);
-      Pair& pair = pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}];
-      (side == Side::kEager ? pair.eager : pair.compiled) = &info;
-    }
-  };
-  collect(eager, Side::kEager);
-  collect(compiled, Side::kCompiled);
-  // The fp64 reference lives with the compiled side (single-pass writes both in one file).
-  const StepReader* reference_reader = compiled ? compiled : eager;
-  if (reference_reader) {
-    for (const RecordInfo& info : reference_reader->records()) {
-      if (info.key.side != Side::kReference) continue;
-      auto found =
-          pairs.find({info.key.module, info.key.call, info.key.kind, info.key.tensor_index});
-      if (found != pairs.end()) found->second.reference = &info;
-    }
-  }
-  // The calls each side ran, from their forward records: a two-pass model can take another path
-  // when compiled, so a module may run on one side only. Its gradients are then missing, not a
-  // compiled wrapper's hooks that do not align.
-  std::set<std::pair<std::string, std::uint32_t>> ran_compiled;
-  std::map<std::string, std::set<std::uint32_t>> ran_eager;
-  for (const auto& [key, pair] : pairs) {
-    if (!is_forward(key.kind)) continue;
-    if (pair.compiled) ran_compiled.insert({key.module, key.call});
-    if (pair.eager) ran_eager[key.module].insert(key.call);
-  }
-  const auto compiled_ran = [&](const std::string& module, std::uint32_t call) {
-    return report.single_pass || ran_compiled.count({module, call}) > 0;
-  };
-
-  std::vector<std::string> wrapped, ignored;
-  for (const auto& [module, attributes] : module_attributes) {
-    auto role = attributes.find(std::string(module_attributes::kRole));
-    if (role == attributes.end()) continue;
-    if (role->second == vocabulary::role::kWrapped) wrapped.push_back(module);
-    if (role->second == vocabulary::role::kIgnored) ignored.push_back(module);
-  }
-  const auto is_ignored = [&](const std::string& module) {
-    return std::any_of(ignored.begin(), ignored.end(), [&](const std::string& prefix) {
-      return module == prefix || under(module, prefix);
-    });
-  };
-  const auto inside_wrapped = [&](const std::string& module) {
-    return std::any_of(wrapped.begin(), wrapped.end(),
-                       [&](const std::string& w) { return under(module, w); });
-  };
-  const auto is_wrapped = [&](const std::string& module) {
-    return std::find(wrapped.begin(), wrapped.end(), module) != wrapped.end();
-  };
-
-  for (const std::string& module : order_) {
-    if (!wanted(module)) continue;
-    const auto attributes = module_attributes.find(module);
-    if (is_ignored(module)) {
-      // Only the ignored modules themselves get a row; their submodules are covered by it.
-      const bool listed = attributes != module_attributes.end() &&
-                          attributes->second.count(std::string(module_attributes::kRole)) &&
-                          attributes->second.at(std::string(module_attributes::kRole)) ==
-                              vocabulary::role::kIgnored;
-      if (listed) {
-        Row row;
-        row.module = module;
-        row.status = Status::kSkip;
-        row.note = notes::kIgnored;
-        report.rows.push_back(std::move(row));
-      }
-      continue;
-    }
-    if (attributes != module_attributes.end()) {
-      auto note = attributes->second.find(std::string(module_attributes::kNote));
-      if (note != attributes->second.end() && !note->second.empty()) {
-        Row row;
-        row.module = module;
-        row.note = note->second;
-        row.status = note_status(note->second);
-        auto reason = attributes->second.find(std::string(module_attributes::kReason));
-        if (reason != attributes->second.end()) row.reason = reason->second;
-        // The capture counts the calls of the compiled copy only: a module it saw no call of
-        // may still have run eagerly, and then "not called" would be wrong.
-        const auto eager_calls = ran_eager.find(module);
-        if (row.note == notes::kNotRun && !report.single_pass && eager_calls != ran_eager.end()) {
-          row.reason =
-              "the compiled model did not call it in this step, but the eager model did (" +
-              std::to_string(eager_calls->second.size()) +
-              " call(s)): the two copies took different paths; look for control flow "
-              "that depends on compilation (torch.compiler.is_compiling(), "
-              "graph-break fallbacks) or on state the compiled copy does not share";
-        }
-        report.rows.push_back(std::move(row));
-      }
-    }
-    for (auto it = pairs.lower_bound({module, 0, Kind::kFwdInput, 0});
-         it != pairs.end() && it->first.module == module; ++it) {
-      const TensorKey& key = it->first;
-      Pair pair = it->second;
-      Row row;
-      row.module = module;
-      row.call = key.call;
-      row.kind = key.kind;
-      row.tensor_index = key.tensor_index;
-      // Single-pass re-runs the eager module on the very inputs of the compiled one and seeds
-      // its backward with the compiled module's grad_output: a tensor recorded once stands for
-      // both sides.
-      if (recorded_once(key.kind, report.single_pass)) {
-        if (!pair.eager) pair.eager = pair.compiled;
-        if (!pair.compiled) pair.compiled = pair.eager;
-      }
-      // Capture order: the compiled side's record where there is one (its position in the index,
-      // which the writer keeps in the order of the records).
-      if (pair.compiled && compiled) {
-        row.sequence = static_cast<std::uint64_t>(pair.compiled - compiled->records().data());
-      } else if (pair.eager && eager) {
-        row.sequence = static_cast<std::uint64_t>(pair.eager - eager->records().data());
-      }
-      if (pair.eager) {
-        row.eager = TensorSide{pair.eager->dtype, pair.eager->shape};
-        row.label = pair.eager->label;
-      }
-      if (pair.compiled) {
-        row.compiled = TensorSide{pair.compiled->dtype, pair.compiled->shape};
-        if (row.label.empty()) row.label = pair.compiled->label;
-      }
-      if (pair.eager && pair.compiled) {
-        if (row.shape_mismatch()) {
-          row.status = Status::kFail;
-          row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
-                       ", compiled " + formats::shape_string(pair.compiled->shape);
-        } else {
-          const Tolerances tolerances = row_tolerances(report, row);
-          if (tolerances.atol != report.tolerances.atol ||
-              tolerances.rtol != report.tolerances.rtol) {
-            row.tolerances = tolerances;
-          }
-          tasks.push_back(Task{nullptr, report.rows.size(), eager, pair.eager, compiled,
-                               pair.compiled, Target::kRow, tolerances});
-          if (pair.reference && pair.reference->shape == pair.eager->shape) {
-            tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
-                                 eager, pair.eager, Target::kReferenceEager, tolerances});
-            tasks.push_back(Task{nullptr, report.rows.size(), reference_reader, pair.reference,
-                                 compiled, pair.compiled, Target::kReferenceCompiled, tolerances});
-          }
-        }
-      } else if (pair.eager) {
-        if (is_forward(key.kind)) {
-          row.status = inside_wrapped(module) ? Status::kSkip : Status::kWarn;
-          row.note = inside_wrapped(module) ? notes::kInsideCompiled : notes::kMissingFwdInCompiled;
-          if (is_wrapped(module) && !compiled_ran(module, key.call)) {
-            row.reason = "the compiled model did not run this call";
-          }
-        } else if (is_wrapped(module) && !compiled_ran(module, key.call)) {
-          row.status = Status::kWarn;
-          row.note = notes::kMissingBwdInCompiled;
-          row.reason = "the compiled model did not run this call, so it has no gradients";
-        } else if (is_wrapped(module)) {
-          row.status = Status::kSkip;
-          row.note = notes::kCompiledWrapper;
-        } else {
-          row.status = inside_wrapped(module) ? Status::kSkip : Status::kWarn;
-          row.note = inside_wrapped(module) ? notes::kInsideCompiled : notes::kMissingBwdInCompiled;
-        }
-      } else {
-        row.status = Status::kWarn;
-        row.note = is_forward(key.kind) ? notes::kMissingFwdInEager : notes::kMissingBwdInEager;
-      }
-      report.rows.push_back(std::move(row));
-    }
-  }
   return report;
+}
+
+void StepBuilder::add_module_rows(const std::string& module, const StepRecords& records,
+                                  StepReport& report, std::vector<Task>& tasks) const {
+  if (records.roles.ignored_or_under(module)) {
+    // Only the ignored modules themselves get a row; their submodules are covered by it.
+    if (records.roles.ignored(module)) report.rows.push_back(ignored_row(module));
+    return;
+  }
+  const auto attributes = records.modules.find(module);
+  if (attributes != records.modules.end()) {
+    auto row = module_note_row(module, attributes->second, report.single_pass,
+                               records.calls.eager_calls(module));
+    if (row) report.rows.push_back(std::move(*row));
+  }
+  for (auto it = records.pairs.lower_bound({module, 0, Kind::kFwdInput, 0});
+       it != records.pairs.end() && it->first.module == module; ++it) {
+    add_tensor_row(it->first, it->second, records, report, tasks);
+  }
+}
+
+void StepBuilder::add_tensor_row(const TensorKey& key, Pair pair, const StepRecords& records,
+                                 StepReport& report, std::vector<Task>& tasks) const {
+  pair = compared_pair(key, pair, report.single_pass);
+  Row row = tensor_row(key, pair, records.eager, records.compiled);
+  if (pair.eager && pair.compiled) {
+    if (row.shape_mismatch()) {
+      row.status = Status::kFail;
+      row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
+                   ", compiled " + formats::shape_string(pair.compiled->shape);
+    } else {
+      add_tasks(pair, records, report, row, tasks);
+    }
+  } else {
+    const Verdict verdict = one_sided_verdict(
+        {pair.eager ? Side::kEager : Side::kCompiled, key.kind, records.roles.wrapped(key.module),
+         records.roles.inside_wrapped(key.module),
+         records.calls.compiled_ran(key.module, key.call, report.single_pass)});
+    row.status = verdict.status;
+    row.note = verdict.note;
+    row.reason = verdict.reason;
+  }
+  report.rows.push_back(std::move(row));
+}
+
+// The row's own comparison and, with an fp64 reference of its shape, each side's against it;
+// `row` is the next row of `report`.
+void StepBuilder::add_tasks(const Pair& pair, const StepRecords& records, const StepReport& report,
+                            Row& row, std::vector<Task>& tasks) const {
+  const Tolerances tolerances = row_tolerances(report, row);
+  if (tolerances.atol != report.tolerances.atol || tolerances.rtol != report.tolerances.rtol) {
+    row.tolerances = tolerances;
+  }
+  const std::size_t index = report.rows.size();
+  const StepReader* eager = records.eager;
+  const StepReader* compiled = records.compiled;
+  tasks.push_back(
+      Task{nullptr, index, eager, pair.eager, compiled, pair.compiled, Target::kRow, tolerances});
+  if (pair.reference && pair.reference->shape == pair.eager->shape) {
+    // The fp64 reference lives with the compiled side (single-pass writes both in one file).
+    const StepReader* reference = compiled ? compiled : eager;
+    tasks.push_back(Task{nullptr, index, reference, pair.reference, eager, pair.eager,
+                         Target::kReferenceEager, tolerances});
+    tasks.push_back(Task{nullptr, index, reference, pair.reference, compiled, pair.compiled,
+                         Target::kReferenceCompiled, tolerances});
+  }
 }
 
 // A --module filter that selects nothing would print an empty report: a usage error instead,

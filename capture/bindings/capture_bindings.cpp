@@ -18,20 +18,16 @@ namespace py = pybind11;
 namespace fmt = dynaprobe::formats;
 using dynaprobe::capture::Recorder;
 
-namespace {
-
-// Keep in sync with the kind and side names the Python package passes (formats::kind_name,
-// formats::side_name).
 fmt::Kind kind_arg(const std::string& kind) {
   auto parsed = fmt::parse_kind(kind);
   if (!parsed) {
-    throw dynaprobe::UsageError("unknown record kind '" + kind +
-                                "'; expected one of fwd_input, fwd_output, grad_input, "
-                                "grad_output, param_grad, loss");
+    throw dynaprobe::UsageError("unknown record kind '" + kind + "'; expected one of " +
+                                fmt::kind_names());
   }
   return *parsed;
 }
 
+// Keep in sync with formats::side_name.
 fmt::Side side_arg(const std::string& side) {
   auto parsed = fmt::parse_side(side);
   if (!parsed) {
@@ -40,8 +36,6 @@ fmt::Side side_arg(const std::string& side) {
   }
   return *parsed;
 }
-
-}  // namespace
 
 void bind_capture(py::module_& m) {
   py::class_<Recorder>(m, "Recorder", R"doc(

@@ -27,11 +27,7 @@ fmt::DType dtype_arg(const std::string& name) {
 fmt::RecordKey key_arg(std::int64_t step, const std::string& module, std::uint32_t call,
                        const std::string& kind, std::uint32_t tensor_index,
                        const std::string& side) {
-  auto parsed_kind = fmt::parse_kind(kind);
-  auto parsed_side = fmt::parse_side(side);
-  if (!parsed_kind) throw dynaprobe::UsageError("unknown record kind '" + kind + "'");
-  if (!parsed_side) throw dynaprobe::UsageError("unknown side '" + side + "'");
-  return {step, module, call, *parsed_kind, tensor_index, *parsed_side};
+  return {step, module, call, kind_arg(kind), tensor_index, side_arg(side)};
 }
 
 py::dict record_dict(const fmt::RecordInfo& info) {

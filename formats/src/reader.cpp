@@ -21,6 +21,7 @@
 #include "dynaprobe/formats/schema.h"
 #include "h5.h"
 #include "hdf5_types.h"
+#include "step_index.h"
 
 namespace dynaprobe::formats {
 namespace fs = std::filesystem;
@@ -60,7 +61,7 @@ std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& wher
 // The metrics judged at capture (format 1.3), verified against their checksum; each names an
 // index row, whose key it takes.
 std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<RecordInfo>& records,
-                                               const std::vector<std::int64_t>& record_of_row,
+                                               const std::vector<std::int64_t>& record_of_index_row,
                                                const std::string& where) {
   const std::string name = "/" + std::string(schema::kMetricsDataset);
   if (H5Lexists(file, name.c_str(), H5P_DEFAULT) <= 0) return {};
@@ -88,12 +89,12 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
   std::vector<StoredMetrics> metrics;
   metrics.reserve(rows.size());
   for (const MetricsRow& row : rows) {
-    if (row.record >= record_of_row.size()) {
+    if (row.record >= record_of_index_row.size()) {
       throw FormatError(context + ": damaged: a row names index row " +
                         std::to_string(row.record) + ", but the index has " +
-                        std::to_string(record_of_row.size()));
+                        std::to_string(record_of_index_row.size()));
     }
-    const std::int64_t record = record_of_row[row.record];
+    const std::int64_t record = record_of_index_row[row.record];
     if (record < 0) continue;  // of a record this reader skips
     StoredMetrics stored = metrics_of_row(row);
     stored.key = records[static_cast<std::size_t>(record)].key;
@@ -550,6 +551,189 @@ struct StepReader::Impl {
   std::map<RecordKey, std::size_t> metrics_by_key;
 };
 
+bool FormatVersion::newer() const {
+  return major > schema::kFormatMajor ||
+         (major == schema::kFormatMajor && minor > schema::kFormatMinor);
+}
+
+FormatVersion parse_format_version(const std::string& text, const std::string& where) {
+  FormatVersion version{text, -1, 0};
+  const char* first = text.data();
+  const char* last = text.data() + text.size();
+  const auto malformed = [&] {
+    return FormatError(where + ": format version '" + text +
+                       "' is not of the form <major>.<minor>");
+  };
+  const auto parsed = std::from_chars(first, last, version.major);
+  if (parsed.ec != std::errc() || version.major < 0) throw malformed();
+  if (parsed.ptr < last && *parsed.ptr == '.') {
+    if (std::from_chars(parsed.ptr + 1, last, version.minor).ec != std::errc() ||
+        version.minor < 0) {
+      throw malformed();
+    }
+  }
+  if (version.major > schema::kFormatMajor) {
+    throw FormatError(where + ": written in dump format " + text +
+                      ", but this dynaprobe reads format " + std::to_string(schema::kFormatMajor) +
+                      ".x; upgrade dynaprobe to read it");
+  }
+  return version;
+}
+
+std::int64_t parse_step(const std::string& text, const std::string& where) {
+  std::int64_t step = 0;
+  if (std::from_chars(text.data(), text.data() + text.size(), step).ec != std::errc()) {
+    throw FormatError(where + ": step attribute '" + text + "' is not an integer");
+  }
+  return step;
+}
+
+std::optional<RecordInfo> record_of_row(const IndexRow& row, std::size_t i, std::int64_t step,
+                                        const std::vector<std::uint64_t>& chunk_hashes,
+                                        const std::string& where, std::string& unknown) {
+  RecordInfo info;
+  info.key.step = step;
+  info.key.module = row.module ? row.module : "";
+  info.key.call = row.call;
+  info.key.tensor_index = row.tensor_index;
+  const auto kind = parse_kind(row.kind ? row.kind : "");
+  const auto side = parse_side(row.side ? row.side : "");
+  const auto dtype = parse_dtype(row.dtype ? row.dtype : "");
+  if (!kind || !side || !dtype) {
+    unknown = "index row " + std::to_string(i) + " (module " + quoted_name(info.key.module) +
+              "): unknown " +
+              (!kind   ? "kind " + quoted_name(row.kind ? row.kind : "")
+               : !side ? "side " + quoted_name(row.side ? row.side : "")
+                       : "dtype " + quoted_name(row.dtype ? row.dtype : ""));
+    return std::nullopt;
+  }
+  info.key.kind = *kind;
+  info.key.side = *side;
+  info.dtype = *dtype;
+  info.label = row.label ? row.label : "";
+  const auto* dims = static_cast<const std::int64_t*>(row.shape.p);
+  info.shape.assign(dims, dims + row.shape.len);
+  info.stored_bytes = row.stored_bytes;
+  info.chunk_offset = row.chunk_offset;
+  info.chunk_filter_mask = row.chunk_filter_mask;
+  info.chunk_hash = row.chunk_hash;
+  if (row.chunk_count > 0) {
+    if (row.chunk_hashes_first > chunk_hashes.size() ||
+        row.chunk_count > chunk_hashes.size() - row.chunk_hashes_first) {
+      throw FormatError(where + ": damaged /index: row " + std::to_string(i) +
+                        " points past the end of /chunk_hashes");
+    }
+    const auto first = chunk_hashes.begin() + static_cast<std::ptrdiff_t>(row.chunk_hashes_first);
+    info.chunk_hashes.assign(first, first + static_cast<std::ptrdiff_t>(row.chunk_count));
+  }
+  return info;
+}
+
+namespace {
+
+FormatVersion read_format_version(hid_t file, const std::string& where) {
+  if (!h5::has_attribute(file, schema::kFormatVersionAttr)) {
+    throw FormatError(where + ": not a dynaprobe step file (no '" +
+                      std::string(schema::kFormatVersionAttr) + "' attribute on /)");
+  }
+  return parse_format_version(h5::read_string_attribute(file, schema::kFormatVersionAttr, where),
+                              where);
+}
+
+// Provenance: every other string attribute of the root group.
+Provenance read_provenance(hid_t file, const std::string& where) {
+  Provenance provenance;
+  for (const std::string& key : h5::attribute_names(file, where)) {
+    if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) continue;
+    try {
+      provenance[key] = h5::read_string_attribute(file, key, where);
+    } catch (const FormatError&) {  // not a string: not provenance written by dynaprobe
+    }
+  }
+  return provenance;
+}
+
+// /index read whole, with /chunk_hashes for format >= 1.2. The rows' strings and shapes are
+// HDF5's variable-length data, reclaimed when the table goes away.
+class IndexTable {
+ public:
+  IndexTable(hid_t file, const FormatVersion& version, const std::string& where);
+
+  // Throws FormatError unless the index checksum (format >= 1.2) covers these rows, the chunk
+  // hashes, `step` and `provenance`. Call before trusting any offset, hash or name of a row.
+  void verify(std::int64_t step, const Provenance& provenance, const std::string& where) const;
+
+  const std::vector<IndexRow>& rows() const { return rows_.rows; }
+  const std::vector<std::uint64_t>& chunk_hashes() const { return chunk_hashes_; }
+
+ private:
+  // Rows read from HDF5, whose variable-length data HDF5 allocated: reclaimed when they go away,
+  // also when the constructor throws after reading them. Declared after the handles it uses.
+  struct Rows {
+    hid_t type = -1, space = -1;
+    std::vector<IndexRow> rows;
+    Rows() = default;
+    Rows(const Rows&) = delete;
+    Rows& operator=(const Rows&) = delete;
+    ~Rows() {
+      if (!rows.empty()) H5Dvlen_reclaim(type, space, H5P_DEFAULT, rows.data());
+    }
+  };
+
+  h5::Handle table_, type_, space_;
+  bool hashed_ = false;
+  Rows rows_;
+  std::vector<std::uint64_t> chunk_hashes_;
+};
+
+IndexTable::IndexTable(hid_t file, const FormatVersion& version, const std::string& where) {
+  const std::string index_name = "/" + std::string(schema::kIndexDataset);
+  if (H5Lexists(file, index_name.c_str(), H5P_DEFAULT) <= 0) {
+    throw FormatError(where + ": no " + index_name +
+                      " table: not a complete dynaprobe step file (was it committed?)");
+  }
+  table_ = h5::dataset_handle(H5Dopen2(file, index_name.c_str(), H5P_DEFAULT), "opening the index",
+                              where);
+  const auto has_field = [&](std::string_view field) {
+    h5::Handle stored = h5::type_handle(H5Dget_type(table_.get()), "reading the index", where);
+    return H5Tget_member_index(stored.get(), std::string(field).c_str()) >= 0;
+  };
+  const bool located = has_field(schema::kIndexChunkOffset);  // format 1.1: chunk locations
+  hashed_ = has_field(schema::kIndexChunkCount);  // format 1.2: chunk hashes, index checksum
+  if (version.major == 1 && version.minor >= 2 && !hashed_) {
+    throw FormatError(where + ": damaged /index: format " + version.text +
+                      " files have chunk hashes, but this index has none");
+  }
+  type_ = index_row_type(located, hashed_);
+  space_ = h5::space_handle(H5Dget_space(table_.get()), "reading the index", where);
+  const hssize_t count = H5Sget_simple_extent_npoints(space_.get());
+  std::vector<IndexRow> rows(static_cast<std::size_t>(std::max<hssize_t>(count, 0)), IndexRow{});
+  if (!rows.empty()) {
+    h5::check<FormatError>(
+        H5Dread(table_.get(), type_.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
+        "reading the index", where);
+  }
+  rows_.type = type_.get();
+  rows_.space = space_.get();
+  rows_.rows = std::move(rows);
+  if (hashed_) chunk_hashes_ = read_chunk_hashes(file, where);
+}
+
+void IndexTable::verify(std::int64_t step, const Provenance& provenance,
+                        const std::string& where) const {
+  if (!hashed_) return;
+  const std::uint64_t stored = h5::read_u64_attribute(
+      table_.get(), schema::kIndexChecksumAttr, "/" + std::string(schema::kIndexDataset), where);
+  if (index_checksum(rows_.rows, chunk_hashes_, step, provenance) != stored) {
+    throw FormatError(where +
+                      ": damaged /index: its XXH64 checksum does not match the index, the chunk "
+                      "hashes, the step or the provenance (a damaged disk, or the file was "
+                      "edited in place)");
+  }
+}
+
+}  // namespace
+
 StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   Impl& impl = *impl_;
   impl.path = path;
@@ -558,154 +742,41 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   const std::string where = path.string();
   h5::Lock lock(h5::hdf5_mutex());
   const hid_t file = impl.file->get();
-  if (!h5::has_attribute(file, schema::kFormatVersionAttr)) {
-    throw FormatError(where + ": not a dynaprobe step file (no '" +
-                      std::string(schema::kFormatVersionAttr) + "' attribute on /)");
-  }
-  impl.format_version = h5::read_string_attribute(file, schema::kFormatVersionAttr, where);
-  int major = -1;
-  const auto* text = impl.format_version.data();
-  const auto parsed = std::from_chars(text, text + impl.format_version.size(), major);
-  if (parsed.ec != std::errc() || major < 0) {
-    throw FormatError(where + ": format version '" + impl.format_version +
-                      "' is not of the form <major>.<minor>");
-  }
-  int minor = 0;
-  if (parsed.ptr < text + impl.format_version.size() && *parsed.ptr == '.') {
-    const char* end = text + impl.format_version.size();
-    if (std::from_chars(parsed.ptr + 1, end, minor).ec != std::errc() || minor < 0) {
-      throw FormatError(where + ": format version '" + impl.format_version +
-                        "' is not of the form <major>.<minor>");
-    }
-  }
-  // Only a newer version may hold kinds, sides or dtypes this reader does not know; in a file of
-  // a version it knows, an unknown name is damage.
-  const bool newer = major > schema::kFormatMajor ||
-                     (major == schema::kFormatMajor && minor > schema::kFormatMinor);
-  if (major > schema::kFormatMajor) {
-    throw FormatError(where + ": written in dump format " + impl.format_version +
-                      ", but this dynaprobe reads format " + std::to_string(schema::kFormatMajor) +
-                      ".x; upgrade dynaprobe to read it");
-  }
-  const std::string step_text = h5::read_string_attribute(file, schema::kStepAttr, where);
-  if (std::from_chars(step_text.data(), step_text.data() + step_text.size(), impl.step).ec !=
-      std::errc()) {
-    throw FormatError(where + ": step attribute '" + step_text + "' is not an integer");
-  }
-  // Provenance: every other string attribute of the root group.
-  for (const std::string& key : h5::attribute_names(file, where)) {
-    if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) continue;
-    try {
-      impl.provenance[key] = h5::read_string_attribute(file, key, where);
-    } catch (const FormatError&) {  // not a string: not provenance written by dynaprobe
-    }
-  }
-
-  const std::string index_name = "/" + std::string(schema::kIndexDataset);
-  if (H5Lexists(file, index_name.c_str(), H5P_DEFAULT) <= 0) {
-    throw FormatError(where + ": no " + index_name +
-                      " table: not a complete dynaprobe step file (was it committed?)");
-  }
-  h5::Handle table = h5::dataset_handle(H5Dopen2(file, index_name.c_str(), H5P_DEFAULT),
-                                        "opening the index", where);
-  const bool located = [&] {  // format 1.1 added the chunk location fields
-    h5::Handle stored = h5::type_handle(H5Dget_type(table.get()), "reading the index", where);
-    return H5Tget_member_index(stored.get(), std::string(schema::kIndexChunkOffset).c_str()) >= 0;
-  }();
-  const bool hashed = [&] {  // format 1.2 added the chunk hashes and the index checksum
-    h5::Handle stored = h5::type_handle(H5Dget_type(table.get()), "reading the index", where);
-    return H5Tget_member_index(stored.get(), std::string(schema::kIndexChunkCount).c_str()) >= 0;
-  }();
-  if (major == 1 && minor >= 2 && !hashed) {
-    throw FormatError(where + ": damaged /index: format " + impl.format_version +
-                      " files have chunk hashes, but this index has none");
-  }
-  h5::Handle type = index_row_type(located, hashed);
-  h5::Handle space = h5::space_handle(H5Dget_space(table.get()), "reading the index", where);
-  const hssize_t count = H5Sget_simple_extent_npoints(space.get());
-  std::vector<IndexRow> rows(static_cast<std::size_t>(std::max<hssize_t>(count, 0)), IndexRow{});
-  if (!rows.empty()) {
-    h5::check<FormatError>(
-        H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
-        "reading the index", where);
-  }
-  struct Reclaim {
-    hid_t type, space;
-    void* data;
-    ~Reclaim() {
-      if (data) H5Dvlen_reclaim(type, space, H5P_DEFAULT, data);
-    }
-  } reclaim{type.get(), space.get(), rows.empty() ? nullptr : rows.data()};
-  std::vector<std::uint64_t> chunk_hashes;
-  if (hashed) {
-    // Verified before any offset, hash or name of the index is trusted.
-    chunk_hashes = read_chunk_hashes(file, where);
-    const std::uint64_t stored =
-        h5::read_u64_attribute(table.get(), schema::kIndexChecksumAttr, index_name, where);
-    if (index_checksum(rows, chunk_hashes, impl.step, impl.provenance) != stored) {
-      throw FormatError(where +
-                        ": damaged /index: its XXH64 checksum does not match the index, the chunk "
-                        "hashes, the step or the provenance (a damaged disk, or the file was "
-                        "edited in place)");
-    }
-  }
-  impl.records.reserve(rows.size());
-  std::vector<std::int64_t> record_of_row(rows.size(), -1);  // -1: skipped (a newer kind, ...)
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    const IndexRow& row = rows[i];
-    RecordInfo info;
-    info.key.step = impl.step;
-    info.key.module = row.module ? row.module : "";
-    info.key.call = row.call;
-    info.key.tensor_index = row.tensor_index;
-    const auto kind = parse_kind(row.kind ? row.kind : "");
-    const auto side = parse_side(row.side ? row.side : "");
-    const auto dtype = parse_dtype(row.dtype ? row.dtype : "");
-    // A newer minor version may add kinds, sides or dtypes: such records are listed as
-    // skipped, and everything this reader understands stays readable. In a file of a version
-    // this reader knows, an unknown name can only be damage.
-    if (!kind || !side || !dtype) {
-      const std::string what = "index row " + std::to_string(i) + " (module " +
-                               quoted_name(info.key.module) + "): unknown " +
-                               (!kind   ? "kind " + quoted_name(row.kind ? row.kind : "")
-                                : !side ? "side " + quoted_name(row.side ? row.side : "")
-                                        : "dtype " + quoted_name(row.dtype ? row.dtype : ""));
-      if (!newer) {
-        throw FormatError(where + ": damaged /index: " + what + ", which format " +
-                          impl.format_version +
+  const FormatVersion version = read_format_version(file, where);
+  impl.format_version = version.text;
+  impl.step = parse_step(h5::read_string_attribute(file, schema::kStepAttr, where), where);
+  impl.provenance = read_provenance(file, where);
+  const IndexTable index(file, version, where);
+  index.verify(impl.step, impl.provenance, where);
+  impl.records.reserve(index.rows().size());
+  // Where each index row went in records(), -1 for a skipped one (/metrics names index rows).
+  std::vector<std::int64_t> record_of_index_row(index.rows().size(), -1);
+  for (std::size_t i = 0; i < index.rows().size(); ++i) {
+    std::string unknown;
+    std::optional<RecordInfo> info =
+        record_of_row(index.rows()[i], i, impl.step, index.chunk_hashes(), where, unknown);
+    if (!info) {
+      // A newer minor version may add kinds, sides or dtypes: such records are listed as
+      // skipped, and everything this reader understands stays readable. In a file of a version
+      // this reader knows, an unknown name can only be damage.
+      if (!version.newer()) {
+        throw FormatError(where + ": damaged /index: " + unknown + ", which format " +
+                          version.text +
                           " does not have; the file is corrupt (re-capture or re-copy it)");
       }
-      impl.skipped.push_back(what + ", written by a newer dynaprobe (format " +
-                             impl.format_version + ")");
+      impl.skipped.push_back(unknown + ", written by a newer dynaprobe (format " + version.text +
+                             ")");
       continue;
-    }
-    info.key.kind = *kind;
-    info.key.side = *side;
-    info.dtype = *dtype;
-    info.label = row.label ? row.label : "";
-    const auto* dims = static_cast<const std::int64_t*>(row.shape.p);
-    info.shape.assign(dims, dims + row.shape.len);
-    info.stored_bytes = row.stored_bytes;
-    info.chunk_offset = row.chunk_offset;
-    info.chunk_filter_mask = row.chunk_filter_mask;
-    info.chunk_hash = row.chunk_hash;
-    if (row.chunk_count > 0) {
-      if (row.chunk_hashes_first > chunk_hashes.size() ||
-          row.chunk_count > chunk_hashes.size() - row.chunk_hashes_first) {
-        throw FormatError(where + ": damaged /index: row " + std::to_string(i) +
-                          " points past the end of /chunk_hashes");
-      }
-      const auto first = chunk_hashes.begin() + static_cast<std::ptrdiff_t>(row.chunk_hashes_first);
-      info.chunk_hashes.assign(first, first + static_cast<std::ptrdiff_t>(row.chunk_count));
     }
     // Format 1.3: a record with elements but no stored bytes was judged at capture and not
     // stored (older writers stored every record).
-    info.stored = !(major == 1 && minor >= 3 && info.numel() > 0 && info.stored_bytes == 0);
-    record_of_row[i] = static_cast<std::int64_t>(impl.records.size());
-    impl.by_key.emplace(info.key, impl.records.size());
-    impl.records.push_back(std::move(info));
+    info->stored = !(version.major == 1 && version.minor >= 3 && info->numel() > 0 &&
+                     info->stored_bytes == 0);
+    record_of_index_row[i] = static_cast<std::int64_t>(impl.records.size());
+    impl.by_key.emplace(info->key, impl.records.size());
+    impl.records.push_back(std::move(*info));
   }
-  impl.metrics = read_stored_metrics(file, impl.records, record_of_row, where);
+  impl.metrics = read_stored_metrics(file, impl.records, record_of_index_row, where);
   for (std::size_t i = 0; i < impl.metrics.size(); ++i) {
     impl.metrics_by_key.emplace(impl.metrics[i].key, i);
   }

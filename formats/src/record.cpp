@@ -9,11 +9,26 @@
 namespace dynaprobe::formats {
 namespace {
 
-constexpr std::array<std::string_view, 6> kKindNames = {"fwd_input",   "fwd_output", "grad_input",
-                                                        "grad_output", "param_grad", "loss"};
+struct KindInfo {
+  Kind kind;
+  std::string_view name;
+  bool forward;  // recorded in the forward pass (is_forward)
+};
+constexpr KindInfo kKinds[] = {
+    {Kind::kFwdInput, "fwd_input", true},    {Kind::kFwdOutput, "fwd_output", true},
+    {Kind::kGradInput, "grad_input", false}, {Kind::kGradOutput, "grad_output", false},
+    {Kind::kParamGrad, "param_grad", false}, {Kind::kLoss, "loss", false},
+};
 constexpr std::array<std::string_view, 3> kSideNames = {"eager", "compiled", "reference"};
-// Indexed by the enumerators: one name each, in enumerator order.
-static_assert(kKindNames.size() == static_cast<std::size_t>(Kind::kLoss) + 1);
+
+// kKinds is indexed by the enumerator: each entry must stand at its own kind's position.
+constexpr bool kinds_in_enumerator_order() {
+  for (std::size_t i = 0; i < std::size(kKinds); ++i) {
+    if (static_cast<std::size_t>(kKinds[i].kind) != i) return false;
+  }
+  return std::size(kKinds) == static_cast<std::size_t>(Kind::kLoss) + 1;
+}
+static_assert(kinds_in_enumerator_order(), "kKinds must list every Kind in enumerator order");
 static_assert(kSideNames.size() == static_cast<std::size_t>(Side::kReference) + 1);
 
 template <typename Enum, std::size_t N>
@@ -25,10 +40,23 @@ std::optional<Enum> parse_name(const std::array<std::string_view, N>& names,
   return std::nullopt;
 }
 
+const KindInfo& kind_info(Kind kind) { return kKinds[static_cast<std::size_t>(kind)]; }
+
 }  // namespace
 
-std::string_view kind_name(Kind kind) { return kKindNames[static_cast<std::size_t>(kind)]; }
-std::optional<Kind> parse_kind(std::string_view name) { return parse_name<Kind>(kKindNames, name); }
+std::string_view kind_name(Kind kind) { return kind_info(kind).name; }
+std::optional<Kind> parse_kind(std::string_view name) {
+  for (const KindInfo& info : kKinds) {
+    if (info.name == name) return info.kind;
+  }
+  return std::nullopt;
+}
+std::string kind_names() {
+  std::string names;
+  for (const KindInfo& info : kKinds) names += (names.empty() ? "" : ", ") + std::string(info.name);
+  return names;
+}
+bool is_forward(Kind kind) { return kind_info(kind).forward; }
 std::string_view side_name(Side side) { return kSideNames[static_cast<std::size_t>(side)]; }
 std::optional<Side> parse_side(std::string_view name) { return parse_name<Side>(kSideNames, name); }
 

@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "chunk_layout.h"
+#include "chunk_pipeline.h"
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/schema.h"
 #include "h5.h"
@@ -29,13 +30,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr int kMaxRank = H5S_MAX_RANK;
-
-// Work buffers of one pipeline token, reused from chunk to chunk and step to step.
-struct ChunkBuffers {
-  std::vector<std::byte> padded;  // a partial edge chunk, zero-padded to the chunk size
-  std::vector<std::byte> shuffled;
-  std::vector<std::byte> compressed;
-};
 
 // A compressor for ZSTD_compress2 at `level`. Every frame carries zstd's content checksum: without
 // it a damaged chunk (a bad sector, a bit flip in transit) whose bytes fall in raw literals
@@ -194,6 +188,71 @@ thread_local int NiceObserver::previous_ = 0;
 
 }  // namespace
 
+std::optional<ChunkItem> ChunkSequence::next() {
+  if (next_plan_ == plans_.size()) return std::nullopt;
+  const WritePlan& plan = plans_[next_plan_];
+  const std::size_t count = plan.layout ? plan.layout->chunk_count() : 0;
+  ChunkItem item;
+  item.plan = &plan;
+  item.chunk = next_chunk_;
+  item.has_chunk = count > 0;
+  item.first = next_chunk_ == 0;
+  item.last = next_chunk_ + 1 >= count;
+  if (item.last) {
+    ++next_plan_;
+    next_chunk_ = 0;
+  } else {
+    ++next_chunk_;
+  }
+  return item;
+}
+
+void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_ratio) {
+  if (!item.has_chunk) return;
+  const ChunkLayout& layout = *item.plan->layout;
+  const TensorView& tensor = item.plan->record->tensor;
+  const std::size_t element_size = dtype_size(tensor.dtype);
+  const ChunkExtent extent = layout.extent(item.chunk);
+  const std::size_t chunk_bytes = layout.chunk_elements() * element_size;
+  const std::size_t valid_bytes = extent.element_count * element_size;
+  ChunkBuffers& work = *item.buffers;
+  const std::byte* raw =
+      static_cast<const std::byte*>(tensor.data) + extent.first_element * element_size;
+  if (valid_bytes < chunk_bytes) {  // HDF5 stores edge chunks at full size
+    work.padded.resize(chunk_bytes);
+    std::memcpy(work.padded.data(), raw, valid_bytes);
+    std::memset(work.padded.data() + valid_bytes, 0, chunk_bytes - valid_bytes);
+    raw = work.padded.data();
+  }
+  ZSTD_CCtx* compressor = thread_compressor(zstd_level);
+  std::size_t size = chunk_bytes;
+  if (shrinks_enough(compressor, raw, chunk_bytes, element_size, min_compression_ratio,
+                     work.compressed)) {
+    const std::byte* input = raw;
+    if (element_size > 1) {
+      work.shuffled.resize(chunk_bytes);
+      shuffle_bytes(raw, work.shuffled.data(), chunk_bytes, element_size);
+      input = work.shuffled.data();
+    }
+    work.compressed.resize(ZSTD_compressBound(chunk_bytes));
+    size = ZSTD_compress2(compressor, work.compressed.data(), work.compressed.size(), input,
+                          chunk_bytes);
+  }
+  if (ZSTD_isError(size) ||
+      static_cast<double>(size) * min_compression_ratio >= static_cast<double>(chunk_bytes)) {
+    // not worth it: store the bytes as they are
+    item.payload = raw;
+    item.payload_size = chunk_bytes;
+    item.filter_mask = schema::kAllFiltersSkipped;
+  } else {
+    item.payload = work.compressed.data();
+    item.payload_size = size;
+  }
+  if (layout.chunk_count() == 1 || item.filter_mask == schema::kAllFiltersSkipped) {
+    item.payload_hash = xxh64(item.payload, item.payload_size);
+  }
+}
+
 struct StepWriter::Impl {
   fs::path final_path;
   fs::path partial_path;
@@ -221,11 +280,7 @@ struct StepWriter::Impl {
   std::optional<int> fd;  // the step file's descriptor (-1: none), looked up on the first write
   std::size_t unsynced_bytes = 0;
 
-  // Per record of the current write(): its chunk layout (none for 0-d and empty tensors).
-  struct Plan {
-    const Record* record;
-    std::optional<ChunkLayout> layout;
-  };
+  using Plan = WritePlan;
   // The dataset being written by the serial output stage.
   h5::Handle dataset;
   RecordInfo dataset_info;  // stored_bytes and the chunk location so far
@@ -242,6 +297,8 @@ struct StepWriter::Impl {
   void remember_stored(const TensorView& tensor, std::size_t index_position);
   void finish_dataset(const Plan& plan);
   void write_all(const std::vector<Plan>& plans);
+  void store(const ChunkItem& item);
+  void write_chunk(const ChunkItem& item);
   void write_index();
   void write_metrics_table();
   void ensure_usable(std::string_view action) const;
@@ -367,125 +424,71 @@ void StepWriter::Impl::finish_dataset(const Plan& plan) {
   index.push_back(std::move(dataset_info));
 }
 
+// Compression runs in parallel; HDF5 writes run serially, in order (docs/design.md, Threads).
 void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
-  // One item per chunk, or one per record without chunks (0-d and empty tensors).
-  struct Item {
-    const Plan* plan = nullptr;
-    std::size_t chunk = 0;
-    bool has_chunk = false;
-    bool first = false;
-    bool last = false;
-    ChunkBuffers* buffers = nullptr;
-    const std::byte* payload = nullptr;
-    std::size_t payload_size = 0;
-    unsigned filter_mask = 0;
-    // Of a record's only chunk, for /index, and of every chunk stored as it is, for
-    // /chunk_hashes.
-    std::uint64_t payload_hash = 0;
-  };
-  std::size_t next_plan = 0;
-  std::size_t next_chunk = 0;
-  const auto produce = [&](tbb::flow_control& control) -> Item {
-    if (next_plan == plans.size()) {
+  if (!fd) fd = h5::file_descriptor(file.get());
+  ChunkSequence sequence(plans);
+  const auto produce = [&](tbb::flow_control& control) -> ChunkItem {
+    std::optional<ChunkItem> item = sequence.next();
+    if (!item) {
       control.stop();
       return {};
     }
-    const Plan& plan = plans[next_plan];
-    const std::size_t count = plan.layout ? plan.layout->chunk_count() : 0;
-    Item item{&plan, next_chunk, count > 0, next_chunk == 0, next_chunk + 1 >= count};
-    if (item.has_chunk) free_buffers.pop(item.buffers);
-    if (item.last) {
-      ++next_plan;
-      next_chunk = 0;
-    } else {
-      ++next_chunk;
-    }
-    return item;
+    if (item->has_chunk) free_buffers.pop(item->buffers);
+    return *item;
   };
-  const auto compress = [&](Item item) -> Item {
-    if (!item.has_chunk) return item;
-    const ChunkLayout& layout = *item.plan->layout;
-    const TensorView& tensor = item.plan->record->tensor;
-    const std::size_t element_size = dtype_size(tensor.dtype);
-    const ChunkExtent extent = layout.extent(item.chunk);
-    const std::size_t chunk_bytes = layout.chunk_elements() * element_size;
-    const std::size_t valid_bytes = extent.element_count * element_size;
-    ChunkBuffers& work = *item.buffers;
-    const std::byte* raw =
-        static_cast<const std::byte*>(tensor.data) + extent.first_element * element_size;
-    if (valid_bytes < chunk_bytes) {  // HDF5 stores edge chunks at full size
-      work.padded.resize(chunk_bytes);
-      std::memcpy(work.padded.data(), raw, valid_bytes);
-      std::memset(work.padded.data() + valid_bytes, 0, chunk_bytes - valid_bytes);
-      raw = work.padded.data();
-    }
-    ZSTD_CCtx* compressor = thread_compressor(options.zstd_level);
-    std::size_t size = chunk_bytes;
-    if (shrinks_enough(compressor, raw, chunk_bytes, element_size, options.min_compression_ratio,
-                       work.compressed)) {
-      const std::byte* input = raw;
-      if (element_size > 1) {
-        work.shuffled.resize(chunk_bytes);
-        shuffle_bytes(raw, work.shuffled.data(), chunk_bytes, element_size);
-        input = work.shuffled.data();
-      }
-      work.compressed.resize(ZSTD_compressBound(chunk_bytes));
-      size = ZSTD_compress2(compressor, work.compressed.data(), work.compressed.size(), input,
-                            chunk_bytes);
-    }
-    if (ZSTD_isError(size) || static_cast<double>(size) * options.min_compression_ratio >=
-                                  static_cast<double>(chunk_bytes)) {
-      // not worth it: store the bytes as they are
-      item.payload = raw;
-      item.payload_size = chunk_bytes;
-      item.filter_mask = schema::kAllFiltersSkipped;
-    } else {
-      item.payload = work.compressed.data();
-      item.payload_size = size;
-    }
-    if (layout.chunk_count() == 1 || item.filter_mask == schema::kAllFiltersSkipped) {
-      item.payload_hash = xxh64(item.payload, item.payload_size);
-    }
+  const auto compress = [&](ChunkItem item) -> ChunkItem {
+    compress_chunk(item, options.zstd_level, options.min_compression_ratio);
     return item;
-  };
-  if (!fd) fd = h5::file_descriptor(file.get());
-  const auto store = [&](Item item) {
-    struct ReturnBuffers {
-      Impl& impl;
-      ChunkBuffers* buffers;
-      ~ReturnBuffers() {
-        if (buffers) impl.free_buffers.push(buffers);
-      }
-    } give_back{*this, item.buffers};
-    h5::Lock lock(h5::hdf5_mutex());
-    if (item.first) create_dataset(*item.plan);
-    if (item.has_chunk) {
-      const auto offset = item.plan->layout->offset(item.chunk);
-      h5::check(H5Dwrite_chunk(dataset.get(), H5P_DEFAULT, item.filter_mask, offset.data(),
-                               item.payload_size, item.payload),
-                "writing chunk " + std::to_string(item.chunk),
-                partial_path.string() + " " + dataset_path(item.plan->record->key));
-      dataset_info.stored_bytes += item.payload_size;
-      if (item.plan->layout->chunk_count() == 1) {
-        locate_only_chunk(item.payload_hash);
-      } else {  // compressed chunks: zstd's content checksum
-        dataset_info.chunk_hashes.push_back(
-            item.filter_mask == schema::kAllFiltersSkipped ? item.payload_hash : 0);
-      }
-      unsynced_bytes += item.payload_size;
-      if (unsynced_bytes >= kWritebackBytes) {
-        start_writeback(*fd);
-        unsynced_bytes = 0;
-      }
-    }
-    if (item.last) finish_dataset(*item.plan);
   };
   arena.execute([&] {
     tbb::parallel_pipeline(
-        buffers.size(), tbb::make_filter<void, Item>(tbb::filter_mode::serial_in_order, produce) &
-                            tbb::make_filter<Item, Item>(tbb::filter_mode::parallel, compress) &
-                            tbb::make_filter<Item, void>(tbb::filter_mode::serial_in_order, store));
+        buffers.size(),
+        tbb::make_filter<void, ChunkItem>(tbb::filter_mode::serial_in_order, produce) &
+            tbb::make_filter<ChunkItem, ChunkItem>(tbb::filter_mode::parallel, compress) &
+            tbb::make_filter<ChunkItem, void>(tbb::filter_mode::serial_in_order,
+                                              [&](ChunkItem item) { store(item); }));
   });
+}
+
+// The serial stage: a record's first item creates its dataset, its last closes and indexes it.
+// The item's buffers go back to the pipeline, also when a write fails.
+void StepWriter::Impl::store(const ChunkItem& item) {
+  struct ReturnBuffers {
+    Impl& impl;
+    ChunkBuffers* buffers;
+    ~ReturnBuffers() {
+      if (buffers) impl.free_buffers.push(buffers);
+    }
+  } give_back{*this, item.buffers};
+  h5::Lock lock(h5::hdf5_mutex());
+  if (item.first) create_dataset(*item.plan);
+  if (item.has_chunk) write_chunk(item);
+  if (item.last) finish_dataset(*item.plan);
+}
+
+// Writes the item's payload as its chunk of `dataset` and notes it in `dataset_info`: the bytes
+// stored, the only chunk's location, or each chunk's hash. Starts the disk's writeback now and
+// then, so that commit()'s fsync waits for the tail only.
+void StepWriter::Impl::write_chunk(const ChunkItem& item) {
+  const ChunkLayout& layout = *item.plan->layout;
+  const auto offset = layout.offset(item.chunk);
+  h5::check(H5Dwrite_chunk(dataset.get(), H5P_DEFAULT, item.filter_mask, offset.data(),
+                           item.payload_size, item.payload),
+            "writing chunk " + std::to_string(item.chunk),
+            partial_path.string() + " " + dataset_path(item.plan->record->key));
+  dataset_info.stored_bytes += item.payload_size;
+  if (layout.chunk_count() == 1) {
+    locate_only_chunk(item.payload_hash);
+  } else {  // compressed chunks: zstd's content checksum
+    dataset_info.chunk_hashes.push_back(
+        item.filter_mask == schema::kAllFiltersSkipped ? item.payload_hash : 0);
+  }
+  unsynced_bytes += item.payload_size;
+  if (unsynced_bytes >= kWritebackBytes) {
+    start_writeback(*fd);
+    unsynced_bytes = 0;
+  }
 }
 
 void StepWriter::Impl::write_index() {

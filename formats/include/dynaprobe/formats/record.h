@@ -14,6 +14,8 @@
 namespace dynaprobe::formats {
 
 // What a tensor is, relative to its module (the spec's check types, plus param_grad and loss).
+// A new kind is an enumerator here and a row of kKinds in record.cpp (its name and pass): the
+// analyzer pairs, judges and reports every kind by those.
 enum class Kind : std::uint8_t {
   kFwdInput,
   kFwdOutput,
@@ -27,6 +29,12 @@ enum class Side : std::uint8_t { kEager, kCompiled, kReference };
 
 std::string_view kind_name(Kind kind);  // "fwd_input", ...
 std::optional<Kind> parse_kind(std::string_view name);
+// "fwd_input, fwd_output, ...": every kind's name, for messages that list them.
+std::string kind_names();
+// Whether the kind is recorded in the forward pass (fwd_input, fwd_output): one side missing it
+// is MISSING_fwd_*, and the text report lists it in a FORWARD section. Every other kind is of the
+// backward pass.
+bool is_forward(Kind kind);
 std::string_view side_name(Side side);  // "eager", ...
 std::optional<Side> parse_side(std::string_view name);
 

@@ -1,0 +1,203 @@
+#include "step_rows.h"
+
+#include <algorithm>
+
+#include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/formats/vocabulary.h"
+
+namespace dynaprobe::analyze {
+using formats::Kind;
+using formats::RecordInfo;
+using formats::Side;
+using formats::StepReader;
+namespace vocabulary = formats::vocabulary;
+
+namespace {
+
+const std::string* find_attribute(const std::map<std::string, std::string>& attributes,
+                                  std::string_view key) {
+  auto found = attributes.find(std::string(key));
+  return found == attributes.end() ? nullptr : &found->second;
+}
+
+// `module` is a submodule of `prefix` ("layers.0.mlp" of "layers.0").
+bool under(const std::string& module, const std::string& prefix) {
+  return module.size() > prefix.size() && module.compare(0, prefix.size(), prefix) == 0 &&
+         module[prefix.size()] == '.';
+}
+
+bool contains(const std::vector<std::string>& modules, const std::string& module) {
+  return std::find(modules.begin(), modules.end(), module) != modules.end();
+}
+
+}  // namespace
+
+void apply_provenance(const formats::Provenance& provenance, StepReport& report) {
+  const auto value = [&](std::string_view key) {
+    return formats::provenance_value(provenance, key);
+  };
+  report.single_pass = value(vocabulary::provenance::kMode) == vocabulary::mode::kSinglePass;
+  report.capture_input = value(vocabulary::provenance::kCaptureInput) != "false";
+  const std::string cast = value(vocabulary::provenance::kCastDtype);
+  report.cast_dtype = cast == "None" ? "" : cast;
+}
+
+ModuleAttributes merge_module_attributes(const StepReader* eager, const StepReader* compiled,
+                                         ModuleOrder& order) {
+  ModuleAttributes modules;
+  for (const StepReader* reader : {eager, compiled}) {
+    if (!reader) continue;
+    for (const auto& info : reader->modules()) {
+      order.add(info.module);
+      auto& attributes = modules[info.module];
+      for (const auto& [key, value] : info.attributes) attributes.emplace(key, value);
+    }
+  }
+  return modules;
+}
+
+Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOrder& order) {
+  Pairs pairs;
+  const auto collect = [&](const StepReader* reader, Side side) {
+    if (!reader) return;
+    for (const RecordInfo& info : reader->records()) {
+      if (info.key.side != side || info.key.kind == Kind::kLoss) continue;
+      order.add(info.key.module);
+      Pair& pair = pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}];
+      (side == Side::kEager ? pair.eager : pair.compiled) = &info;
+    }
+  };
+  collect(eager, Side::kEager);
+  collect(compiled, Side::kCompiled);
+  const StepReader* reference_reader = compiled ? compiled : eager;
+  if (reference_reader) {
+    for (const RecordInfo& info : reference_reader->records()) {
+      if (info.key.side != Side::kReference) continue;
+      auto found =
+          pairs.find({info.key.module, info.key.call, info.key.kind, info.key.tensor_index});
+      if (found != pairs.end()) found->second.reference = &info;
+    }
+  }
+  return pairs;
+}
+
+Pair compared_pair(const TensorKey& key, Pair pair, bool single_pass) {
+  if (recorded_once(key.kind, single_pass)) {
+    if (!pair.eager) pair.eager = pair.compiled;
+    if (!pair.compiled) pair.compiled = pair.eager;
+  }
+  return pair;
+}
+
+Row tensor_row(const TensorKey& key, const Pair& pair, const StepReader* eager,
+               const StepReader* compiled) {
+  Row row;
+  row.module = key.module;
+  row.call = key.call;
+  row.kind = key.kind;
+  row.tensor_index = key.tensor_index;
+  if (pair.compiled && compiled) {
+    row.sequence = static_cast<std::uint64_t>(pair.compiled - compiled->records().data());
+  } else if (pair.eager && eager) {
+    row.sequence = static_cast<std::uint64_t>(pair.eager - eager->records().data());
+  }
+  if (pair.eager) {
+    row.eager = TensorSide{pair.eager->dtype, pair.eager->shape};
+    row.label = pair.eager->label;
+  }
+  if (pair.compiled) {
+    row.compiled = TensorSide{pair.compiled->dtype, pair.compiled->shape};
+    if (row.label.empty()) row.label = pair.compiled->label;
+  }
+  return row;
+}
+
+CallsRun calls_run(const Pairs& pairs) {
+  CallsRun run;
+  for (const auto& [key, pair] : pairs) {
+    if (!is_forward(key.kind)) continue;
+    if (pair.compiled) run.compiled.insert({key.module, key.call});
+    if (pair.eager) run.eager[key.module].insert(key.call);
+  }
+  return run;
+}
+
+ModuleRoles::ModuleRoles(const ModuleAttributes& modules) {
+  for (const auto& [module, attributes] : modules) {
+    const std::string* role = find_attribute(attributes, module_attributes::kRole);
+    if (!role) continue;
+    if (*role == vocabulary::role::kWrapped) wrapped_.push_back(module);
+    if (*role == vocabulary::role::kIgnored) ignored_.push_back(module);
+  }
+}
+
+bool ModuleRoles::wrapped(const std::string& module) const { return contains(wrapped_, module); }
+
+bool ModuleRoles::inside_wrapped(const std::string& module) const {
+  return std::any_of(wrapped_.begin(), wrapped_.end(),
+                     [&](const std::string& w) { return under(module, w); });
+}
+
+bool ModuleRoles::ignored(const std::string& module) const { return contains(ignored_, module); }
+
+bool ModuleRoles::ignored_or_under(const std::string& module) const {
+  return std::any_of(ignored_.begin(), ignored_.end(), [&](const std::string& prefix) {
+    return module == prefix || under(module, prefix);
+  });
+}
+
+std::optional<Row> module_note_row(const std::string& module,
+                                   const std::map<std::string, std::string>& attributes,
+                                   bool single_pass, std::size_t eager_calls) {
+  const std::string* note = find_attribute(attributes, module_attributes::kNote);
+  if (!note || note->empty()) return std::nullopt;
+  Row row;
+  row.module = module;
+  row.note = *note;
+  row.status = note_status(*note);
+  if (const std::string* reason = find_attribute(attributes, module_attributes::kReason)) {
+    row.reason = *reason;
+  }
+  // The capture counts the calls of the compiled copy only: a module it saw no call of may still
+  // have run eagerly, and then "not called" would be wrong.
+  if (row.note == notes::kNotRun && !single_pass && eager_calls > 0) {
+    row.reason = "the compiled model did not call it in this step, but the eager model did (" +
+                 std::to_string(eager_calls) +
+                 " call(s)): the two copies took different paths; look for control flow "
+                 "that depends on compilation (torch.compiler.is_compiling(), "
+                 "graph-break fallbacks) or on state the compiled copy does not share";
+  }
+  return row;
+}
+
+Row ignored_row(const std::string& module) {
+  Row row;
+  row.module = module;
+  row.note = notes::kIgnored;
+  row.status = note_status(row.note);
+  return row;
+}
+
+Verdict one_sided_verdict(const OneSidedCase& row) {
+  Verdict verdict;
+  const bool forward = is_forward(row.kind);
+  if (row.held == Side::kCompiled) {
+    verdict.note = forward ? notes::kMissingFwdInEager : notes::kMissingBwdInEager;
+  } else if (forward) {
+    verdict.note = row.inside_wrapped ? notes::kInsideCompiled : notes::kMissingFwdInCompiled;
+    if (row.wrapped && !row.compiled_ran) {
+      verdict.reason = "the compiled model did not run this call";
+    }
+  } else if (row.wrapped && !row.compiled_ran) {
+    verdict.note = notes::kMissingBwdInCompiled;
+    verdict.reason = "the compiled model did not run this call, so it has no gradients";
+  } else if (row.wrapped) {
+    verdict.note = notes::kCompiledWrapper;
+  } else {
+    verdict.note = row.inside_wrapped ? notes::kInsideCompiled : notes::kMissingBwdInCompiled;
+  }
+  verdict.status = note_status(verdict.note);
+  return verdict;
+}
+
+}  // namespace dynaprobe::analyze

@@ -1,0 +1,134 @@
+// The write pipeline's stages that need no HDF5 (formats/src/chunk_pipeline.h), called directly:
+// the order of the items and what compressing a chunk stores.
+#include "chunk_pipeline.h"
+
+#include <gtest/gtest.h>
+#include <zstd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/schema.h"
+#include "test_util.h"
+
+namespace dynaprobe::formats {
+namespace {
+
+Record float_record(std::vector<std::int64_t> shape, const void* data) {
+  Record record;
+  record.tensor = {DType::kFloat32, std::move(shape), data};
+  return record;
+}
+
+WritePlan chunked(const Record& record, std::size_t chunk_bytes) {
+  return {&record, ChunkLayout::plan(record.tensor.shape, 4, chunk_bytes)};
+}
+
+// Every chunk of every record in order; a record without chunks is one item, first and last.
+TEST(ChunkSequence, ItemsAreEveryChunkOfEveryRecordInOrder) {
+  const std::vector<float> values(10, 1.0f);
+  const Record three = float_record({10}, values.data());  // 16-byte chunks: 3 of them
+  const Record scalar = float_record({}, values.data());
+  const Record one = float_record({2}, values.data());
+  const std::vector<WritePlan> plans = {
+      chunked(three, 16), {&scalar, std::nullopt}, chunked(one, 16)};
+  ChunkSequence sequence(plans);
+  struct Expected {
+    const WritePlan* plan;
+    std::size_t chunk;
+    bool has_chunk, first, last;
+  };
+  const Expected expected[] = {{&plans[0], 0, true, true, false},
+                               {&plans[0], 1, true, false, false},
+                               {&plans[0], 2, true, false, true},
+                               {&plans[1], 0, false, true, true},
+                               {&plans[2], 0, true, true, true}};
+  for (const Expected& e : expected) {
+    const std::optional<ChunkItem> item = sequence.next();
+    ASSERT_TRUE(item);
+    EXPECT_EQ(item->plan, e.plan);
+    EXPECT_EQ(item->chunk, e.chunk);
+    EXPECT_EQ(item->has_chunk, e.has_chunk);
+    EXPECT_EQ(item->first, e.first);
+    EXPECT_EQ(item->last, e.last);
+    EXPECT_EQ(item->buffers, nullptr);
+  }
+  EXPECT_FALSE(sequence.next());
+  EXPECT_FALSE(sequence.next());
+}
+
+ChunkItem first_item(const std::vector<WritePlan>& plans, ChunkBuffers& buffers) {
+  ChunkSequence sequence(plans);
+  ChunkItem item = *sequence.next();
+  item.buffers = &buffers;
+  return item;
+}
+
+// A compressible chunk is shuffled and zstd-compressed; decoding the payload gives the bytes back.
+TEST(CompressChunk, CompressibleChunkIsShuffledAndCompressed) {
+  std::vector<float> values(4096);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 7);
+  const Record record = float_record({4096}, values.data());
+  const std::vector<WritePlan> plans = {chunked(record, 1 << 20)};
+  ChunkBuffers buffers;
+  ChunkItem item = first_item(plans, buffers);
+  compress_chunk(item, 1, 1.25);
+  EXPECT_EQ(item.filter_mask, 0u);
+  EXPECT_LT(item.payload_size, values.size() * 4 / 2);
+  EXPECT_EQ(item.payload, buffers.compressed.data());
+  EXPECT_EQ(item.payload_hash, xxh64(item.payload, item.payload_size));  // the only chunk
+  std::vector<std::byte> shuffled(values.size() * 4), decoded(values.size() * 4);
+  ASSERT_EQ(ZSTD_decompress(shuffled.data(), shuffled.size(), item.payload, item.payload_size),
+            shuffled.size());
+  unshuffle_bytes(shuffled.data(), decoded.data(), decoded.size(), 4);
+  EXPECT_EQ(std::memcmp(decoded.data(), values.data(), decoded.size()), 0);
+}
+
+// Bytes zstd cannot shrink enough are stored as they are, both filters skipped, hashed for
+// /chunk_hashes; a partial edge chunk is zero-padded to the full chunk size.
+TEST(CompressChunk, IncompressibleEdgeChunkIsStoredAsItIsZeroPadded) {
+  const std::vector<std::byte> random = testing::random_bytes(4 * 1900, 7);
+  const Record record = float_record({1900}, random.data());
+  const std::vector<WritePlan> plans = {chunked(record, 4 * 1000)};  // 1000 + 900 elements
+  ASSERT_EQ(plans[0].layout->chunk_count(), 2u);
+  ChunkSequence sequence(plans);
+  sequence.next();
+  ChunkItem edge = *sequence.next();
+  ChunkBuffers buffers;
+  edge.buffers = &buffers;
+  compress_chunk(edge, 1, 1.25);
+  EXPECT_EQ(edge.filter_mask, schema::kAllFiltersSkipped);
+  ASSERT_EQ(edge.payload_size, 4u * 1000);
+  EXPECT_EQ(std::memcmp(edge.payload, random.data() + 4 * 1000, 4 * 900), 0);
+  const std::vector<std::byte> zeros(4 * 100);
+  EXPECT_EQ(std::memcmp(edge.payload + 4 * 900, zeros.data(), zeros.size()), 0);
+  EXPECT_EQ(edge.payload_hash, xxh64(edge.payload, edge.payload_size));
+}
+
+// A compressed chunk of several is covered by zstd's content checksum: no hash of its own.
+TEST(CompressChunk, CompressedChunkOfSeveralHasNoHash) {
+  const std::vector<float> zeros(2000, 0.0f);
+  const Record record = float_record({2000}, zeros.data());
+  const std::vector<WritePlan> plans = {chunked(record, 4 * 1000)};
+  ChunkBuffers buffers;
+  ChunkItem item = first_item(plans, buffers);
+  compress_chunk(item, 1, 1.25);
+  EXPECT_EQ(item.filter_mask, 0u);
+  EXPECT_EQ(item.payload_hash, 0u);
+}
+
+TEST(CompressChunk, ItemWithoutAChunkIsLeftAsItIs) {
+  const float value = 1.0f;
+  const Record record = float_record({}, &value);
+  const std::vector<WritePlan> plans = {{&record, std::nullopt}};
+  ChunkSequence sequence(plans);
+  ChunkItem item = *sequence.next();
+  compress_chunk(item, 1, 1.25);
+  EXPECT_EQ(item.payload, nullptr);
+  EXPECT_EQ(item.payload_size, 0u);
+}
+
+}  // namespace
+}  // namespace dynaprobe::formats
