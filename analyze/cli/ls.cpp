@@ -72,9 +72,11 @@ int run_ls(const LsOptions& cmd) {
       std::printf("  %-32s %4s %-11s %5s %-9s %-15s %-20s %10s %10s %6s\n", "module", "call",
                   "kind", "index", "side", "dtype", "shape", "bytes", "stored", "ratio");
       std::uint64_t total = 0, stored = 0;
+      std::size_t not_stored = 0;
       for (const auto& record : reader.records()) {
         total += record.nbytes();
         stored += record.stored_bytes;
+        not_stored += !record.stored;
         std::printf(
             "  %-32s %4u %-11s %5u %-9s %-15s %-20s %10s %10s %6.2f\n",
             printable(record.key.module), record.key.call,
@@ -82,13 +84,19 @@ int run_ls(const LsOptions& cmd) {
             std::string(formats::side_name(record.key.side)).c_str(),
             std::string(formats::dtype_name(record.dtype)).c_str(),
             formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
-            human_bytes(record.stored_bytes).c_str(),
+            record.stored ? human_bytes(record.stored_bytes).c_str() : "not stored",
             record.stored_bytes
                 ? static_cast<double>(record.nbytes()) / static_cast<double>(record.stored_bytes)
                 : 0.0);
       }
       std::printf("  %zu records, %s of tensors stored in %s\n", reader.records().size(),
                   human_bytes(total).c_str(), human_bytes(stored).c_str());
+      if (!reader.stored_metrics().empty() || not_stored > 0) {
+        std::printf(
+            "  %zu compared pairs judged at capture (their metrics are in the file); %zu records "
+            "without their tensor (dump='failing' or 'stats'): other tolerances need those\n",
+            reader.stored_metrics().size(), not_stored);
+      }
       for (const auto& graph : reader.graphs()) {
         std::printf("  graph %s (%s, %zu bytes)\n", formats::printable_name(graph.name).c_str(),
                     formats::printable_name(graph.kind).c_str(), graph.text.size());

@@ -301,6 +301,8 @@ struct StepWriter::Impl {
   void write_chunk(const ChunkItem& item);
   void write_index();
   void write_metrics_table();
+  void write_table(std::string_view name, hid_t file_type, hid_t memory_type, const void* rows,
+                   std::size_t count, std::string_view checksum_attr, std::uint64_t checksum);
   void ensure_usable(std::string_view action) const;
   std::set<RecordKey> check_new_records(std::span<const Record> records, bool with_data) const;
   std::vector<StoredMetrics> metrics;  // for /metrics, written by commit()
@@ -505,43 +507,36 @@ void StepWriter::Impl::write_index() {
     chunk_hashes.insert(chunk_hashes.end(), info.chunk_hashes.begin(), info.chunk_hashes.end());
   }
   const std::uint64_t checksum = index_checksum(rows, chunk_hashes, step, provenance);
-  const std::string where = partial_path.string() + " /" + std::string(schema::kIndexDataset);
   h5::Lock lock(h5::hdf5_mutex());
-  {
-    const std::string hashes_where =
-        partial_path.string() + " /" + std::string(schema::kChunkHashesDataset);
-    const hsize_t count = chunk_hashes.size();
-    h5::Handle space =
-        h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", hashes_where);
-    h5::Handle hashes = h5::dataset_handle(
-        H5Dcreate2(file.get(), std::string(schema::kChunkHashesDataset).c_str(), H5T_STD_U64LE,
-                   space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-        "creating the chunk hashes", hashes_where);
-    if (count > 0) {
-      h5::check(H5Dwrite(hashes.get(), H5T_NATIVE_UINT64, H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                         chunk_hashes.data()),
-                "writing the chunk hashes", hashes_where);
-    }
-    hashes.close(hashes_where);
-  }
-  h5::Handle type = index_row_type();
-  const hsize_t count = rows.size();
-  h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
+  write_table(schema::kChunkHashesDataset, H5T_STD_U64LE, H5T_NATIVE_UINT64, chunk_hashes.data(),
+              chunk_hashes.size(), "", 0);
+  const h5::Handle type = index_row_type();
+  write_table(schema::kIndexDataset, type.get(), type.get(), rows.data(), rows.size(),
+              schema::kIndexChecksumAttr, checksum);
+}
+
+// Creates the 1-D dataset `name` under the root of `count` rows and writes them; a non-empty
+// `checksum_attr` gets `checksum`. The caller holds the HDF5 lock.
+void StepWriter::Impl::write_table(std::string_view name, hid_t file_type, hid_t memory_type,
+                                   const void* rows, std::size_t count,
+                                   std::string_view checksum_attr, std::uint64_t checksum) {
+  const std::string where = partial_path.string() + " /" + std::string(name);
+  const hsize_t size = count;
+  h5::Handle space = h5::space_handle(H5Screate_simple(1, &size, nullptr), "creating", where);
   h5::Handle table =
-      h5::dataset_handle(H5Dcreate2(file.get(), std::string(schema::kIndexDataset).c_str(),
-                                    type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "creating the index", where);
-  if (!rows.empty()) {
-    h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
-              "writing the index", where);
+      h5::dataset_handle(H5Dcreate2(file.get(), std::string(name).c_str(), file_type, space.get(),
+                                    H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "creating the dataset", where);
+  if (count > 0) {
+    h5::check(H5Dwrite(table.get(), memory_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows),
+              "writing the dataset", where);
   }
-  h5::write_u64_attribute(table.get(), schema::kIndexChecksumAttr, checksum, where);
+  if (!checksum_attr.empty()) h5::write_u64_attribute(table.get(), checksum_attr, checksum, where);
   table.close(where);
 }
 
 void StepWriter::Impl::write_metrics_table() {
   if (metrics.empty()) return;
-  const std::string where = partial_path.string() + " /" + std::string(schema::kMetricsDataset);
   std::map<RecordKey, std::uint64_t> position;
   for (std::size_t i = 0; i < index.size(); ++i) position.emplace(index[i].key, i);
   std::vector<MetricsRow> rows;
@@ -555,18 +550,10 @@ void StepWriter::Impl::write_metrics_table() {
     rows.push_back(metrics_row(stored, found->second));
   }
   const std::uint64_t checksum = metrics_checksum(rows);
-  h5::Handle type = metrics_row_type();
+  const h5::Handle type = metrics_row_type();
   h5::Lock lock(h5::hdf5_mutex());
-  const hsize_t count = rows.size();
-  h5::Handle space = h5::space_handle(H5Screate_simple(1, &count, nullptr), "creating", where);
-  h5::Handle table =
-      h5::dataset_handle(H5Dcreate2(file.get(), std::string(schema::kMetricsDataset).c_str(),
-                                    type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "creating the metrics table", where);
-  h5::check(H5Dwrite(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
-            "writing the metrics table", where);
-  h5::write_u64_attribute(table.get(), schema::kMetricsChecksumAttr, checksum, where);
-  table.close(where);
+  write_table(schema::kMetricsDataset, type.get(), type.get(), rows.data(), rows.size(),
+              schema::kMetricsChecksumAttr, checksum);
 }
 
 StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance provenance,
