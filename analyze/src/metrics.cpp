@@ -1,5 +1,6 @@
 #include "dynaprobe/analyze/metrics.h"
 
+#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -146,7 +147,60 @@ __attribute__((target_clones("avx2", "default"))) std::size_t find_first(const f
   return nan ? find_first_impl<true>(a, b, n, target) : find_first_impl<false>(a, b, n, target);
 }
 
+// The histogram's bins by float32 exponent: `bin[e]` is the bin of 2^(e - 127), the smallest
+// value with exponent field e (1 for subnormals, the last bin for infinities), and `next[e]` the
+// first edge above it. Edges are sqrt(10) > 2 apart, so at most one edge falls inside a binade:
+// a value's bin is bin[e], plus one when it is at or above next[e].
+struct HistogramTable {
+  std::array<float, kHistogramEdges> edges{};
+  std::array<std::uint8_t, 256> bin{};
+  std::array<float, 256> next{};
+
+  HistogramTable() {
+    for (std::size_t i = 0; i < kHistogramEdges; ++i) {
+      edges[i] = static_cast<float>(std::pow(10.0, kHistogramFirstDecade + 0.5 * static_cast<double>(i)));
+    }
+    for (int e = 0; e < 256; ++e) {
+      if (e == 255) {  // infinities (NaN is never counted)
+        bin[e] = kHistogramBins - 1;
+        next[e] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float low = e == 0 ? std::numeric_limits<float>::denorm_min()
+                               : std::ldexp(1.0f, e - 127);
+      std::size_t below = 0;  // edges at or below `low`
+      while (below < kHistogramEdges && edges[below] <= low) ++below;
+      bin[e] = static_cast<std::uint8_t>(1 + below);
+      next[e] = below < kHistogramEdges ? edges[below] : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+};
+
+const HistogramTable& histogram_table() {
+  static const HistogramTable table;
+  return table;
+}
+
+// Adds |a - b| of n elements to `histogram`: a table look-up by exponent and one comparison per
+// element, without branches; four interleaved histograms so consecutive increments of the same
+// bin do not wait for each other.
+void histogram_block(const float* a, const float* b, std::size_t n, Histogram& histogram) {
+  const HistogramTable& table = histogram_table();
+  std::array<Histogram, 4> parts{};
+  for (std::size_t i = 0; i < n; ++i) {
+    const float diff = std::fabs(a[i] - b[i]);
+    const std::uint32_t exponent = std::bit_cast<std::uint32_t>(diff) >> 23;
+    const unsigned bin = table.bin[exponent] - (diff == 0.0f) + (diff >= table.next[exponent]);
+    parts[i & 3][bin] += diff == diff;  // NaN differences are not binned
+  }
+  for (const Histogram& part : parts) {
+    for (std::size_t bin = 0; bin < kHistogramBins; ++bin) histogram[bin] += part[bin];
+  }
+}
+
 }  // namespace
+
+float histogram_edge(std::size_t i) { return histogram_table().edges.at(i); }
 
 void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t n,
                                     std::uint64_t first_index, const Tolerances& tolerances) {
@@ -172,6 +226,7 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
       }
     }
   }
+  histogram_block(a, b, n, partial.histogram_);
   partial.count_ = n;
   partial.max_abs_ = block.max_abs;
   partial.max_rel_ = block.max_rel;
@@ -226,6 +281,7 @@ void MetricsAccumulator::merge(const MetricsAccumulator& other) {
   inf_a_ += other.inf_a_;
   inf_b_ += other.inf_b_;
   nonfinite_only_b_ += other.nonfinite_only_b_;
+  for (std::size_t bin = 0; bin < kHistogramBins; ++bin) histogram_[bin] += other.histogram_[bin];
 }
 
 TensorMetrics MetricsAccumulator::result() const {
@@ -250,6 +306,7 @@ TensorMetrics MetricsAccumulator::result() const {
   m.worst_index = worst_index_;
   m.worst_eager = worst_a_;
   m.worst_compiled = worst_b_;
+  m.histogram = histogram_;
   return m;
 }
 

@@ -6,10 +6,25 @@
 // outside tolerance, NaN/Inf counts per side and the worst element.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
 namespace dynaprobe::analyze {
+
+// The histogram of |a - b| that each comparison keeps while it streams the tensors (no second
+// pass): fixed log-spaced bins, two per decade, edges 1e-12, 10^-11.5, ..., 1e6 (float32 values
+// of 10^(k/2)). Bin 0 counts exact zeros, bin 1 differences below the first edge, bin i + 2 those
+// in [edge i, edge i + 1), the last bin those at or above the last edge, infinities included.
+// NaN differences are not binned (nan_eager/nan_compiled count them).
+inline constexpr int kHistogramFirstDecade = -12;
+inline constexpr int kHistogramLastDecade = 6;
+inline constexpr std::size_t kHistogramEdges =
+    2 * (kHistogramLastDecade - kHistogramFirstDecade) + 1;
+inline constexpr std::size_t kHistogramBins = kHistogramEdges + 2;
+// Edge i: 10^(kHistogramFirstDecade + i / 2) as a float32.
+float histogram_edge(std::size_t i);
+using Histogram = std::array<std::uint64_t, kHistogramBins>;
 
 struct Tolerances {
   double atol = 1e-4;
@@ -35,6 +50,7 @@ struct TensorMetrics {
   std::int64_t worst_index = -1;
   double worst_eager = 0;
   double worst_compiled = 0;
+  Histogram histogram{};  // |a - b| per bin (kHistogramBins)
 };
 
 // Partial results over some elements of a tensor pair; merge() combines partials of disjoint
@@ -71,6 +87,7 @@ class MetricsAccumulator {
   float worst_a_ = 0;
   float worst_b_ = 0;
   float worst_diff_ = 0;  // NaN once a NaN difference is the worst
+  Histogram histogram_{};
 };
 
 }  // namespace dynaprobe::analyze
