@@ -3,6 +3,12 @@
 
 #include <pybind11/pybind11.h>
 
+#include "dynaprobe/analyze/report_model.h"
+
 void bind_formats(pybind11::module_& m);
 void bind_analyze(pybind11::module_& m);
 void bind_capture(pybind11::module_& m);
+
+// The report model as Python objects (python_report.cpp): dicts, lists, str, int, float, bool and
+// None, with the JSON report's field names.
+pybind11::object to_python(const dynaprobe::analyze::Value& value);

@@ -116,5 +116,60 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
   }
 }
 
+
+// The |diff| histogram: exact zeros, two log-spaced bins per decade, infinities in the last bin,
+// NaN differences left out; edges are inclusive below, as the HTML report labels them.
+TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
+  EXPECT_EQ(histogram_edge(0), 1e-12f);
+  EXPECT_EQ(histogram_edge(24), 1.0f);
+  EXPECT_EQ(histogram_edge(kHistogramEdges - 1), 1e6f);
+  const float sqrt10 = static_cast<float>(std::sqrt(10.0));
+  //                       zero, tiny,    = 1e-12, just below 1,   1,    2,    sqrt(10), 1e7, inf,  nan
+  const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  const std::vector<float> b = {1, 1e-30f, 1e-12f, 0.999f, 1, 2, sqrt10, 1e7f, kInf, kNaN};
+  const TensorMetrics m = compare(a, b);
+  Histogram expected{};
+  expected[0] = 1;                        // exact zero
+  expected[1] = 1;                        // below the first edge
+  expected[2] = 1;                        // [1e-12, 10^-11.5)
+  expected[2 + 23] = 1;                   // [10^-0.5, 1)
+  expected[2 + 24] = 2;                   // [1, 10^0.5): 1 and 2
+  expected[2 + 25] = 1;                   // sqrt(10) rounds to the float at or above the edge
+  expected[kHistogramBins - 1] = 2;       // 1e7 and inf: at or above 1e6
+  if (sqrt10 < histogram_edge(25)) {      // the float sqrt(10) below the float edge
+    expected[2 + 25] = 0;
+    expected[2 + 24] = 3;
+  }
+  EXPECT_EQ(m.histogram, expected);
+  std::uint64_t total = 0;
+  for (auto count : m.histogram) total += count;
+  EXPECT_EQ(total, a.size() - 1);  // all but the NaN difference
+}
+
+TEST(Metrics, HistogramOfAnySplitMergesToTheWhole) {
+  std::mt19937 rng(7);
+  std::lognormal_distribution<float> magnitude(-6.0f, 4.0f);
+  std::vector<float> a(10000), b(10000);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = magnitude(rng);
+    b[i] = a[i] + ((i % 3) ? magnitude(rng) : 0.0f);
+  }
+  const TensorMetrics whole = compare(a, b);
+  MetricsAccumulator first, second;
+  first.accumulate(a.data(), b.data(), 3333, 0, {});
+  second.accumulate(a.data() + 3333, b.data() + 3333, a.size() - 3333, 3333, {});
+  second.merge(first);
+  EXPECT_EQ(second.result().histogram, whole.histogram);
+  // Checked against a plain search over the edges.
+  Histogram reference{};
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const float diff = std::fabs(a[i] - b[i]);
+    std::size_t bin = 1;
+    while (bin - 1 < kHistogramEdges && diff >= histogram_edge(bin - 1)) ++bin;
+    ++reference[diff == 0 ? 0 : bin];
+  }
+  EXPECT_EQ(whole.histogram, reference);
+}
+
 }  // namespace
 }  // namespace dynaprobe::analyze
