@@ -159,7 +159,9 @@ def test_clicking_the_failing_rows_point_shows_its_metrics_histogram_and_graph_c
         }}
       }})()""")
     browser.click(x, y)
-    assert browser.evaluate("location.hash") == f"#row=0/0/{index}"
+    # Chart.js handles the click on the next animation frame.
+    assert browser.wait_until("location.hash") == f"#row=0/0/{index}"
+    browser.wait_until(f"document.getElementById('detail').dataset.row === '{index}'")
     assert browser.evaluate("document.getElementById('detail').hidden") is False
     detail = browser.evaluate("document.getElementById('detail').innerText")
     assert "stage1.fwd_output" in detail and "FAIL" in detail
