@@ -65,7 +65,8 @@ const char* printable(const std::string& name);
 struct CompareOptions {
   std::string dump, dump2;
   std::string csv;
-  std::map<std::string, std::string> reports;  // report format name (analyze::report_formats()) -> PATH
+  std::map<std::string, std::string>
+      reports;  // report format name (analyze::report_formats()) -> PATH
   std::optional<double> atol, rtol;
   std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
   bool fixed_tolerances = false;             // no dtype-aware rtol floor

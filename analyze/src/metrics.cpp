@@ -158,7 +158,8 @@ struct HistogramTable {
 
   HistogramTable() {
     for (std::size_t i = 0; i < kHistogramEdges; ++i) {
-      edges[i] = static_cast<float>(std::pow(10.0, kHistogramFirstDecade + 0.5 * static_cast<double>(i)));
+      edges[i] =
+          static_cast<float>(std::pow(10.0, kHistogramFirstDecade + 0.5 * static_cast<double>(i)));
     }
     for (int e = 0; e < 256; ++e) {
       if (e == 255) {  // infinities (NaN is never counted)
@@ -166,8 +167,8 @@ struct HistogramTable {
         next[e] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      const float low = e == 0 ? std::numeric_limits<float>::denorm_min()
-                               : std::ldexp(1.0f, e - 127);
+      const float low =
+          e == 0 ? std::numeric_limits<float>::denorm_min() : std::ldexp(1.0f, e - 127);
       std::size_t below = 0;  // edges at or below `low`
       while (below < kHistogramEdges && edges[below] <= low) ++below;
       bin[e] = static_cast<std::uint8_t>(1 + below);

@@ -45,8 +45,8 @@ const ReportFormat& report_format(std::string_view name) {
   for (const ReportFormat& format : report_formats()) {
     known += (known.empty() ? "" : ", ") + std::string(format.name);
   }
-  throw UsageError("expected a report format (" + known + "), but received '" +
-                            std::string(name) + "'");
+  throw UsageError("expected a report format (" + known + "), but received '" + std::string(name) +
+                   "'");
 }
 
 std::vector<formats::Graph> read_graphs(const std::filesystem::path& dump) {

@@ -109,7 +109,8 @@ Value loss_model(const StepReport& step) {
 
 Value modules_model(const StepReport& step) {
   Value::Object out;
-  for (const auto& [module, attributes] : step.modules) out.emplace_back(module, map_model(attributes));
+  for (const auto& [module, attributes] : step.modules)
+    out.emplace_back(module, map_model(attributes));
   return out;
 }
 
@@ -122,14 +123,15 @@ Value rank_model(const RankComparison& rank) {
   }
   for (const auto& warning : c.warnings) warnings.emplace_back(warning);
   for (const StepReport& step : c.steps) steps.push_back(step_model(step));
-  return Value::Object{{"rank", rank.rank},
-                       {"scenario", rank.scenario},
-                       {"all_pass", c.all_pass()},
-                       {"provenance", Value::Object{{"eager", map_model(c.eager_provenance)},
-                                                    {"compiled", map_model(c.compiled_provenance)}}},
-                       {"provenance_differences", std::move(differences)},
-                       {"warnings", std::move(warnings)},
-                       {"steps", std::move(steps)}};
+  return Value::Object{
+      {"rank", rank.rank},
+      {"scenario", rank.scenario},
+      {"all_pass", c.all_pass()},
+      {"provenance", Value::Object{{"eager", map_model(c.eager_provenance)},
+                                   {"compiled", map_model(c.compiled_provenance)}}},
+      {"provenance_differences", std::move(differences)},
+      {"warnings", std::move(warnings)},
+      {"steps", std::move(steps)}};
 }
 
 Value summary_model(const std::vector<RankComparison>& ranks) {

@@ -14,8 +14,8 @@ namespace {
 
 // The dump's text as it is when it is UTF-8; otherwise as the reports print it ("\xCF").
 py::str python_string(const std::string& text) {
-  PyObject* decoded = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
-                                           "strict");
+  PyObject* decoded =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "strict");
   if (decoded) return py::reinterpret_steal<py::str>(decoded);
   PyErr_Clear();
   return py::str(dynaprobe::formats::printable_name(text));

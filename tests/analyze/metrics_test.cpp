@@ -116,7 +116,6 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
   }
 }
 
-
 // The |diff| histogram: exact zeros, two log-spaced bins per decade, infinities in the last bin,
 // NaN differences left out; edges are inclusive below, as the HTML report labels them.
 TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
@@ -124,19 +123,19 @@ TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
   EXPECT_EQ(histogram_edge(24), 1.0f);
   EXPECT_EQ(histogram_edge(kHistogramEdges - 1), 1e6f);
   const float sqrt10 = static_cast<float>(std::sqrt(10.0));
-  //                       zero, tiny,    = 1e-12, just below 1,   1,    2,    sqrt(10), 1e7, inf,  nan
+  // |a - b|: zero, tiny, 1e-12, just below 1, 1, 2, sqrt(10), 1e7, inf, NaN.
   const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 1};
   const std::vector<float> b = {1, 1e-30f, 1e-12f, 0.999f, 1, 2, sqrt10, 1e7f, kInf, kNaN};
   const TensorMetrics m = compare(a, b);
   Histogram expected{};
-  expected[0] = 1;                        // exact zero
-  expected[1] = 1;                        // below the first edge
-  expected[2] = 1;                        // [1e-12, 10^-11.5)
-  expected[2 + 23] = 1;                   // [10^-0.5, 1)
-  expected[2 + 24] = 2;                   // [1, 10^0.5): 1 and 2
-  expected[2 + 25] = 1;                   // sqrt(10) rounds to the float at or above the edge
-  expected[kHistogramBins - 1] = 2;       // 1e7 and inf: at or above 1e6
-  if (sqrt10 < histogram_edge(25)) {      // the float sqrt(10) below the float edge
+  expected[0] = 1;                    // exact zero
+  expected[1] = 1;                    // below the first edge
+  expected[2] = 1;                    // [1e-12, 10^-11.5)
+  expected[2 + 23] = 1;               // [10^-0.5, 1)
+  expected[2 + 24] = 2;               // [1, 10^0.5): 1 and 2
+  expected[2 + 25] = 1;               // sqrt(10) rounds to the float at or above the edge
+  expected[kHistogramBins - 1] = 2;   // 1e7 and inf: at or above 1e6
+  if (sqrt10 < histogram_edge(25)) {  // the float sqrt(10) below the float edge
     expected[2 + 25] = 0;
     expected[2 + 24] = 3;
   }

@@ -6,13 +6,14 @@
 // report holding the spec's numbers; tests/python/test_analyze.py reproduces the spec's multi-rank
 // example from real dumps.
 #include "dynaprobe/analyze/report.h"
-#include "dynaprobe/formats/error.h"
 
 #include <gtest/gtest.h>
 #include <zlib.h>
 
 #include <cmath>
 #include <cstring>
+
+#include "dynaprobe/formats/error.h"
 
 namespace dynaprobe::analyze {
 namespace {

@@ -18,51 +18,19 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from browser import Browser, chromium_path
 from dynaprobe import PrecisionChecker, _C
-from models import _perturb_gelu
-
-
-def _plain(gm, example_inputs):
-    return make_boxed_func(gm.forward)
-
-
-FAULT = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_plain)
-
-
-class Stage(nn.Module):
-    def __init__(self, act: nn.Module):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.act = act
-
-    def forward(self, x):
-        return self.act(self.lin(x))
-
-
-class Chain(nn.Module):
-    """stage1 holds the only GELU: the fault is made there."""
-
-    def __init__(self):
-        super().__init__()
-        self.stage0 = Stage(nn.Tanh())
-        self.stage1 = Stage(nn.GELU())
-        self.stage2 = Stage(nn.Tanh())
-
-    def forward(self, x):
-        return self.stage2(self.stage1(self.stage0(x))).square().mean()
+from models import FORWARD_FAULT, Chain
 
 
 def capture(dump_dir: pathlib.Path, steps: int = 1, seed: int = 0):
-    """Training steps of Chain under the faulty backend; the result of the last one."""
+    """Training steps of models.Chain, whose stage1 GELU the backend makes 1% larger in the
+    forward; the checker and the result of the last step."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = Chain()
-    checker = PrecisionChecker(backend=FAULT, dump_dir=str(dump_dir))
+    checker = PrecisionChecker(backend=FORWARD_FAULT, dump_dir=str(dump_dir))
     checker.wrap_all_children(model, depth=0)
     x = torch.randn(4, 8)
 
