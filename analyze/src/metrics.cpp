@@ -1,8 +1,10 @@
 #include "dynaprobe/analyze/metrics.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 namespace dynaprobe::analyze {
 namespace {
@@ -147,61 +149,67 @@ __attribute__((target_clones("avx2", "default"))) std::size_t find_first(const f
   return nan ? find_first_impl<true>(a, b, n, target) : find_first_impl<false>(a, b, n, target);
 }
 
-// The histogram's bins by float32 exponent: `bin[e]` is the bin of 2^(e - 127), the smallest
-// value with exponent field e (1 for subnormals, the last bin for infinities), and `next[e]` the
-// first edge above it. Edges are sqrt(10) > 2 apart, so at most one edge falls inside a binade:
-// a value's bin is bin[e], plus one when it is at or above next[e].
-struct HistogramTable {
-  std::array<float, kHistogramEdges> edges{};
-  std::array<std::uint8_t, 256> bin{};
-  std::array<float, 256> next{};
-
-  HistogramTable() {
-    for (std::size_t i = 0; i < kHistogramEdges; ++i) {
-      edges[i] =
-          static_cast<float>(std::pow(10.0, kHistogramFirstDecade + 0.5 * static_cast<double>(i)));
-    }
-    for (int e = 0; e < 256; ++e) {
-      if (e == 255) {  // infinities (NaN is never counted)
-        bin[e] = kHistogramBins - 1;
-        next[e] = std::numeric_limits<float>::quiet_NaN();
-        continue;
-      }
-      const float low =
-          e == 0 ? std::numeric_limits<float>::denorm_min() : std::ldexp(1.0f, e - 127);
-      std::size_t below = 0;  // edges at or below `low`
-      while (below < kHistogramEdges && edges[below] <= low) ++below;
-      bin[e] = static_cast<std::uint8_t>(1 + below);
-      next[e] = below < kHistogramEdges ? edges[below] : std::numeric_limits<float>::quiet_NaN();
-    }
-  }
-};
-
-const HistogramTable& histogram_table() {
-  static const HistogramTable table;
-  return table;
-}
-
-// Adds |a - b| of n elements to `histogram`: a table look-up by exponent and one comparison per
-// element, without branches; four interleaved histograms so consecutive increments of the same
-// bin do not wait for each other.
-void histogram_block(const float* a, const float* b, std::size_t n, Histogram& histogram) {
-  const HistogramTable& table = histogram_table();
-  std::array<Histogram, 4> parts{};
+// The histogram bin of each |a - b| (metrics.h): from the float32 exponent field e of the
+// difference, 2 + (e - e0) / 2 where e0 is the field of the first edge (4^-20 = 2^-40), clamped to
+// "below the first edge" and "at or above the last"; 0 for zero, kNanBin for NaN. Integer
+// operations only, so it vectorises.
+constexpr std::int32_t kFirstEdgeExponent = 127 + 2 * kHistogramFirstPower;
+constexpr std::uint8_t kNanBin = kHistogramBins;
+__attribute__((target_clones("avx2", "default"))) void histogram_bins(const float* a,
+                                                                      const float* b,
+                                                                      std::size_t n,
+                                                                      std::uint8_t* bins) {
   for (std::size_t i = 0; i < n; ++i) {
     const float diff = std::fabs(a[i] - b[i]);
-    const std::uint32_t exponent = std::bit_cast<std::uint32_t>(diff) >> 23;
-    const unsigned bin = table.bin[exponent] - (diff == 0.0f) + (diff >= table.next[exponent]);
-    parts[i & 3][bin] += diff == diff;  // NaN differences are not binned
+    const std::uint32_t bits = std::bit_cast<std::uint32_t>(diff);
+    const auto exponent = static_cast<std::int32_t>(bits >> 23);
+    std::int32_t bin = 2 + ((exponent - kFirstEdgeExponent) >> 1);
+    bin = bin < 1 ? 1 : bin;
+    bin = bin > static_cast<std::int32_t>(kHistogramBins) - 1 ? kHistogramBins - 1 : bin;
+    bin = bits == 0 ? 0 : bin;
+    bin = diff != diff ? kNanBin : bin;
+    bins[i] = static_cast<std::uint8_t>(bin);
   }
-  for (const Histogram& part : parts) {
-    for (std::size_t bin = 0; bin < kHistogramBins; ++bin) histogram[bin] += part[bin];
+}
+
+// Adds |a - b| of n elements to `histogram`, block by block: the bins of a block (vector code),
+// then one increment per element into four interleaved tables, so consecutive increments of one
+// bin do not wait for each other. Measured on 4 MiB tensors, accumulate() takes 1.7 times as long
+// as without the histogram; counting each bin's elements with vector compares instead took 3
+// times as long (a tensor's differences span about ten bins), half-decade bins through a table by
+// exponent and one comparison per element 2.2 times.
+void add_histogram(const float* a, const float* b, std::size_t n, Histogram& histogram) {
+  constexpr std::size_t kBlock = 4096;
+  std::uint8_t bins[kBlock];
+  std::array<std::array<std::uint32_t, kHistogramBins + 1>, 4> parts{};  // + the NaN bin
+  for (std::size_t start = 0; start < n; start += kBlock) {
+    const std::size_t m = std::min(kBlock, n - start);
+    histogram_bins(a + start, b + start, m, bins);
+    std::size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      ++parts[0][bins[i]];
+      ++parts[1][bins[i + 1]];
+      ++parts[2][bins[i + 2]];
+      ++parts[3][bins[i + 3]];
+    }
+    for (; i < m; ++i) ++parts[0][bins[i]];
+    if (start % (std::size_t{1} << 30) == 0 || start + m == n) {  // before a uint32 overflows
+      for (auto& part : parts) {
+        for (std::size_t bin = 0; bin < kHistogramBins; ++bin) histogram[bin] += part[bin];
+        part.fill(0);
+      }
+    }
   }
 }
 
 }  // namespace
 
-float histogram_edge(std::size_t i) { return histogram_table().edges.at(i); }
+float histogram_edge(std::size_t i) {
+  if (i >= kHistogramEdges) {
+    throw std::out_of_range("histogram_edge: expected an index below kHistogramEdges");
+  }
+  return std::ldexp(1.0f, 2 * (kHistogramFirstPower + static_cast<int>(i)));
+}
 
 void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t n,
                                     std::uint64_t first_index, const Tolerances& tolerances) {
@@ -227,7 +235,7 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
       }
     }
   }
-  histogram_block(a, b, n, partial.histogram_);
+  add_histogram(a, b, n, partial.histogram_);
   partial.count_ = n;
   partial.max_abs_ = block.max_abs;
   partial.max_rel_ = block.max_rel;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 namespace dynaprobe::analyze {
@@ -116,29 +117,27 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
   }
 }
 
-// The |diff| histogram: exact zeros, two log-spaced bins per decade, infinities in the last bin,
-// NaN differences left out; edges are inclusive below, as the HTML report labels them.
+// The |diff| histogram: exact zeros, one log-spaced bin per factor of 4, infinities in the last
+// bin, NaN differences left out; edges are inclusive below, as the HTML report labels them.
 TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
-  EXPECT_EQ(histogram_edge(0), 1e-12f);
-  EXPECT_EQ(histogram_edge(24), 1.0f);
-  EXPECT_EQ(histogram_edge(kHistogramEdges - 1), 1e6f);
-  const float sqrt10 = static_cast<float>(std::sqrt(10.0));
-  // |a - b|: zero, tiny, 1e-12, just below 1, 1, 2, sqrt(10), 1e7, inf, NaN.
-  const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 1};
-  const std::vector<float> b = {1, 1e-30f, 1e-12f, 0.999f, 1, 2, sqrt10, 1e7f, kInf, kNaN};
+  EXPECT_EQ(histogram_edge(0), std::ldexp(1.0f, -40));
+  EXPECT_EQ(histogram_edge(20), 1.0f);
+  EXPECT_EQ(histogram_edge(kHistogramEdges - 1), 1048576.0f);
+  EXPECT_THROW(histogram_edge(kHistogramEdges), std::out_of_range);
+  // |a - b|: zero, below 2^-40, 2^-40, just below 1, 1, just below 4, 4, 2^20, 1e30, inf, NaN.
+  const float below_four = std::nextafter(4.0f, 0.0f);
+  const std::vector<float> b = {1,    1e-30f, std::ldexp(1.0f, -40), 0.999f, 1,   below_four,
+                                4.0f, 1048576.0f, 1e30f,             kInf,   kNaN};
+  const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const TensorMetrics m = compare(a, b);
   Histogram expected{};
-  expected[0] = 1;                    // exact zero
-  expected[1] = 1;                    // below the first edge
-  expected[2] = 1;                    // [1e-12, 10^-11.5)
-  expected[2 + 23] = 1;               // [10^-0.5, 1)
-  expected[2 + 24] = 2;               // [1, 10^0.5): 1 and 2
-  expected[2 + 25] = 1;               // sqrt(10) rounds to the float at or above the edge
-  expected[kHistogramBins - 1] = 2;   // 1e7 and inf: at or above 1e6
-  if (sqrt10 < histogram_edge(25)) {  // the float sqrt(10) below the float edge
-    expected[2 + 25] = 0;
-    expected[2 + 24] = 3;
-  }
+  expected[0] = 1;                   // exact zero
+  expected[1] = 1;                   // below the first edge
+  expected[2] = 1;                   // [2^-40, 2^-38)
+  expected[2 + 19] = 1;              // [1/4, 1)
+  expected[2 + 20] = 2;              // [1, 4): 1 and just below 4
+  expected[2 + 21] = 1;              // [4, 16)
+  expected[kHistogramBins - 1] = 3;  // 2^20, 1e30 and inf: at or above the last edge
   EXPECT_EQ(m.histogram, expected);
   std::uint64_t total = 0;
   for (auto count : m.histogram) total += count;
