@@ -41,7 +41,8 @@ def main() -> None:
 
     for _ in range(3):
         checker.compare(step, model)
-    cli = os.environ.get("DYNAPROBE_CLI") or os.path.join(os.path.dirname(sys.executable), "dynaprobe")
+    cli = os.environ.get("DYNAPROBE_CLI") or os.path.join(os.path.dirname(sys.executable),
+                                                          "dynaprobe")
     html, report = work / "report.html", work / "report.json"
     subprocess.run([cli, "compare", str(work / "run"), "--html", str(html), "--json", str(report)],
                    capture_output=True)

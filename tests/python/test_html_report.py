@@ -101,6 +101,19 @@ def test_html_report_opens_offline_and_plots_one_point_per_row(run, dynaprobe_cl
         "Object.fromEntries(Chart.getChart('error-chart').data.datasets.filter(d => d.rows)"
         ".map(d => [d.label, d.data.map(p => p.x)]))")
     assert max(xs["forward"]) < min(xs["backward"])
+    # The tolerance is drawn: rtol for max_rel, atol for max_abs; 1 - cosine has none.
+    tolerance = ("Chart.getChart('error-chart').data.datasets.filter(d => !d.rows)"
+                 ".map(d => [d.label, d.data[0].y])")
+    assert browser.evaluate(tolerance) == [["rtol=0.001", 0.001]]
+    browser.evaluate("document.getElementById('metric-max_abs').click()")
+    assert browser.evaluate(tolerance) == [["atol=0.0001", 0.0001]]
+    ys = browser.evaluate("Chart.getChart('error-chart').data.datasets.filter(d => d.rows)"
+                          ".flatMap(d => d.data.map(p => [p.index, p.y]))")
+    assert len(ys) == len(tensor_rows(step))
+    for index, y in ys:
+        assert y == max(step["rows"][index]["metrics"]["max_abs"], 1e-12)  # all compared here
+    browser.evaluate("document.getElementById('metric-cosine').click()")
+    assert browser.evaluate(tolerance) == []
     assert browser.evaluate("document.getElementById('verdict').textContent") == "FAILED"
     root = browser.evaluate("document.getElementById('root-cause').textContent")
     assert "stage1" in root and "local" in root
@@ -121,12 +134,16 @@ def test_clicking_the_failing_rows_point_shows_its_metrics_histogram_and_graph_c
         for (const [k, d] of chart.data.datasets.entries()) {{
           const j = d.data.findIndex(p => p.index === {index});
           if (d.rows && j >= 0) {{
-            const point = chart.getDatasetMeta(k).data[j], box = chart.canvas.getBoundingClientRect();
+            const point = chart.getDatasetMeta(k).data[j];
+            const box = chart.canvas.getBoundingClientRect();
             return [box.left + point.x, box.top + point.y];
           }}
         }}
       }})()""")
-    browser.click(x, y)
+    browser.click(x, y)  # the mouse moves there first: the tooltip shows the row's numbers
+    tooltip = browser.wait_until(
+        "Chart.getChart('error-chart').tooltip.body?.flatMap(b => b.lines).join(' ')")
+    assert "stage1.fwd_output" in tooltip and "max_abs=" in tooltip and "max_rel=" in tooltip
     # Chart.js handles the click on the next animation frame.
     assert browser.wait_until("location.hash") == f"#row=0/0/{index}"
     browser.wait_until(f"document.getElementById('detail').dataset.row === '{index}'")
@@ -164,8 +181,9 @@ def test_a_row_link_opens_the_row(run, dynaprobe_cli, tmp_path):
     html, report = cli_reports(dynaprobe_cli, run / "rank0", tmp_path, "--step", "0")
     index = next(i for i, row in enumerate(report["ranks"][0]["steps"][0]["rows"])
                  if row["module"] == "stage1" and row["check_type"] == "fwd_output")
+    url = html.resolve().as_uri() + f"#row=0/0/{index}"
     dom = subprocess.run([chromium_path(), "--headless", "--no-sandbox", "--disable-gpu",
-                          "--virtual-time-budget=10000", "--dump-dom", html.resolve().as_uri() + f"#row=0/0/{index}"],
+                          "--virtual-time-budget=10000", "--dump-dom", url],
                          capture_output=True, text=True, timeout=120).stdout
     assert f'<div id="detail" data-row="{index}">' in dom
     assert '<pre class="graph-code">' in dom
