@@ -20,9 +20,9 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "python"))
 
-from browser import Browser  # noqa: E402
-from models import TinyTransformer, perturbed_gelu_backend  # noqa: E402
-from dynaprobe import PrecisionChecker  # noqa: E402
+from browser import Browser
+from dynaprobe import PrecisionChecker
+from models import TinyTransformer, perturbed_gelu_backend
 
 
 def main() -> None:
@@ -44,8 +44,9 @@ def main() -> None:
     cli = os.environ.get("DYNAPROBE_CLI") or os.path.join(os.path.dirname(sys.executable),
                                                           "dynaprobe")
     html, report = work / "report.html", work / "report.json"
+    # Exit 1: the fault makes rows FAIL, which is what the screenshot shows.
     subprocess.run([cli, "compare", str(work / "run"), "--html", str(html), "--json", str(report)],
-                   capture_output=True)
+                   capture_output=True, check=False)
     cause = json.loads(report.read_text())["ranks"][0]["steps"][0]["root_cause"]["forward"]
     rows = json.loads(report.read_text())["ranks"][0]["steps"][0]["rows"]
     index = next(i for i, r in enumerate(rows) if r["module"] == cause["module"]

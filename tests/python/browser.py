@@ -18,10 +18,10 @@ import shutil
 import subprocess
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
-def chromium_path() -> Optional[str]:
+def chromium_path() -> str | None:
     """The Chromium binary: $DYNAPROBE_CHROMIUM, else ``chromium`` on PATH."""
     return os.environ.get("DYNAPROBE_CHROMIUM") or shutil.which("chromium")
 
@@ -44,9 +44,9 @@ class Browser:
         if binary is None:
             raise BrowserError("chromium not found: apt-get install chromium (scripts/setup.sh)")
         self.timeout = timeout
-        self.console: List[tuple] = []
-        self.exceptions: List[str] = []
-        self.requests: List[str] = []
+        self.console: list[tuple] = []
+        self.exceptions: list[str] = []
+        self.requests: list[str] = []
         self._profile = tempfile.mkdtemp(prefix="dynaprobe-chromium-")
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
@@ -66,13 +66,14 @@ class Browser:
              "--disable-background-networking", "--disable-sync", "--mute-audio",
              f"--user-data-dir={self._profile}", f"--window-size={width},{height}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=child_fds, pass_fds=(3, 4))
+            # preexec_fn only dup2()s two fds, which is safe after fork even with threads.
+            preexec_fn=child_fds, pass_fds=(3, 4))  # noqa: PLW1509
         os.close(high_r)
         os.close(high_w)
         self._buffer = b""
         self._next_id = 0
-        self._events: List[Dict[str, Any]] = []
-        self._session: Optional[str] = None
+        self._events: list[dict[str, Any]] = []
+        self._session: str | None = None
         targets = self.call("Target.getTargets", session=False)["targetInfos"]
         page = next(t for t in targets if t["type"] == "page")
         self._session = self.call("Target.attachToTarget", {"targetId": page["targetId"],
@@ -84,12 +85,12 @@ class Browser:
                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
 
     # -- protocol
-    def _send(self, message: Dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
         data = json.dumps(message).encode() + b"\0"
         while data:
             data = data[os.write(self._to_browser, data):]
 
-    def _receive(self, deadline: float) -> Dict[str, Any]:
+    def _receive(self, deadline: float) -> dict[str, Any]:
         while b"\0" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._from_browser], [], [], left)[0]:
@@ -104,7 +105,7 @@ class Browser:
             self._record(parsed)
         return parsed
 
-    def _record(self, event: Dict[str, Any]) -> None:
+    def _record(self, event: dict[str, Any]) -> None:
         self._events.append(event)
         params = event.get("params", {})
         if event["method"] == "Runtime.consoleAPICalled":
@@ -119,11 +120,11 @@ class Browser:
         elif event["method"] == "Network.requestWillBeSent":
             self.requests.append(params["request"]["url"])
 
-    def call(self, method: str, params: Optional[Dict[str, Any]] = None,
-             session: bool = True) -> Dict[str, Any]:
+    def call(self, method: str, params: dict[str, Any] | None = None,
+             session: bool = True) -> dict[str, Any]:
         """Sends a command (to the page unless ``session`` is False) and returns its result."""
         self._next_id += 1
-        message: Dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
         if session and self._session:
             message["sessionId"] = self._session
         self._send(message)
@@ -135,7 +136,7 @@ class Browser:
                     raise BrowserError(f"{method}: {reply['error']}")
                 return reply.get("result", {})
 
-    def wait_for_event(self, method: str) -> Dict[str, Any]:
+    def wait_for_event(self, method: str) -> dict[str, Any]:
         """The next event called ``method`` (one already received counts once)."""
         deadline = time.monotonic() + self.timeout
         while True:
@@ -180,7 +181,7 @@ class Browser:
 
     def screenshot(self, path: str, full_page: bool = False) -> None:
         """Writes a PNG of the page (the whole page when ``full_page``)."""
-        params: Dict[str, Any] = {"format": "png"}
+        params: dict[str, Any] = {"format": "png"}
         if full_page:
             size = self.call("Page.getLayoutMetrics")["cssContentSize"]
             params["clip"] = {"x": 0, "y": 0, "width": size["width"], "height": size["height"],
@@ -189,7 +190,7 @@ class Browser:
         with open(path, "wb") as f:
             f.write(base64.b64decode(self.call("Page.captureScreenshot", params)["data"]))
 
-    def errors(self) -> List[str]:
+    def errors(self) -> list[str]:
         """Console errors and uncaught exceptions so far."""
         return self.exceptions + [text for level, text in self.console if level == "error"]
 
@@ -207,8 +208,8 @@ class Browser:
         os.close(self._from_browser)
         shutil.rmtree(self._profile, ignore_errors=True)
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:  # noqa: PYI034 (typing.Self needs Python 3.11; we support 3.10)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -18,9 +18,8 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-
 from browser import Browser, chromium_path
-from dynaprobe import PrecisionChecker, _C
+from dynaprobe import _C, PrecisionChecker
 from models import FORWARD_FAULT, Chain
 
 
@@ -65,7 +64,7 @@ def browser():
 def cli_reports(dynaprobe_cli, dump, folder: pathlib.Path, *options):
     proc = subprocess.run([dynaprobe_cli, "compare", str(dump), "--html", str(folder / "r.html"),
                            "--json", str(folder / "r.json"), *options],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 1, proc.stderr  # the fault makes rows FAIL
     assert f"HTML report saved to: {folder / 'r.html'}" in proc.stdout
     return folder / "r.html", json.loads((folder / "r.json").read_text())
@@ -184,7 +183,7 @@ def test_a_row_link_opens_the_row(run, dynaprobe_cli, tmp_path):
     url = html.resolve().as_uri() + f"#row=0/0/{index}"
     dom = subprocess.run([chromium_path(), "--headless", "--no-sandbox", "--disable-gpu",
                           "--virtual-time-budget=10000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=120).stdout
+                         capture_output=True, text=True, timeout=120, check=True).stdout
     assert f'<div id="detail" data-row="{index}">' in dom
     assert '<pre class="graph-code">' in dom
 
@@ -208,7 +207,8 @@ def test_checker_report_writes_the_html_the_cli_writes(tmp_path, dynaprobe_cli, 
     checker.report(result, html_path=str(tmp_path / "py.html"))
     assert f"HTML report saved to: {tmp_path / 'py.html'}" in capsys.readouterr().out
     subprocess.run([dynaprobe_cli, "compare", str(tmp_path / "dump"), "--step",
-                    str(result.step), "--html", str(tmp_path / "cli.html")], capture_output=True)
+                    str(result.step), "--html", str(tmp_path / "cli.html")], capture_output=True,
+                   check=False)  # exit 1: the fault
     assert (tmp_path / "py.html").read_bytes() == (tmp_path / "cli.html").read_bytes()
     with pytest.raises(TypeError, match="html_path"):
         checker.report(result, pdf_path="x.pdf")

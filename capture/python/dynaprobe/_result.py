@@ -56,20 +56,22 @@ class Row:
         return self.status in ("PASS", "SKIP")
 
 
+# The flat worst-element keys of earlier versions: (its key in metrics["worst"], value without one).
+_LEGACY_WORST_KEYS = {"worst_index": ("flat_index", -1), "worst_eager": ("eager", 0.0),
+                      "worst_compiled": ("compiled", 0.0)}
+
+
 class Metrics(dict):
     """A row's metrics: the JSON report's ``metrics`` object, key for key (``max_abs``, ...,
     ``mismatch_fraction``, ``worst``: ``{"flat_index", "index", "eager", "compiled"}`` or None,
-    ``histogram``). The flat ``worst_index``, ``worst_eager`` and ``worst_compiled`` of dynaprobe
-    0.x still read (``-1`` and ``0.0`` without a worst element) but are not keys: prefer
+    ``histogram``). The flat ``worst_index``, ``worst_eager`` and ``worst_compiled`` of earlier
+    versions still read (``-1`` and ``0.0`` without a worst element) but are not keys: prefer
     ``metrics["worst"]``."""
 
-    _LEGACY = {"worst_index": ("flat_index", -1), "worst_eager": ("eager", 0.0),
-               "worst_compiled": ("compiled", 0.0)}
-
     def __missing__(self, key: str) -> Any:
-        if key not in self._LEGACY:
+        if key not in _LEGACY_WORST_KEYS:
             raise KeyError(key)
-        field_name, default = self._LEGACY[key]
+        field_name, default = _LEGACY_WORST_KEYS[key]
         worst = self.get("worst")
         return default if worst is None else worst[field_name]
 
