@@ -4,8 +4,10 @@
 // report and the CSV are the spec's fixed layouts and render the engine's structs directly.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
