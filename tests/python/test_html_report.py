@@ -161,6 +161,10 @@ def test_clicking_the_failing_rows_point_shows_its_metrics_histogram_and_graph_c
     assert all(any(name.startswith(f + ".") for f in functions) for name in names)
     assert any(".Captured_Graph." in name for name in names)
     assert any(".Forward_Graph." in name for name in names)
+    # Function by function, each as Dynamo captured it, then AOTAutograd's forward and backward.
+    order = ["Captured_Graph", "Forward_Graph", "Backward_Graph"]
+    keys = [(name.split(".")[0], order.index(name.split(".")[1])) for name in names]
+    assert keys == sorted(keys, key=lambda k: (int(k[0].rsplit("_", 1)[1]), k[1]))
     written = tmp_path / "graphs"
     subprocess.run([dynaprobe_cli, "graphs", str(run / "rank0"), "-o", str(written)], check=True,
                    capture_output=True)
