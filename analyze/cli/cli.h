@@ -10,6 +10,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -63,7 +64,9 @@ const char* printable(const std::string& name);
 // is set to run it with the parsed options.
 struct CompareOptions {
   std::string dump, dump2;
-  std::string csv, merged_csv, json;
+  std::string csv;
+  std::map<std::string, std::string>
+      reports;  // report format name (analyze::report_formats()) -> PATH
   std::optional<double> atol, rtol;
   std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
   bool fixed_tolerances = false;             // no dtype-aware rtol floor

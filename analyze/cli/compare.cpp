@@ -147,6 +147,7 @@ void setup_compare(CLI::App& app, Command& selected) {
       "  dynaprobe compare dynaprobe_runs/20250101-120000-4242-0/rank0\n"
       "  dynaprobe compare eager/ compiled/ --csv report.csv\n"
       "  dynaprobe compare RUN --step 3 --module 'layers.*' --atol 1e-2 --rtol 1.6e-2\n"
+      "  dynaprobe compare RUN --html report.html\n"
       "\n"
       "Exit codes: 0 all pass, 1 not all pass (a FAIL or WARN row, or the loss check failed),\n"
       "2 usage error, 3 I/O or format error.");
@@ -160,13 +161,12 @@ void setup_compare(CLI::App& app, Command& selected) {
                   "Also write the 9-column CSV report to PATH (a run folder of several ranks: one "
                   "file per rank, PATH_rank<R>.csv)")
       ->type_name("PATH");
-  sub->add_option("--merged-csv", options->merged_csv,
-                  "Also write one CSV for all ranks to PATH: rank,scenario and the 9 columns")
-      ->type_name("PATH");
-  sub->add_option("--json", options->json,
-                  "Also write every row with every metric (cosine, RMSE, NaN/Inf counts, worst "
-                  "element, ...) and both sides' provenance to PATH as JSON")
-      ->type_name("PATH");
+  // --merged-csv, --json, --html, ...: one option per registered report format.
+  for (const analyze::ReportFormat& format : analyze::report_formats()) {
+    sub->add_option("--" + std::string(format.name), options->reports[std::string(format.name)],
+                    std::string(format.description))
+        ->type_name("PATH");
+  }
   sub->add_option("--atol", options->atol,
                   "Absolute tolerance (default: the one the dump was captured with, else 1e-4)")
       ->type_name("X")
@@ -258,13 +258,18 @@ int run_compare(const CompareOptions& cmd) {
     results.push_back(std::move(result));
   }
   std::cout << render_summary(results);
-  if (!cmd.merged_csv.empty()) {
-    write_text_file(cmd.merged_csv, analyze::render_merged_csv(results));
-    std::cout << "Merged CSV report saved to: " << cmd.merged_csv << "\n";
-  }
-  if (!cmd.json.empty()) {
-    write_text_file(cmd.json, analyze::render_json(results));
-    std::cout << "JSON report saved to: " << cmd.json << "\n";
+  bool graphs_read = false;
+  for (const analyze::ReportFormat& format : analyze::report_formats()) {
+    const auto path = cmd.reports.find(std::string(format.name));
+    if (path == cmd.reports.end() || path->second.empty()) continue;
+    if (format.needs_graphs && !graphs_read) {
+      for (std::size_t i = 0; i < results.size(); ++i) {
+        results[i].graphs = analyze::read_graphs(compiled_ranks[i].path);
+      }
+      graphs_read = true;
+    }
+    write_text_file(path->second, format.render(results));
+    std::cout << format.title << " report saved to: " << path->second << "\n";
   }
   const bool all_pass = std::all_of(results.begin(), results.end(),
                                     [](const auto& r) { return r.comparison.all_pass(); });

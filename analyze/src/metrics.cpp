@@ -1,7 +1,10 @@
 #include "dynaprobe/analyze/metrics.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 namespace dynaprobe::analyze {
 namespace {
@@ -146,7 +149,84 @@ __attribute__((target_clones("avx2", "default"))) std::size_t find_first(const f
   return nan ? find_first_impl<true>(a, b, n, target) : find_first_impl<false>(a, b, n, target);
 }
 
+// The histogram bin of each |a - b| (metrics.h): from the float32 exponent field e of the
+// difference, 2 + (e - e0) / 2 where e0 is the field of the first edge (4^-20 = 2^-40), clamped to
+// "below the first edge" and "at or above the last"; 0 for zero, kNanBin for NaN. Integer
+// operations only, so it vectorises.
+constexpr std::int32_t kFirstEdgeExponent = 127 + 2 * kHistogramFirstPower;
+constexpr std::uint8_t kNanBin = kHistogramBins;
+__attribute__((target_clones("avx2", "default"))) void histogram_bins(const float* a,
+                                                                      const float* b,
+                                                                      std::size_t n,
+                                                                      std::uint8_t* bins) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float diff = std::fabs(a[i] - b[i]);
+    const std::uint32_t bits = std::bit_cast<std::uint32_t>(diff);
+    const auto exponent = static_cast<std::int32_t>(bits >> 23);
+    std::int32_t bin = 2 + ((exponent - kFirstEdgeExponent) >> 1);
+    bin = bin < 1 ? 1 : bin;
+    bin = bin > static_cast<std::int32_t>(kHistogramBins) - 1 ? kHistogramBins - 1 : bin;
+    bin = bits == 0 ? 0 : bin;
+    bin = diff != diff ? kNanBin : bin;
+    bins[i] = static_cast<std::uint8_t>(bin);
+  }
+}
+
+// How many of the n bytes are `bin`, n a multiple of 32 and at most 255 * 32: one byte counter
+// per vector lane, which cannot overflow, so the compiler compares and counts 32 bins at a time.
+__attribute__((target_clones("avx2", "default"))) std::uint32_t count_bin(
+    const std::uint8_t* bins, std::size_t n, std::uint8_t bin) {
+  std::uint8_t lanes[32] = {};
+  for (std::size_t i = 0; i < n; i += 32) {
+    for (std::size_t k = 0; k < 32; ++k) lanes[k] += bins[i + k] == bin;
+  }
+  std::uint32_t total = 0;
+  for (std::uint8_t count : lanes) total += count;
+  return total;
+}
+
+__attribute__((target_clones("avx2", "default"))) void bin_range(const std::uint8_t* bins,
+                                                                 std::size_t n,
+                                                                 std::uint8_t& low,
+                                                                 std::uint8_t& high) {
+  std::uint8_t lo = 255, hi = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    lo = bins[i] < lo ? bins[i] : lo;
+    hi = bins[i] > hi ? bins[i] : hi;
+  }
+  low = lo;
+  high = hi;
+}
+
+// Adds |a - b| of n elements to `histogram`, block by block: the bins of a block, then a count of
+// each bin between the block's smallest and largest (a tensor's differences span about ten bins).
+// All vector code. Measured on 1 MiB tensors in cache, accumulate() takes 1.6 times as long as
+// without the histogram; one scalar increment per element (four interleaved tables) took 1.9
+// times, and half-decade bins through a table by exponent 3.1 times (on 4 MiB tensors).
+void add_histogram(const float* a, const float* b, std::size_t n, Histogram& histogram) {
+  constexpr std::size_t kBlock = 32 * 255;
+  alignas(32) std::uint8_t bins[kBlock];
+  for (std::size_t start = 0; start < n; start += kBlock) {
+    const std::size_t m = std::min(kBlock, n - start);
+    histogram_bins(a + start, b + start, m, bins);
+    const std::size_t padded = (m + 31) / 32 * 32;
+    std::fill(bins + m, bins + padded, kNanBin);  // never counted
+    std::uint8_t low = 0, high = 0;
+    bin_range(bins, m, low, high);
+    for (unsigned bin = low; bin <= high && bin < kHistogramBins; ++bin) {
+      histogram[bin] += count_bin(bins, padded, static_cast<std::uint8_t>(bin));
+    }
+  }
+}
+
 }  // namespace
+
+float histogram_edge(std::size_t i) {
+  if (i >= kHistogramEdges) {
+    throw std::out_of_range("histogram_edge: expected an index below kHistogramEdges");
+  }
+  return std::ldexp(1.0f, 2 * (kHistogramFirstPower + static_cast<int>(i)));
+}
 
 void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t n,
                                     std::uint64_t first_index, const Tolerances& tolerances) {
@@ -172,6 +252,7 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
       }
     }
   }
+  add_histogram(a, b, n, partial.histogram_);
   partial.count_ = n;
   partial.max_abs_ = block.max_abs;
   partial.max_rel_ = block.max_rel;
@@ -226,6 +307,7 @@ void MetricsAccumulator::merge(const MetricsAccumulator& other) {
   inf_a_ += other.inf_a_;
   inf_b_ += other.inf_b_;
   nonfinite_only_b_ += other.nonfinite_only_b_;
+  for (std::size_t bin = 0; bin < kHistogramBins; ++bin) histogram_[bin] += other.histogram_[bin];
 }
 
 TensorMetrics MetricsAccumulator::result() const {
@@ -250,6 +332,7 @@ TensorMetrics MetricsAccumulator::result() const {
   m.worst_index = worst_index_;
   m.worst_eager = worst_a_;
   m.worst_compiled = worst_b_;
+  m.histogram = histogram_;
   return m;
 }
 

@@ -1,5 +1,6 @@
 // Python access to the comparison engine and its reports: the same code as the dynaprobe CLI,
-// so PrecisionChecker.report() and `dynaprobe compare` print the same bytes.
+// so PrecisionChecker.report() and `dynaprobe compare` print the same bytes, and the row dicts
+// are the report model's (python_report.cpp), field for field the JSON report's rows.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
@@ -7,80 +8,11 @@
 #include "bindings.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
+#include "dynaprobe/analyze/report_model.h"
 
 namespace py = pybind11;
 namespace analyze = dynaprobe::analyze;
 namespace fmt = dynaprobe::formats;
-
-namespace {
-
-py::object side_dict(const std::optional<analyze::TensorSide>& side) {
-  if (!side) return py::none();
-  py::dict d;
-  d["dtype"] = std::string(fmt::dtype_name(side->dtype));
-  d["shape"] = py::tuple(py::cast(side->shape));
-  return d;
-}
-
-py::dict row_dict(const analyze::Row& row) {
-  py::dict d;
-  d["module"] = row.module;
-  d["call"] = row.call;
-  d["check_type"] = row.kind ? std::string(fmt::kind_name(*row.kind)) : std::string("note");
-  d["tensor_index"] = row.tensor_index;
-  d["label"] = row.label;
-  d["status"] = std::string(analyze::status_name(row.status));
-  d["note"] = row.note;
-  d["reason"] = row.reason;
-  d["eager"] = side_dict(row.eager);
-  d["compiled"] = side_dict(row.compiled);
-  if (row.metrics) {
-    const auto& m = *row.metrics;
-    py::dict metrics;
-    metrics["max_abs"] = m.max_abs;
-    metrics["mean_abs"] = m.mean_abs;
-    metrics["max_rel"] = m.max_rel;
-    metrics["allclose"] = m.allclose;
-    metrics["cosine"] = m.cosine;
-    metrics["rmse"] = m.rmse;
-    metrics["elements"] = m.elements;
-    metrics["mismatches"] = m.mismatches;
-    metrics["nan_eager"] = m.nan_eager;
-    metrics["nan_compiled"] = m.nan_compiled;
-    metrics["inf_eager"] = m.inf_eager;
-    metrics["inf_compiled"] = m.inf_compiled;
-    metrics["nonfinite_only_compiled"] = m.nonfinite_only_compiled;
-    metrics["worst_index"] = m.worst_index;
-    metrics["worst_eager"] = m.worst_eager;
-    metrics["worst_compiled"] = m.worst_compiled;
-    d["metrics"] = metrics;
-  } else {
-    d["metrics"] = py::none();
-  }
-  if (row.tolerances) {  // the JSON report's "tolerances": when not the step's
-    py::dict tolerances;
-    tolerances["atol"] = row.tolerances->atol;
-    tolerances["rtol"] = row.tolerances->rtol;
-    d["tolerances"] = tolerances;
-  } else {
-    d["tolerances"] = py::none();
-  }
-  if (row.reference_verdict.empty()) {
-    d["reference"] = py::none();
-  } else {
-    py::dict reference;  // the JSON report's "reference" fields
-    reference["verdict"] = row.reference_verdict;
-    reference["eager_rmse"] = row.reference_eager->rmse;
-    reference["compiled_rmse"] = row.reference_compiled->rmse;
-    reference["eager_max_abs"] = row.reference_eager->max_abs;
-    reference["compiled_max_abs"] = row.reference_compiled->max_abs;
-    reference["factor"] = analyze::kReferenceFactor;
-    d["reference"] = reference;
-  }
-  return d;
-}
-
-}  // namespace
 
 void bind_analyze(py::module_& m) {
   py::class_<analyze::StepReport>(m, "StepReport")
@@ -97,30 +29,26 @@ void bind_analyze(py::module_& m) {
       .def_property_readonly("all_pass", &analyze::StepReport::all_pass)
       .def_property_readonly(
           "counts",
-          [](const analyze::StepReport& r) {
-            const analyze::StepCounts c = r.counts();
-            py::dict d;
-            d["pass"] = c.pass;
-            d["fail"] = c.fail;
-            d["warn"] = c.warn;
-            d["skip"] = c.skip;
-            d["compared"] = c.compared;
-            d["loss_fail"] = c.loss_failed;
-            d["nothing_compared"] = c.nothing_compared();
-            return d;
-          },
-          "What all_pass rests on, as the RESULT line states it: rows by status (pass, fail, "
-          "warn, skip), compared (tensor rows with both sides), loss_fail, nothing_compared")
+          [](const analyze::StepReport& r) { return to_python(analyze::counts_model(r.counts())); },
+          "What all_pass rests on, as the RESULT line states it (the JSON report's \"result\"): "
+          "verdict, rows by status (pass, fail, warn, skip), compared (tensor rows with both "
+          "sides), loss_fail, nothing_compared")
       .def_property_readonly("loss_status",
                              [](const analyze::StepReport& r) {
                                return std::string(analyze::status_name(r.loss_status()));
                              })
-      .def_property_readonly("rows",
-                             [](const analyze::StepReport& r) {
-                               py::list rows;
-                               for (const auto& row : r.rows) rows.append(row_dict(row));
-                               return rows;
-                             })
+      .def_property_readonly(
+          "rows",
+          [](const analyze::StepReport& r) {
+            py::list rows;
+            for (const auto& row : r.rows) rows.append(to_python(analyze::row_model(row)));
+            return rows;
+          },
+          "The rows as dicts with the JSON report's row fields (docs/report-format.md#json)")
+      .def_property_readonly(
+          "root_cause",
+          [](const analyze::StepReport& r) { return to_python(analyze::root_cause_model(r)); },
+          "The JSON report's root_cause: None, or {forward, backward, next}")
       .def_property_readonly("root_cause_json", &analyze::render_root_cause_json)
       .def("render_text", &analyze::render_text);
 
@@ -169,6 +97,36 @@ void bind_analyze(py::module_& m) {
       py::arg("note"),
       "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
   m.def("render_csv", &analyze::render_csv, py::arg("steps"));
+  m.def(
+      "report_formats",
+      [] {
+        py::list formats;
+        for (const auto& format : analyze::report_formats()) {
+          formats.append(py::make_tuple(std::string(format.name), std::string(format.title)));
+        }
+        return formats;
+      },
+      "The whole-run report formats, (name, title) in the CLI's order: the names of its --NAME "
+      "options (merged-csv, json, html, ...), the titles of its \"TITLE report saved to\"");
+  m.def(
+      "render_report",
+      [](const std::string& name,
+         const std::vector<std::tuple<int, std::string, analyze::Comparison, std::string>>& ranks) {
+        const analyze::ReportFormat& format = analyze::report_format(name);
+        std::vector<analyze::RankComparison> converted;
+        for (const auto& [rank, scenario, comparison, compiled_dump] : ranks) {
+          analyze::RankComparison result{rank, scenario, comparison};
+          if (format.needs_graphs && !compiled_dump.empty()) {
+            result.graphs = analyze::read_graphs(compiled_dump);
+          }
+          converted.push_back(std::move(result));
+        }
+        py::gil_scoped_release release;
+        return format.render(converted);
+      },
+      py::arg("format"), py::arg("ranks"),
+      "The report in a registered format. ranks: (rank, scenario, Comparison, compiled dump "
+      "path) tuples; the dump is read for the formats that show graphs (html)");
   m.def(
       "render_merged_csv",
       [](const std::vector<std::tuple<int, std::string, analyze::Comparison>>& ranks) {

@@ -1,7 +1,9 @@
 #include "hdf5_types.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <type_traits>
 
 #include "dynaprobe/formats/filters.h"
@@ -198,7 +200,8 @@ namespace {
 struct MetricsField {
   std::string_view name;
   std::size_t offset;
-  bool floating;  // double, else a 64-bit integer
+  bool floating;          // double, else a 64-bit integer
+  std::size_t count = 1;  // > 1: an array of that many
 };
 // The /metrics columns, in order: the compound type and the checksum both walk this table.
 constexpr MetricsField kMetricsFields[] = {
@@ -221,25 +224,42 @@ constexpr MetricsField kMetricsFields[] = {
     {"worst_index", offsetof(MetricsRow, worst_index), false},
     {"worst_eager", offsetof(MetricsRow, worst_eager), true},
     {"worst_compiled", offsetof(MetricsRow, worst_compiled), true},
+    {"histogram", offsetof(MetricsRow, histogram), false, kHistogramBins},
 };
-static_assert(std::size(kMetricsFields) * 8 == sizeof(MetricsRow),
+constexpr std::size_t metrics_field_bytes() {
+  std::size_t bytes = 0;
+  for (const MetricsField& field : kMetricsFields) bytes += 8 * field.count;
+  return bytes;
+}
+static_assert(metrics_field_bytes() == sizeof(MetricsRow),
               "every MetricsRow field is a /metrics column");
 
 }  // namespace
 
 MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record) {
   const TensorMetrics& m = stored.metrics;
-  return MetricsRow{record,         stored.tolerances.atol,
-                    stored.tolerances.rtol,
-                    m.max_abs,      m.mean_abs,
-                    m.max_rel,      m.allclose ? 1u : 0u,
-                    m.cosine,       m.rmse,
-                    m.elements,     m.mismatches,
-                    m.nan_eager,    m.nan_compiled,
-                    m.inf_eager,    m.inf_compiled,
-                    m.nonfinite_only_compiled,
-                    m.worst_index,  m.worst_eager,
-                    m.worst_compiled};
+  MetricsRow row{};
+  row.record = record;
+  row.atol = stored.tolerances.atol;
+  row.rtol = stored.tolerances.rtol;
+  row.max_abs = m.max_abs;
+  row.mean_abs = m.mean_abs;
+  row.max_rel = m.max_rel;
+  row.allclose = m.allclose ? 1 : 0;
+  row.cosine = m.cosine;
+  row.rmse = m.rmse;
+  row.elements = m.elements;
+  row.mismatches = m.mismatches;
+  row.nan_eager = m.nan_eager;
+  row.nan_compiled = m.nan_compiled;
+  row.inf_eager = m.inf_eager;
+  row.inf_compiled = m.inf_compiled;
+  row.nonfinite_only_compiled = m.nonfinite_only_compiled;
+  row.worst_index = m.worst_index;
+  row.worst_eager = m.worst_eager;
+  row.worst_compiled = m.worst_compiled;
+  std::copy(m.histogram.begin(), m.histogram.end(), row.histogram);
+  return row;
 }
 
 StoredMetrics metrics_of_row(const MetricsRow& row) {
@@ -262,6 +282,7 @@ StoredMetrics metrics_of_row(const MetricsRow& row) {
   m.worst_index = row.worst_index;
   m.worst_eager = row.worst_eager;
   m.worst_compiled = row.worst_compiled;
+  std::copy(std::begin(row.histogram), std::end(row.histogram), m.histogram.begin());
   return stored;
 }
 
@@ -270,10 +291,16 @@ h5::Handle metrics_row_type() {
   h5::Handle row =
       h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(MetricsRow)), "defining", kWhere);
   for (const MetricsField& field : kMetricsFields) {
-    const hid_t type = field.floating ? H5T_NATIVE_DOUBLE
-                       : field.name == "worst_index" ? H5T_NATIVE_INT64
-                                                     : H5T_NATIVE_UINT64;
-    h5::check(H5Tinsert(row.get(), std::string(field.name).c_str(), field.offset, type),
+    const hid_t scalar = field.floating ? H5T_NATIVE_DOUBLE
+                         : field.name == "worst_index" ? H5T_NATIVE_INT64
+                                                       : H5T_NATIVE_UINT64;
+    const hsize_t count = field.count;
+    h5::Handle array;
+    if (field.count > 1) {
+      array = h5::type_handle(H5Tarray_create2(scalar, 1, &count), "defining", kWhere);
+    }
+    h5::check(H5Tinsert(row.get(), std::string(field.name).c_str(), field.offset,
+                        field.count > 1 ? array.get() : scalar),
               "defining /metrics", kWhere);
   }
   return row;
@@ -285,9 +312,12 @@ std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows) {
   append_int<std::uint64_t>(bytes, rows.size());
   for (const MetricsRow& row : rows) {
     for (const MetricsField& field : kMetricsFields) {
-      std::uint64_t value = 0;  // a double's bits, or the integer's
-      std::memcpy(&value, reinterpret_cast<const char*>(&row) + field.offset, sizeof(value));
-      append_int(bytes, value);
+      for (std::size_t i = 0; i < field.count; ++i) {
+        std::uint64_t value = 0;  // a double's bits, or the integer's
+        std::memcpy(&value, reinterpret_cast<const char*>(&row) + field.offset + 8 * i,
+                    sizeof(value));
+        append_int(bytes, value);
+      }
     }
   }
   return xxh64(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());

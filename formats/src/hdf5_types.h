@@ -59,6 +59,7 @@ struct MetricsRow {
       nonfinite_only_compiled;
   std::int64_t worst_index;
   double worst_eager, worst_compiled;
+  std::uint64_t histogram[kHistogramBins];
 };
 MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record);
 // The metrics of a row; the key is the caller's (from the index row it names).

@@ -102,6 +102,8 @@ formats::StoredMetrics passing_metrics() {
   stored.metrics.max_abs = 3e-5;
   stored.metrics.elements = 32;
   stored.metrics.worst_index = 17;
+  stored.metrics.histogram[0] = 30;  // exact zeros
+  stored.metrics.histogram[5] = 2;
   return stored;
 }
 
@@ -118,6 +120,7 @@ TEST(Judging, StatsDumpReadsBackItsMetricsAndNoTensor) {
   ASSERT_EQ(reader.stored_metrics().size(), 1u);
   EXPECT_EQ(reader.stored_metrics()[0].key.module, "layers.0");
   EXPECT_EQ(reader.stored_metrics()[0].metrics.worst_index, 17);
+  EXPECT_EQ(reader.stored_metrics()[0].metrics.histogram, passing_metrics().metrics.histogram);
 
   const Comparison result = compare(dir.path(), dir.path(), CompareOptions{});
   const Row& row = result.steps.at(0).rows.at(0);

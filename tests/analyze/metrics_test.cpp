@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 namespace dynaprobe::analyze {
@@ -114,6 +115,58 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
     EXPECT_EQ(merged.mismatches, whole.mismatches);
     EXPECT_EQ(merged.worst_index, 5000);
   }
+}
+
+// The |diff| histogram: exact zeros, one log-spaced bin per factor of 4, infinities in the last
+// bin, NaN differences left out; edges are inclusive below, as the HTML report labels them.
+TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
+  EXPECT_EQ(histogram_edge(0), std::ldexp(1.0f, -40));
+  EXPECT_EQ(histogram_edge(20), 1.0f);
+  EXPECT_EQ(histogram_edge(kHistogramEdges - 1), 1048576.0f);
+  EXPECT_THROW(histogram_edge(kHistogramEdges), std::out_of_range);
+  // |a - b|: zero, below 2^-40, 2^-40, just below 1, 1, just below 4, 4, 2^20, 1e30, inf, NaN.
+  const float below_four = std::nextafter(4.0f, 0.0f);
+  const std::vector<float> b = {1,    1e-30f, std::ldexp(1.0f, -40), 0.999f, 1,   below_four,
+                                4.0f, 1048576.0f, 1e30f,             kInf,   kNaN};
+  const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const TensorMetrics m = compare(a, b);
+  Histogram expected{};
+  expected[0] = 1;                   // exact zero
+  expected[1] = 1;                   // below the first edge
+  expected[2] = 1;                   // [2^-40, 2^-38)
+  expected[2 + 19] = 1;              // [1/4, 1)
+  expected[2 + 20] = 2;              // [1, 4): 1 and just below 4
+  expected[2 + 21] = 1;              // [4, 16)
+  expected[kHistogramBins - 1] = 3;  // 2^20, 1e30 and inf: at or above the last edge
+  EXPECT_EQ(m.histogram, expected);
+  std::uint64_t total = 0;
+  for (auto count : m.histogram) total += count;
+  EXPECT_EQ(total, a.size() - 1);  // all but the NaN difference
+}
+
+TEST(Metrics, HistogramOfAnySplitMergesToTheWhole) {
+  std::mt19937 rng(7);
+  std::lognormal_distribution<float> magnitude(-6.0f, 4.0f);
+  std::vector<float> a(10000), b(10000);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = magnitude(rng);
+    b[i] = a[i] + ((i % 3) ? magnitude(rng) : 0.0f);
+  }
+  const TensorMetrics whole = compare(a, b);
+  MetricsAccumulator first, second;
+  first.accumulate(a.data(), b.data(), 3333, 0, {});
+  second.accumulate(a.data() + 3333, b.data() + 3333, a.size() - 3333, 3333, {});
+  second.merge(first);
+  EXPECT_EQ(second.result().histogram, whole.histogram);
+  // Checked against a plain search over the edges.
+  Histogram reference{};
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const float diff = std::fabs(a[i] - b[i]);
+    std::size_t bin = 1;
+    while (bin - 1 < kHistogramEdges && diff >= histogram_edge(bin - 1)) ++bin;
+    ++reference[diff == 0 ? 0 : bin];
+  }
+  EXPECT_EQ(whole.histogram, reference);
 }
 
 }  // namespace

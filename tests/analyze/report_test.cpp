@@ -8,8 +8,12 @@
 #include "dynaprobe/analyze/report.h"
 
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include <cmath>
+#include <cstring>
+
+#include "dynaprobe/formats/error.h"
 
 namespace dynaprobe::analyze {
 namespace {
@@ -370,6 +374,112 @@ TEST(Report, FloatsAreSpelledAsPythonSpellsThem) {
   EXPECT_EQ(format_float(INFINITY, "%.6e"), "inf");
   EXPECT_EQ(format_float(-INFINITY, "%.6e"), "-inf");
   EXPECT_EQ(format_float(1.192092896e-07, "%.6e"), "1.192093e-07");
+}
+
+// A new whole-run format is one registry entry: each renders, and a name that is not one is a
+// usage error that lists the known names.
+TEST(Report, EveryRegisteredFormatRendersAndAnUnknownOneIsAUsageError) {
+  RankComparison rank;
+  rank.comparison.steps.push_back(spec_example());
+  std::vector<std::string> names;
+  for (const ReportFormat& format : report_formats()) {
+    names.emplace_back(format.name);
+    EXPECT_FALSE(format.render({rank}).empty()) << format.name;
+    EXPECT_EQ(&report_format(format.name), &format);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"merged-csv", "json", "html"}));
+  try {
+    report_format("pdf");
+    FAIL() << "no error";
+  } catch (const UsageError& error) {
+    EXPECT_NE(std::string(error.what()).find("(merged-csv, json, html), but received 'pdf'"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
+// The JSON row has the worst element nested, the mismatch fraction and the |diff| histogram;
+// the Python dicts are the same model (tests/python/test_report_model.py).
+TEST(Report, JsonRowHasTheWorstElementAndTheHistogram) {
+  StepReport report = spec_example();
+  TensorMetrics& m = *report.rows[1].metrics;
+  m.elements = 4;
+  m.mismatches = 1;
+  m.worst_index = 4097;
+  m.worst_eager = 1.5;
+  m.worst_compiled = -0.5;
+  m.histogram[3] = 4;
+  RankComparison rank;
+  rank.comparison.steps.push_back(report);
+  const std::string json = render_json({rank});
+  EXPECT_NE(json.find("\"mismatch_fraction\": 0.25, \"nan_eager\": 0"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"worst\": {\"flat_index\": 4097, \"index\": [0, 1, 1], \"eager\": 1.5, "
+                      "\"compiled\": -0.5}, \"histogram\": [0, 0, 0, 4, 0"),
+            std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"worst\": null"), std::string::npos) << json;  // rows without one
+  EXPECT_NE(json.find("\"histogram_edges\": [9.09494702e-13, 3.63797881e-12, 1.45519152e-11"),
+            std::string::npos)
+      << json;
+}
+
+// The data of an HTML report: base64, then gzip, as the page's script reads it.
+std::string html_data(const std::string& html) {
+  const std::string open = "id=\"dynaprobe-data\">";
+  const std::size_t start = html.find(open) + open.size();
+  const std::string text = html.substr(start, html.find('<', start) - start);
+  std::string bytes;
+  std::uint32_t group = 0;
+  int bits = 0;
+  for (char c : text) {
+    const char* alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const char* at = std::strchr(alphabet, c);
+    if (c == '=' || !at) continue;
+    group = (group << 6) | static_cast<std::uint32_t>(at - alphabet);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      bytes += static_cast<char>((group >> bits) & 0xFF);
+    }
+  }
+  z_stream stream{};
+  EXPECT_EQ(inflateInit2(&stream, 15 + 16), Z_OK);
+  std::string out(bytes.size() * 50 + 1024, '\0');
+  stream.next_in = reinterpret_cast<Bytef*>(bytes.data());
+  stream.avail_in = static_cast<uInt>(bytes.size());
+  stream.next_out = reinterpret_cast<Bytef*>(out.data());
+  stream.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(inflate(&stream, Z_FINISH), Z_STREAM_END);
+  out.resize(stream.total_out);
+  inflateEnd(&stream);
+  return out;
+}
+
+// The HTML report opens offline: nothing is loaded from elsewhere, and text from the dump
+// (graph code here) cannot end the <script> element that holds the data. Its data is the JSON
+// report's model, and each rank's graphs with their lines.
+TEST(Report, HtmlIsSelfContainedAndDumpTextCannotCloseItsScript) {
+  RankComparison rank;
+  rank.comparison.steps.push_back(spec_example());
+  rank.graphs.push_back(
+      {"__compiled_fn_1.Forward_Graph.0", "forward", "x = '</script><script>alert(1)'\n", {}});
+  const std::string html = render_html({rank});
+  std::size_t closing = 0;
+  for (std::size_t at = html.find("</script"); at != std::string::npos;
+       at = html.find("</script", at + 1)) {
+    ++closing;
+  }
+  EXPECT_EQ(closing, 3u);  // Chart.js, the data, the page's script
+  EXPECT_EQ(html.find("<link"), std::string::npos);
+  EXPECT_EQ(html.find(" src="), std::string::npos);
+  EXPECT_NE(html.find("Chart.js v3"), std::string::npos);
+  EXPECT_EQ(html.find("alert(1)"), std::string::npos);
+  const std::string data = html_data(html);
+  std::string json = render_json({rank});
+  json.pop_back();  // its final newline
+  EXPECT_EQ(data, "{\"report\": " + json +
+                      ",\n\"graphs\": [\n  {\"__compiled_fn_1.Forward_Graph.0\": \"x = "
+                      "'</script><script>alert(1)'\\n\"}]}");
 }
 
 }  // namespace

@@ -74,6 +74,41 @@ def _perturb_gelu(gm: torch.fx.GraphModule, example_inputs):
 perturbed_gelu_backend = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)
 
 
+def plain_compiler(gm: torch.fx.GraphModule, example_inputs):
+    """aot_eager's compiler: the graph as it is."""
+    return make_boxed_func(gm.forward)
+
+
+# The fault in one direction only.
+FORWARD_FAULT = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=plain_compiler)
+BACKWARD_FAULT = aot_autograd(fw_compiler=plain_compiler, bw_compiler=_perturb_gelu)
+
+
+class Stage(nn.Module):
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+class Chain(nn.Module):
+    """stage1 is the only one with a GELU: the only place a GELU fault can be injected; the loss
+    is the mean square of stage3's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage0 = Stage(nn.Tanh())
+        self.stage1 = Stage(nn.GELU())
+        self.stage2 = Stage(nn.Tanh())
+        self.stage3 = Stage(nn.Tanh())
+
+    def forward(self, x):
+        return self.stage3(self.stage2(self.stage1(self.stage0(x)))).square().mean()
+
+
 class TinyTransformer(nn.Module):
     """Embedding, causal transformer blocks and an LM head: a small language model."""
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_root_cause import FORWARD_FAULT, Chain
+from models import FORWARD_FAULT, Chain
 
 from dynaprobe import PrecisionChecker, _C
 

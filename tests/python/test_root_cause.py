@@ -9,44 +9,9 @@ import subprocess
 
 import pytest
 import torch
-import torch.nn as nn
-from functorch.compile import make_boxed_func
-from models import _perturb_gelu
-from torch._dynamo.backends.common import aot_autograd
+from models import BACKWARD_FAULT, FORWARD_FAULT, Chain
 
 from dynaprobe import PrecisionChecker
-
-
-def _plain(gm, example_inputs):
-    return make_boxed_func(gm.forward)
-
-
-FORWARD_FAULT = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_plain)
-BACKWARD_FAULT = aot_autograd(fw_compiler=_plain, bw_compiler=_perturb_gelu)
-
-
-class Stage(nn.Module):
-    def __init__(self, act: nn.Module):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.act = act
-
-    def forward(self, x):
-        return self.act(self.lin(x))
-
-
-class Chain(nn.Module):
-    """stage1 is the only one with a GELU: the only place a fault can be injected."""
-
-    def __init__(self):
-        super().__init__()
-        self.stage0 = Stage(nn.Tanh())
-        self.stage1 = Stage(nn.GELU())
-        self.stage2 = Stage(nn.Tanh())
-        self.stage3 = Stage(nn.Tanh())
-
-    def forward(self, x):
-        return self.stage3(self.stage2(self.stage1(self.stage0(x)))).square().mean()
 
 
 def _check(backend, single_pass: bool, tmp_path):

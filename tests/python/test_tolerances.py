@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from test_root_cause import FORWARD_FAULT, Chain
+from models import FORWARD_FAULT, Chain
 
 from dynaprobe import PrecisionChecker
 

@@ -470,15 +470,33 @@ class PrecisionChecker:
             self._step = None
 
     # ------------------------------------------------------------------ report
-    def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None) -> None:
+    def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,
+               **format_paths: Optional[str]) -> None:
         """Prints the stdout report; with ``csv_path``, also writes the CSV report there. A step
-        that was not checked (collect() returned None) has no report: nothing is printed."""
+        that was not checked (collect() returned None) has no report: nothing is printed.
+
+        Every report format of ``dynaprobe compare --FORMAT PATH`` can be written too, as
+        ``FORMAT_path=PATH``: ``html_path`` (the self-contained HTML report: error along the
+        network, histograms of |diff|, graph code; docs/report-format.md#html), ``json_path``
+        (every row with every metric), ``merged_csv_path`` (``rank,scenario`` + 9 columns).
+        """
+        formats = {name.replace("-", "_") + "_path": (name, title)
+                   for name, title in _C.report_formats()}
+        unknown = sorted(set(format_paths) - set(formats))
+        if unknown:
+            raise TypeError(f"report() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                            f"the report formats are {', '.join(['csv_path', *formats])}")
         if result is None:
             return
         print(result.text(), end="")
         if csv_path:
             _write_text(csv_path, result.csv())
             print(f"CSV report saved to: {csv_path}")
+        for keyword, (name, title) in formats.items():
+            path = format_paths.get(keyword)
+            if path:
+                _write_text(path, result.render(name))
+                print(f"{title} report saved to: {path}")
 
     def gather_report(self, results, csv_path: Optional[str] = None, *,
                       timeout: float = 300.0) -> Optional[str]:

@@ -9,7 +9,6 @@ against msprobe.pytorch.compile_accuracy_checker.precision_checker can build and
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
@@ -57,8 +56,32 @@ class Row:
         return self.status in ("PASS", "SKIP")
 
 
+# The flat worst-element keys of earlier versions: (its key in metrics["worst"], value without one).
+_LEGACY_WORST_KEYS = {"worst_index": ("flat_index", -1), "worst_eager": ("eager", 0.0),
+                      "worst_compiled": ("compiled", 0.0)}
+
+
+class Metrics(dict):
+    """A row's metrics: the JSON report's ``metrics`` object, key for key (``max_abs``, ...,
+    ``mismatch_fraction``, ``worst``: ``{"flat_index", "index", "eager", "compiled"}`` or None,
+    ``histogram``). The flat ``worst_index``, ``worst_eager`` and ``worst_compiled`` of earlier
+    versions still read (``-1`` and ``0.0`` without a worst element) but are not keys: prefer
+    ``metrics["worst"]``."""
+
+    def __missing__(self, key: str) -> Any:
+        if key not in _LEGACY_WORST_KEYS:
+            raise KeyError(key)
+        field_name, default = _LEGACY_WORST_KEYS[key]
+        worst = self.get("worst")
+        return default if worst is None else worst[field_name]
+
+
+def _shape(side: Optional[dict]) -> Optional[tuple]:
+    return tuple(side["shape"]) if side else None
+
+
 def _row_from_dict(d: dict) -> Row:
-    metrics = d["metrics"] or {}
+    metrics = Metrics(d["metrics"] or {})
     side = d["eager"] or d["compiled"]
     # A shape mismatch FAILs without metrics: the report shows them as inf.
     missing = math.inf if d["eager"] and d["compiled"] and not d["metrics"] else math.nan
@@ -74,11 +97,11 @@ def _row_from_dict(d: dict) -> Row:
         max_abs=metrics.get("max_abs", missing),
         mean_abs=metrics.get("mean_abs", missing),
         max_rel=metrics.get("max_rel", missing),
-        shape=side["shape"] if side else None,
+        shape=_shape(side),
         eager_dtype=d["eager"]["dtype"] if d["eager"] else None,
         compiled_dtype=d["compiled"]["dtype"] if d["compiled"] else None,
         metrics=metrics,
-        compiled_shape=d["compiled"]["shape"] if d["compiled"] else None,
+        compiled_shape=_shape(d["compiled"]),
         reference=d["reference"],
         tolerances=d["tolerances"],
     )
@@ -346,7 +369,7 @@ class CompareResult:
         module's inputs, or the gradient it received, matched; ``"carried"``: they already
         differed; ``"unknown"``) and ``evidence`` in words. The same object as the JSON
         report's ``root_cause``; the text report ends with it."""
-        return json.loads(self._engine_report().root_cause_json)
+        return self._engine_report().root_cause
 
     @property
     def failures(self) -> list:
@@ -360,6 +383,13 @@ class CompareResult:
     def csv(self) -> str:
         """The 9-column CSV report."""
         return _C.render_csv([self._engine_report()])
+
+    def render(self, format: str, rank: int = 0) -> str:
+        """This step's report in a registered format (``_C.report_formats()``: ``"json"``,
+        ``"html"``, ``"merged-csv"``), as ``dynaprobe compare DUMP --step N --FORMAT PATH``
+        writes it; ``rank`` labels the step's rank."""
+        return _C.render_report(
+            format, [(rank, self.scenario, self._step_comparison(), self.dump_dir)])
 
     def __bool__(self) -> bool:
         return self.all_pass

@@ -6,6 +6,7 @@
 // outside tolerance, NaN/Inf counts per side and the worst element.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -13,8 +14,16 @@
 
 namespace dynaprobe::analyze {
 
+using formats::Histogram;
+using formats::kHistogramBins;
+using formats::kHistogramEdges;
+using formats::kHistogramFirstPower;
+using formats::kHistogramLastPower;
 using formats::TensorMetrics;
 using formats::Tolerances;
+
+// Edge i of the |a - b| histogram (formats/metrics.h): 4^(kHistogramFirstPower + i), exactly.
+float histogram_edge(std::size_t i);
 
 // Partial results over some elements of a tensor pair; merge() combines partials of disjoint
 // element ranges. Sums are kept in double. NaN follows torch: one NaN difference makes max_abs,
@@ -50,6 +59,7 @@ class MetricsAccumulator {
   float worst_a_ = 0;
   float worst_b_ = 0;
   float worst_diff_ = 0;  // NaN once a NaN difference is the worst
+  Histogram histogram_{};
 };
 
 }  // namespace dynaprobe::analyze

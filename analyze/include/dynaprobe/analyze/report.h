@@ -1,12 +1,17 @@
 // The reports of a comparison: the spec's stdout report and CSV (报告说明, CSV 报告格式), the
-// multi-rank CSV (多卡 CSV 报告格式), and JSON with every metric for scripts and CI.
-// docs/report-format.md explains the choices where the spec's examples disagree.
+// multi-rank CSV (多卡 CSV 报告格式), JSON with every metric for scripts and CI, and a
+// self-contained HTML page. One renderer file each (analyze/src/render_*.cpp); JSON, HTML and
+// Python's row dicts serialise the one report model (report_model.h). docs/report-format.md
+// explains the choices where the spec's examples disagree.
 #pragma once
 
+#include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::analyze {
 
@@ -21,6 +26,9 @@ struct RankComparison {
   int rank = 0;
   std::string scenario;
   Comparison comparison;
+  // The compiler's graphs (read_graphs() of the compiled side's dump), for the formats that show
+  // them (ReportFormat::needs_graphs); empty otherwise.
+  std::vector<formats::Graph> graphs{};
 };
 // "rank,scenario" followed by the 9 columns, every rank's rows in rank order.
 std::string render_merged_csv(const std::vector<RankComparison>& ranks);
@@ -29,8 +37,32 @@ std::string render_merged_csv(const std::vector<RankComparison>& ranks);
 // "root_cause"; Python's CompareResult.root_cause parses this very text.
 std::string render_root_cause_json(const StepReport& report);
 
-// Every row with every metric, the provenance of both sides and a summary.
+// Every row with every metric, the provenance of both sides and a summary: the report model
+// (report_model.h) as JSON.
 std::string render_json(const std::vector<RankComparison>& ranks);
+
+// One self-contained HTML page (docs/report-format.md#html): the report model, each rank's graphs
+// and the charting library embedded, nothing fetched at view time.
+std::string render_html(const std::vector<RankComparison>& ranks);
+
+// A report written to a file for a whole run (every rank, every step). The registry is the one
+// place a format is added: the CLI offers --NAME PATH and Python report(..., NAME_path=PATH) for
+// each entry ("merged-csv" is merged_csv_path).
+struct ReportFormat {
+  std::string_view name;         // "json"
+  std::string_view title;        // "JSON", as in "JSON report saved to: PATH"
+  std::string_view description;  // the CLI option's help
+  bool needs_graphs;             // fill RankComparison::graphs before rendering
+  std::string (*render)(const std::vector<RankComparison>& ranks);
+};
+// In the order the CLI writes them.
+const std::vector<ReportFormat>& report_formats();
+// The format called `name`; throws UsageError naming the known formats otherwise.
+const ReportFormat& report_format(std::string_view name);
+
+// The graphs stored in a dump (every step file; a graph stored by several steps once), in the
+// order they were stored. Throws IoError / FormatError as formats::StepReader does.
+std::vector<formats::Graph> read_graphs(const std::filesystem::path& dump);
 
 // When the sides come from two dumps: where each side was captured (host, torch version, device,
 // backend, dtypes, mode) and what differs between them. Empty for a single dump.

@@ -1,13 +1,28 @@
 // The metrics of a compared pair of tensors, as the analyzer computes them (analyze/metrics.h
-// defines them) and as a dump may store them: a capture that judged its rows in memory keeps
+// says how) and as a dump may store them: a capture that judged its rows in memory keeps
 // their metrics in /metrics (format 1.3), so that a re-analysis needs no tensor it did not store.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::formats {
+
+// The histogram of |a - b| that each comparison keeps while it streams the tensors (no second
+// pass): fixed log-spaced bins, one per factor of 4, edges 4^-20 (about 9.1e-13), 4^-19, ...,
+// 4^10 (about 1.05e6). Powers of two are exact in float32 and a value's bin is its exponent
+// field halved, so binning costs a few integer operations (measured: see analyze/metrics.cpp).
+// Bin 0 counts exact zeros, bin 1 differences below the first edge, bin i + 2 those in
+// [edge i, edge i + 1), the last bin those at or above the last edge, infinities included. NaN
+// differences are not binned (nan_eager/nan_compiled count them).
+inline constexpr int kHistogramFirstPower = -20;  // of 4
+inline constexpr int kHistogramLastPower = 10;
+inline constexpr std::size_t kHistogramEdges = kHistogramLastPower - kHistogramFirstPower + 1;
+inline constexpr std::size_t kHistogramBins = kHistogramEdges + 2;
+using Histogram = std::array<std::uint64_t, kHistogramBins>;
 
 struct Tolerances {
   double atol = 1e-4;
@@ -33,6 +48,7 @@ struct TensorMetrics {
   std::int64_t worst_index = -1;
   double worst_eager = 0;
   double worst_compiled = 0;
+  Histogram histogram{};  // |a - b| per bin (kHistogramBins)
 };
 
 // The metrics of one compared pair, computed at capture from the tensors in memory. `key` is

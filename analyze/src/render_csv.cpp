@@ -1,0 +1,105 @@
+// The spec's 9-column CSV (docs/report-format.md#csv-9-columns) and the merged multi-rank CSV
+// (docs/report-format.md#merged-multi-rank-csv).
+#include <cmath>
+
+#include "dynaprobe/analyze/report.h"
+#include "report_common.h"
+
+namespace dynaprobe::analyze {
+namespace {
+
+using namespace detail;
+
+// CSV field quoting as Python's csv module does by default (QUOTE_MINIMAL).
+std::string csv_field(const std::string& field) {
+  if (field.find_first_of(",\"\r\n") == std::string::npos) return field;
+  std::string quoted = "\"";
+  for (char c : field) {
+    if (c == '"') quoted += '"';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
+std::string csv_line(const std::vector<std::string>& fields) {
+  std::string text;
+  for (std::size_t i = 0; i < fields.size(); ++i) {
+    if (i) text += ',';
+    text += csv_field(fields[i]);
+  }
+  return text + "\n";
+}
+
+// The 9 CSV columns of each row of a step, LOSS first. `merged` uses the multi-rank example's
+// spelling for rows without metrics ("-" and "N/A").
+std::vector<std::vector<std::string>> csv_rows(const StepReport& report, bool merged) {
+  std::vector<std::vector<std::string>> rows;
+  const std::string loss_status(status_name(report.loss_status()));
+  const double compiled = report.loss_compiled.value_or(NAN);
+  if (report.single_pass || !report.loss_eager) {
+    rows.push_back({"LOSS", "loss", "0", loss_status, "N/A", "N/A", "N/A",
+                    "compiled=" + format_float(compiled, "%.6f"),
+                    report.single_pass ? "single_pass mode" : ""});
+  } else {
+    const double eager = *report.loss_eager;
+    rows.push_back(
+        {"LOSS", "loss", "0", loss_status, format_float(std::fabs(eager - compiled), "%.6e"), "N/A",
+         "N/A",
+         "eager=" + format_float(eager, "%.6f") + " compiled=" + format_float(compiled, "%.6f"),
+         ""});
+  }
+  const std::string empty = merged ? "N/A" : "";
+  for (const Row& row : report.rows) {
+    std::string module = formats::printable_name(row.module) +
+                         (row.call > 0 ? " (call " + std::to_string(row.call) + ")" : "");
+    const std::string status(status_name(row.status));
+    if (!row.kind) {
+      rows.push_back(
+          {module, merged ? "-" : "note", "0", status, empty, empty, empty, "", row_note(row)});
+      continue;
+    }
+    const std::string kind(formats::kind_name(*row.kind));
+    const std::string index = std::to_string(row.tensor_index);
+    if (!row.metrics && !row.shape_mismatch()) {
+      rows.push_back(
+          {module, kind, index, status, empty, empty, empty, shape_text(row), row_note(row)});
+      continue;
+    }
+    const Numbers n = numbers(row);
+    rows.push_back({module, kind, index, status, format_float(n.max_abs, "%.6e"),
+                    format_float(n.mean_abs, "%.6e"), format_float(n.max_rel, "%.6e"),
+                    shape_text(row), row_note(row)});
+  }
+  return rows;
+}
+
+const std::vector<std::string> kCsvHeader = {"module_name",  "check_type",   "tensor_index",
+                                             "status",       "max_abs_diff", "mean_abs_diff",
+                                             "max_rel_diff", "shape",        "note"};
+
+}  // namespace
+
+std::string render_csv(const std::vector<StepReport>& steps) {
+  std::string out = csv_line(kCsvHeader);
+  for (const StepReport& report : steps) {
+    for (const auto& fields : csv_rows(report, false)) out += csv_line(fields);
+  }
+  return out;
+}
+
+std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
+  std::vector<std::string> header = {"rank", "scenario"};
+  header.insert(header.end(), kCsvHeader.begin(), kCsvHeader.end());
+  std::string out = csv_line(header);
+  for (const RankComparison& rank : ranks) {
+    for (const StepReport& report : rank.comparison.steps) {
+      for (auto fields : csv_rows(report, true)) {
+        fields.insert(fields.begin(), {std::to_string(rank.rank), rank.scenario});
+        out += csv_line(fields);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace dynaprobe::analyze

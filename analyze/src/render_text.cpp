@@ -1,0 +1,214 @@
+// The stdout report (docs/report-format.md#stdout), in the spec's layout byte for byte, and the
+// provenance lines printed before it when two dumps are compared.
+#include <algorithm>
+#include <cmath>
+
+#include "dynaprobe/analyze/report.h"
+#include "dynaprobe/analyze/root_cause.h"
+#include "report_common.h"
+
+namespace dynaprobe::analyze {
+namespace {
+
+using formats::Kind;
+using namespace detail;
+
+constexpr int kRuleWidth = 72;
+constexpr int kNameWidth = 51;
+const std::string kRule(kRuleWidth, '=');
+const std::string kSectionRule = "  " + std::string(68, '-');
+// Continuation lines of a module with several tensors start under the first tensor's details.
+const std::string kContinuation(2 + 4 + 2 + kNameWidth + 2, ' ');
+
+std::string flag_text(Status status) {
+  switch (status) {
+    case Status::kPass:
+      return "pass";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kSkip:
+      return "skip";
+    case Status::kWarn:
+      return "WARN";
+  }
+  return "????";
+}
+
+// Worse statuses win when rows are shown together.
+int severity(Status status) {
+  switch (status) {
+    case Status::kSkip:
+      return 0;
+    case Status::kPass:
+      return 1;
+    case Status::kWarn:
+      return 2;
+    case Status::kFail:
+      return 3;
+  }
+  return 0;
+}
+
+// Below a single-pass report, what the spec's 提示 says about it (关于 single-pass 的
+// loss_eager=NaN), so the nan and the zero rows are not read as a problem.
+const std::string kSinglePassHint =
+    "  single-pass: eager=nan is expected (no whole-model eager run); FORWARD INPUT and\n"
+    "  grad_output are the tensors both sides share (0 by design): FORWARD OUTPUT and grad_input\n"
+    "  are what compares the two sides.\n";
+
+std::string display_name(const Row& row, bool backward) {
+  std::string name = formats::printable_name(row.module);
+  if (backward && row.kind) name += "." + std::string(formats::kind_name(*row.kind));
+  if (row.call > 0) name += " (call " + std::to_string(row.call) + ")";
+  return name;
+}
+
+std::string detail_text(const Row& row) {
+  if (!row.note.empty()) {
+    return formats::printable_name(row.note) +
+           (row.reason.empty() ? "" : "  " + formats::printable_name(row.reason));
+  }
+  const Numbers n = numbers(row);
+  std::string text = std::string(row.status == Status::kPass ? "[OK]" : "[!!]") +
+                     " max_abs=" + format_float(n.max_abs, "%.3e") +
+                     "  mean_abs=" + format_float(n.mean_abs, "%.3e") +
+                     "  max_rel=" + format_float(n.max_rel, "%.3e") + "  shape=" + shape_text(row);
+  if (row.kind == Kind::kParamGrad && !row.label.empty()) {
+    text += "  param=" + formats::printable_name(row.label);
+  }
+  // Why a failing row fails when the metrics alone do not say ("32 NaN/Inf only in compiled"),
+  // as the CSV's note column has it.
+  if (row.status != Status::kPass && !row.reason.empty() && !row.shape_mismatch()) {
+    text += "  " + formats::printable_name(row.reason);
+  }
+  if (row.tolerances) {
+    text += "  tol: atol=" + format_tolerance(row.tolerances->atol) +
+            " rtol=" + format_tolerance(row.tolerances->rtol);
+  }
+  if (!row.reference_verdict.empty()) text += "  " + reference_text(row);
+  return text;
+}
+
+std::string line(Status status, const std::string& name, const std::string& detail) {
+  std::string padded = name;
+  if (padded.size() < static_cast<std::size_t>(kNameWidth)) padded.resize(kNameWidth, ' ');
+  return "  " + flag_text(status) + "  " + padded + "  " + detail + "\n";
+}
+
+// FORWARD INPUT, FORWARD OUTPUT (every other forward kind), then BACKWARD (every backward kind):
+// a new kind is reported by its pass (formats::is_forward), with no change here.
+bool in_section(const Row& row, int section) {
+  if (!row.kind) return false;
+  switch (section) {
+    case 0:
+      return *row.kind == Kind::kFwdInput;
+    case 1:
+      return formats::is_forward(*row.kind) && *row.kind != Kind::kFwdInput;
+    default:
+      return !formats::is_forward(*row.kind);
+  }
+}
+
+// The root-cause summary under the RESULT line of a failing step (nothing for a pass, whose
+// report the spec fixes).
+std::string root_cause_text(const StepReport& report) {
+  const RootCause& cause = report.root_cause;
+  if (cause.empty()) return "";
+  std::string out = "\n  ROOT CAUSE\n" + kSectionRule + "\n";
+  if (cause.forward) out += "  forward   " + describe_finding(report, *cause.forward) + "\n";
+  if (cause.backward) out += "  backward  " + describe_finding(report, *cause.backward) + "\n";
+  out += "  next      " + formats::printable_name(cause.next) + "\n";
+  return out;
+}
+
+}  // namespace
+
+std::string render_text(const StepReport& report) {
+  std::string out = kRule + "\n";
+  const double compiled = report.loss_compiled.value_or(NAN);
+  const double eager = report.single_pass ? NAN : report.loss_eager.value_or(NAN);
+  out += "  Loss  eager=" + format_float(eager, "%.6f") +
+         "  compiled=" + format_float(compiled, "%.6f") +
+         "  diff=" + format_float(std::fabs(eager - compiled), "%.3e");
+  if (!report.cast_dtype.empty()) out += "  cast_dtype=" + report.cast_dtype;
+  out += "\n" + kRule + "\n";
+
+  static const char* kTitles[] = {"FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"};
+  bool any_section = false;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int section = 0; section < 3; ++section) {
+      if (section == 0 && !report.capture_input) continue;
+      const bool has_tensors = std::any_of(report.rows.begin(), report.rows.end(),
+                                           [&](const Row& r) { return in_section(r, section); });
+      // Module notes show in every section that has tensors, or in FORWARD OUTPUT when none has.
+      const bool shown = pass == 0 ? has_tensors : (!any_section && section == 1);
+      if (!shown) continue;
+      std::string body;
+      for (std::size_t i = 0; i < report.rows.size();) {
+        const Row& row = report.rows[i];
+        if (!row.kind) {
+          body += line(row.status, display_name(row, false), detail_text(row));
+          ++i;
+          continue;
+        }
+        if (!in_section(row, section)) {
+          ++i;
+          continue;
+        }
+        // One line per (module, call, kind); further tensors continue below it.
+        std::size_t end = i + 1;
+        Status worst = row.status;
+        while (end < report.rows.size() && report.rows[end].kind == row.kind &&
+               report.rows[end].module == row.module && report.rows[end].call == row.call) {
+          if (severity(report.rows[end].status) > severity(worst)) worst = report.rows[end].status;
+          ++end;
+        }
+        body += line(worst, display_name(row, section == 2), detail_text(row));
+        for (std::size_t j = i + 1; j < end; ++j)
+          body += kContinuation + detail_text(report.rows[j]) + "\n";
+        i = end;
+      }
+      out += "\n  " + std::string(kTitles[section]) + "\n" + kSectionRule + "\n" + body;
+      any_section = true;
+    }
+  }
+  out += "\n" + kRule + "\n";
+  out += "  RESULT: " + result_text(report.counts()) + "  (" + verdict_reasons(report.counts()) +
+         "atol=" + format_tolerance(report.tolerances.atol) +
+         " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
+  out += kRule + "\n";
+  out += root_cause_text(report);
+  if (report.single_pass) out += kSinglePassHint;
+  return out;
+}
+
+std::string render_provenance(const Comparison& comparison) {
+  if (!comparison.separate_dumps) return "";
+  static const char* kKeys[] = {"host",         "torch_version", "device", "backend",
+                                "param_dtypes", "cast_dtype",    "mode"};
+  std::string out;
+  for (const auto& [label, provenance] :
+       {std::pair{"Eager side:   ", &comparison.eager_provenance},
+        std::pair{"Compiled side:", &comparison.compiled_provenance}}) {
+    out += label;
+    for (const char* key : kKeys) {
+      auto found = provenance->find(key);
+      if (found != provenance->end() && !found->second.empty()) {
+        out += std::string(" ") + key + "=" + formats::printable_name(found->second);
+      }
+    }
+    out += "\n";
+  }
+  if (comparison.provenance_differences.empty()) return out;
+  out += "Provenance differs between the eager and the compiled dump:\n";
+  for (const auto& difference : comparison.provenance_differences) {
+    out += "  " + formats::printable_name(difference.key) + ": eager=" +
+           (difference.eager.empty() ? "(none)" : formats::printable_name(difference.eager)) +
+           "  compiled=" +
+           (difference.compiled.empty() ? "(none)" : formats::printable_name(difference.compiled)) +
+           "\n";
+  }
+  return out;
+}
+
+}  // namespace dynaprobe::analyze

@@ -1,0 +1,75 @@
+#include "report_common.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "dynaprobe/analyze/report.h"
+
+namespace dynaprobe::analyze::detail {
+
+std::string printf_string(const char* format, double value) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), format, value);
+  return buffer;
+}
+
+std::string format_tolerance(double value) {
+  for (int precision = 0; precision < 17; ++precision) {
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), "%.*e", precision, value);
+    if (std::strtod(buffer, nullptr) != value) continue;
+    std::string text = buffer;
+    const auto e = text.find('e');
+    std::string mantissa = text.substr(0, e);
+    const int exponent = std::atoi(text.c_str() + e + 1);
+    if (exponent >= -2 && exponent <= 3) return printf_string("%.15g", value);
+    return mantissa + "e" + std::to_string(exponent);
+  }
+  return printf_string("%.17g", value);
+}
+
+std::string shape_text(const Row& row) {
+  if (row.shape_mismatch()) {
+    return "(" + formats::shape_string(row.eager->shape) + ", " +
+           formats::shape_string(row.compiled->shape) + ")";
+  }
+  const auto& side = row.eager ? row.eager : row.compiled;
+  return side ? formats::shape_string(side->shape) : "";
+}
+
+Numbers numbers(const Row& row) {
+  if (row.metrics) return {row.metrics->max_abs, row.metrics->mean_abs, row.metrics->max_rel};
+  return {INFINITY, INFINITY, INFINITY};
+}
+
+std::string reference_text(const Row& row) {
+  return "fp64: " + row.reference_verdict +
+         " (rmse compiled=" + format_float(row.reference_compiled->rmse, "%.1e") +
+         " eager=" + format_float(row.reference_eager->rmse, "%.1e") + ")";
+}
+
+std::string row_note(const Row& row) {
+  const std::string note = formats::printable_name(row.note);
+  std::string reason = formats::printable_name(row.reason);
+  if (!row.reference_verdict.empty()) {
+    reason += (reason.empty() ? "" : "; ") + reference_text(row);
+  }
+  if (note.empty()) return reason;
+  return reason.empty() ? note : note + ": " + reason;
+}
+
+std::string result_text(const StepCounts& counts) {
+  return counts.all_pass() ? "ALL PASS" : "FAILED";
+}
+
+std::string verdict_reasons(const StepCounts& counts) {
+  if (counts.all_pass()) return "";
+  std::string text =
+      std::to_string(counts.fail) + " FAIL, " + std::to_string(counts.warn) + " WARN";
+  if (counts.loss_failed) text += ", loss FAIL";
+  if (counts.nothing_compared()) text += ", nothing compared";
+  return text + "; ";
+}
+
+}  // namespace dynaprobe::analyze::detail

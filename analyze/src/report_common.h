@@ -1,0 +1,32 @@
+// What the text and CSV renderers share (private to analyze/src): number and tolerance
+// formatting, a row's shape, metrics and note as the spec's reports spell them, and the verdict.
+#pragma once
+
+#include <string>
+
+#include "dynaprobe/analyze/engine.h"
+
+namespace dynaprobe::analyze::detail {
+
+// printf of one number.
+std::string printf_string(const char* format, double value);
+// "1e-4", "0.001"... as a person writes a tolerance.
+std::string format_tolerance(double value);
+// The shape column: "(2, 3)", or "((2, 3), (3, 2))" for a shape mismatch.
+std::string shape_text(const Row& row);
+// The three metrics of a row; infinite for a shape mismatch, as the spec's tool reports them.
+struct Numbers {
+  double max_abs, mean_abs, max_rel;
+};
+Numbers numbers(const Row& row);
+// The fp64 reference verdict of a row: "fp64: noise (rmse compiled=1.2e-03 eager=1.0e-03)".
+std::string reference_text(const Row& row);
+// The CSV's note column: "NOTE: reason; fp64: ...".
+std::string row_note(const Row& row);
+// "ALL PASS" or "FAILED".
+std::string result_text(const StepCounts& counts);
+// Why a step FAILED, before the tolerances in the RESULT line: "2 FAIL, 3 WARN; ", then ", loss
+// FAIL" and ", nothing compared" when they apply. Empty for a pass, whose line the spec fixes.
+std::string verdict_reasons(const StepCounts& counts);
+
+}  // namespace dynaprobe::analyze::detail

@@ -1,0 +1,253 @@
+// The report model (report_model.h): every field the JSON report, Python's row dicts and the
+// HTML report have, built in one place. docs/report-format.md#json lists the fields.
+#include "dynaprobe/analyze/report_model.h"
+
+#include <map>
+
+#include "dynaprobe/analyze/report.h"
+
+namespace dynaprobe::analyze {
+namespace {
+
+using formats::Kind;
+
+Value shape_model(const std::vector<std::int64_t>& shape) {
+  Value::Array out;
+  for (std::int64_t size : shape) out.emplace_back(size);
+  return out;
+}
+
+Value side_model(const std::optional<TensorSide>& side) {
+  if (!side) return nullptr;
+  return Value::Object{{"dtype", formats::dtype_name(side->dtype)},
+                       {"shape", shape_model(side->shape)}};
+}
+
+Value map_model(const std::map<std::string, std::string>& map) {
+  Value::Object out;
+  for (const auto& [key, value] : map) out.emplace_back(key, value);
+  return out;
+}
+
+// The coordinates of a flat C-order index in `shape`.
+std::vector<std::int64_t> unravel(std::int64_t index, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> coordinates(shape.size(), 0);
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] == 0) break;
+    coordinates[i] = index % shape[i];
+    index /= shape[i];
+  }
+  return coordinates;
+}
+
+Value metrics_model(const Row& row) {
+  if (!row.metrics) return nullptr;
+  const TensorMetrics& m = *row.metrics;
+  const double fraction =
+      m.elements ? static_cast<double>(m.mismatches) / static_cast<double>(m.elements) : 0.0;
+  Value worst = nullptr;
+  if (m.worst_index >= 0) {
+    worst = Value::Object{{"flat_index", m.worst_index},
+                          {"index", shape_model(unravel(m.worst_index, row.eager->shape))},
+                          {"eager", m.worst_eager},
+                          {"compiled", m.worst_compiled}};
+  }
+  Value::Array histogram;
+  for (std::uint64_t count : m.histogram) histogram.emplace_back(count);
+  return Value::Object{{"max_abs", m.max_abs},
+                       {"mean_abs", m.mean_abs},
+                       {"max_rel", m.max_rel},
+                       {"allclose", m.allclose},
+                       {"cosine", m.cosine},
+                       {"rmse", m.rmse},
+                       {"elements", m.elements},
+                       {"mismatches", m.mismatches},
+                       {"mismatch_fraction", fraction},
+                       {"nan_eager", m.nan_eager},
+                       {"nan_compiled", m.nan_compiled},
+                       {"inf_eager", m.inf_eager},
+                       {"inf_compiled", m.inf_compiled},
+                       {"nonfinite_only_compiled", m.nonfinite_only_compiled},
+                       {"worst", std::move(worst)},
+                       {"histogram", std::move(histogram)}};
+}
+
+Value tolerances_model(const Tolerances& tolerances) {
+  return Value::Object{{"atol", tolerances.atol}, {"rtol", tolerances.rtol}};
+}
+
+Value reference_model(const Row& row) {
+  if (row.reference_verdict.empty()) return nullptr;
+  return Value::Object{{"verdict", row.reference_verdict},
+                       {"eager_rmse", row.reference_eager->rmse},
+                       {"compiled_rmse", row.reference_compiled->rmse},
+                       {"eager_max_abs", row.reference_eager->max_abs},
+                       {"compiled_max_abs", row.reference_compiled->max_abs},
+                       {"factor", kReferenceFactor}};
+}
+
+Value finding_model(const StepReport& report, const std::optional<Finding>& finding) {
+  if (!finding) return nullptr;
+  const Row& row = report.rows[finding->row];
+  return Value::Object{{"module", row.module},
+                       {"call", row.call},
+                       {"check_type", formats::kind_name(*row.kind)},
+                       {"tensor_index", row.tensor_index},
+                       {"label", row.label},
+                       {"origin", finding->origin},
+                       {"evidence", finding->evidence}};
+}
+
+Value loss_model(const StepReport& step) {
+  const auto optional = [](const std::optional<double>& value) {
+    return value ? Value(*value) : Value();
+  };
+  return Value::Object{{"eager", optional(step.single_pass ? std::nullopt : step.loss_eager)},
+                       {"compiled", optional(step.loss_compiled)},
+                       {"status", status_name(step.loss_status())}};
+}
+
+Value modules_model(const StepReport& step) {
+  Value::Object out;
+  for (const auto& [module, attributes] : step.modules)
+    out.emplace_back(module, map_model(attributes));
+  return out;
+}
+
+Value rank_model(const RankComparison& rank) {
+  const Comparison& c = rank.comparison;
+  Value::Array differences, warnings, steps;
+  for (const auto& d : c.provenance_differences) {
+    differences.emplace_back(
+        Value::Object{{"key", d.key}, {"eager", d.eager}, {"compiled", d.compiled}});
+  }
+  for (const auto& warning : c.warnings) warnings.emplace_back(warning);
+  for (const StepReport& step : c.steps) steps.push_back(step_model(step));
+  return Value::Object{
+      {"rank", rank.rank},
+      {"scenario", rank.scenario},
+      {"all_pass", c.all_pass()},
+      {"provenance", Value::Object{{"eager", map_model(c.eager_provenance)},
+                                   {"compiled", map_model(c.compiled_provenance)}}},
+      {"provenance_differences", std::move(differences)},
+      {"warnings", std::move(warnings)},
+      {"steps", std::move(steps)}};
+}
+
+Value summary_model(const std::vector<RankComparison>& ranks) {
+  std::map<Status, std::size_t> counts;
+  std::size_t rows = 0, steps = 0, failed_steps = 0, loss_fail = 0, nothing_compared = 0,
+              compared = 0;
+  Value first_cause = nullptr;  // where a root cause first appears, rank by rank
+  bool all_pass = !ranks.empty();
+  for (const RankComparison& rank : ranks) {
+    all_pass = all_pass && rank.comparison.all_pass();
+    for (const StepReport& step : rank.comparison.steps) {
+      const StepCounts step_counts = step.counts();
+      ++steps;
+      failed_steps += step_counts.all_pass() ? 0 : 1;
+      loss_fail += step_counts.loss_failed ? 1 : 0;
+      nothing_compared += step_counts.nothing_compared() ? 1 : 0;
+      compared += step_counts.compared;
+      if (first_cause.is_null() && !step.root_cause.empty()) {
+        first_cause = Value::Object{{"rank", rank.rank}, {"step", step.step}};
+      }
+      for (const Row& row : step.rows) ++counts[row.status];
+      rows += step.rows.size();
+    }
+  }
+  return Value::Object{{"all_pass", all_pass},
+                       {"rows", rows},
+                       {"pass", counts[Status::kPass]},
+                       {"fail", counts[Status::kFail]},
+                       {"warn", counts[Status::kWarn]},
+                       {"skip", counts[Status::kSkip]},
+                       {"compared", compared},
+                       {"loss_fail", loss_fail},
+                       {"steps", steps},
+                       {"failed_steps", failed_steps},
+                       {"nothing_compared_steps", nothing_compared},
+                       {"root_cause_first_seen", std::move(first_cause)}};
+}
+
+}  // namespace
+
+const Value& Value::operator[](std::string_view key) const {
+  static const Value kNull;
+  if (const Object* object = get<Object>()) {
+    for (const auto& [name, value] : *object) {
+      if (name == key) return value;
+    }
+  }
+  return kNull;
+}
+
+Value histogram_edges_model() {
+  Value::Array edges;
+  for (std::size_t i = 0; i < kHistogramEdges; ++i) {
+    edges.emplace_back(static_cast<double>(histogram_edge(i)));
+  }
+  return edges;
+}
+
+Value row_model(const Row& row) {
+  return Value::Object{
+      {"module", row.module},
+      {"call", row.call},
+      {"check_type", row.kind ? formats::kind_name(*row.kind) : std::string_view("note")},
+      {"tensor_index", row.tensor_index},
+      {"label", row.label},
+      {"status", status_name(row.status)},
+      {"note", row.note},
+      {"reason", row.reason},
+      {"sequence", row.sequence},
+      {"eager", side_model(row.eager)},
+      {"compiled", side_model(row.compiled)},
+      {"tolerances", row.tolerances ? tolerances_model(*row.tolerances) : Value()},
+      {"reference", reference_model(row)},
+      {"metrics", metrics_model(row)}};
+}
+
+Value counts_model(const StepCounts& counts) {
+  return Value::Object{{"verdict", counts.all_pass() ? "ALL PASS" : "FAILED"},
+                       {"fail", counts.fail},
+                       {"warn", counts.warn},
+                       {"pass", counts.pass},
+                       {"skip", counts.skip},
+                       {"compared", counts.compared},
+                       {"loss_fail", counts.loss_failed},
+                       {"nothing_compared", counts.nothing_compared()}};
+}
+
+Value root_cause_model(const StepReport& report) {
+  const RootCause& cause = report.root_cause;
+  if (cause.empty()) return nullptr;
+  return Value::Object{{"forward", finding_model(report, cause.forward)},
+                       {"backward", finding_model(report, cause.backward)},
+                       {"next", cause.next}};
+}
+
+Value step_model(const StepReport& step) {
+  Value::Array rows;
+  for (const Row& row : step.rows) rows.push_back(row_model(row));
+  return Value::Object{{"step", step.step},
+                       {"single_pass", step.single_pass},
+                       {"all_pass", step.all_pass()},
+                       {"result", counts_model(step.counts())},
+                       {"root_cause", root_cause_model(step)},
+                       {"cast_dtype", step.cast_dtype},
+                       {"tolerances", tolerances_model(step.tolerances)},
+                       {"loss", loss_model(step)},
+                       {"modules", modules_model(step)},
+                       {"rows", std::move(rows)}};
+}
+
+Value report_model(const std::vector<RankComparison>& ranks) {
+  Value::Array out;
+  for (const RankComparison& rank : ranks) out.push_back(rank_model(rank));
+  return Value::Object{{"summary", summary_model(ranks)},
+                       {"histogram_edges", histogram_edges_model()},
+                       {"ranks", std::move(out)}};
+}
+
+}  // namespace dynaprobe::analyze
