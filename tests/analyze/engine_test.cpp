@@ -10,6 +10,7 @@
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/writer.h"
+#include "formats/error_of.h"
 #include "formats/test_util.h"
 
 namespace dynaprobe::analyze {
@@ -263,16 +264,7 @@ TEST(Engine, ModuleFilterMatchingNothingIsAUsageError) {
   EXPECT_TRUE(nothing.steps.at(0).counts().nothing_compared());
 }
 
-template <typename Error, typename F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing_helpers::error_of;
 
 // A folder holding only a step the writer never committed is an error, not an empty pass.
 TEST(Engine, OnlyUnfinishedStepsAreAnError) {
