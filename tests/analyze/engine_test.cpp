@@ -114,8 +114,8 @@ TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
   // A rule by pattern wins over both; the last matching rule wins.
   CompareOptions ruled;
   ruled.tolerance_rules = {{"fwd_*", {0, 0}}, {"layers.*", {1e-4, 1e-3}}, {"nomatch", {1, 1}}};
-  const Row& by_rule =
-      compare(dir.path() / "eager", dir.path() / "compiled", ruled).steps[0].rows[0];
+  const Comparison ruled_result = compare(dir.path() / "eager", dir.path() / "compiled", ruled);
+  const Row& by_rule = ruled_result.steps[0].rows[0];
   // "layers.*" came last: the spec's tolerances again, over "fwd_*" and over the dtype floor.
   EXPECT_EQ(by_rule.status, Status::kFail);
   EXPECT_FALSE(by_rule.tolerances);  // the same as the step's, so not repeated on the row
