@@ -41,48 +41,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The dump's dtype of a torch dtype, by torch's own name of it (torch.bfloat16 -> "bfloat16"),
+// which the dump's dtype names are (formats/dtype.h): a dtype formats learns needs nothing here.
+// None for dtypes a dump does not hold (complex is recorded as real pairs, quantized ones not).
 std::optional<formats::DType> stored_dtype(at::ScalarType type) {
-  using formats::DType;
-  switch (type) {
-    case at::ScalarType::Double:
-      return DType::kFloat64;
-    case at::ScalarType::Float:
-      return DType::kFloat32;
-    case at::ScalarType::Half:
-      return DType::kFloat16;
-    case at::ScalarType::BFloat16:
-      return DType::kBFloat16;
-    case at::ScalarType::Float8_e4m3fn:
-      return DType::kFloat8E4M3FN;
-    case at::ScalarType::Float8_e4m3fnuz:
-      return DType::kFloat8E4M3FNUZ;
-    case at::ScalarType::Float8_e5m2:
-      return DType::kFloat8E5M2;
-    case at::ScalarType::Float8_e5m2fnuz:
-      return DType::kFloat8E5M2FNUZ;
-    case at::ScalarType::Float8_e8m0fnu:
-      return DType::kFloat8E8M0FNU;
-    case at::ScalarType::Char:
-      return DType::kInt8;
-    case at::ScalarType::Short:
-      return DType::kInt16;
-    case at::ScalarType::Int:
-      return DType::kInt32;
-    case at::ScalarType::Long:
-      return DType::kInt64;
-    case at::ScalarType::Byte:
-      return DType::kUInt8;
-    case at::ScalarType::UInt16:
-      return DType::kUInt16;
-    case at::ScalarType::UInt32:
-      return DType::kUInt32;
-    case at::ScalarType::UInt64:
-      return DType::kUInt64;
-    case at::ScalarType::Bool:
-      return DType::kBool;
-    default:
-      return std::nullopt;
-  }
+  return formats::parse_dtype(c10::getDtypeNames(type).first);
 }
 
 [[noreturn]] void throw_bad_dtype(at::ScalarType type) {

@@ -10,6 +10,7 @@
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/writer.h"
+#include "formats/error_of.h"
 #include "formats/test_util.h"
 
 namespace dynaprobe::analyze {
@@ -113,8 +114,8 @@ TEST(Engine, PairsTensorsOfDifferentDtypesAndChunking) {
   // A rule by pattern wins over both; the last matching rule wins.
   CompareOptions ruled;
   ruled.tolerance_rules = {{"fwd_*", {0, 0}}, {"layers.*", {1e-4, 1e-3}}, {"nomatch", {1, 1}}};
-  const Row& by_rule =
-      compare(dir.path() / "eager", dir.path() / "compiled", ruled).steps[0].rows[0];
+  const Comparison ruled_result = compare(dir.path() / "eager", dir.path() / "compiled", ruled);
+  const Row& by_rule = ruled_result.steps[0].rows[0];
   // "layers.*" came last: the spec's tolerances again, over "fwd_*" and over the dtype floor.
   EXPECT_EQ(by_rule.status, Status::kFail);
   EXPECT_FALSE(by_rule.tolerances);  // the same as the step's, so not repeated on the row
@@ -263,16 +264,7 @@ TEST(Engine, ModuleFilterMatchingNothingIsAUsageError) {
   EXPECT_TRUE(nothing.steps.at(0).counts().nothing_compared());
 }
 
-template <typename Error, typename F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing_helpers::error_of;
 
 // A folder holding only a step the writer never committed is an error, not an empty pass.
 TEST(Engine, OnlyUnfinishedStepsAreAnError) {

@@ -14,6 +14,7 @@
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/writer.h"
+#include "error_of.h"
 #include "h5.h"  // formats/src: private, for white-box tests and benchmarks
 #include "test_util.h"
 
@@ -56,17 +57,7 @@ void set_string_attribute(const fs::path& file, const std::string& object, std::
   handle.close(file.string());
 }
 
-// Catches the exception `call` throws as E and returns its message; fails if it throws nothing.
-template <typename E, typename F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const E& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected an exception";
-  return "";
-}
+using testing_helpers::error_of;
 
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_PRED_FORMAT2(::testing::IsSubstring, needle, haystack)

@@ -10,19 +10,14 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "error_of.h"
 
 namespace dynaprobe::formats {
 namespace {
 
 template <typename F>
 std::string format_error_of(F&& call) {
-  try {
-    call();
-  } catch (const FormatError& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected a FormatError";
-  return "";
+  return testing_helpers::error_of<FormatError>(call);
 }
 
 TEST(StepIndex, FormatVersionIsMajorDotMinor) {

@@ -114,6 +114,38 @@ def test_index_keeps_dtypes_shapes_and_labels(recorded):
     assert records["LOSS"]["kind"] == "loss" and records["LOSS"]["side"] == "compiled"
 
 
+# Every dtype a dump holds, by torch's name of it (formats/dtype.h); the recorder maps a torch
+# dtype by that name, so a dtype formats learns is captured with no change to the recorder.
+DUMP_DTYPES = [
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "float8_e8m0fnu", "int8", "int16", "int32", "int64", "uint8", "uint16",
+    "uint32", "uint64", "bool",
+]
+
+
+def test_every_dump_dtype_is_recorded_under_its_torch_name(tmp_path):
+    recorder = _C.Recorder(str(tmp_path), {})
+    recorder.begin_step(0)
+    for index, name in enumerate(DUMP_DTYPES):
+        tensor = torch.zeros(4).to(getattr(torch, name))
+        recorder.record("m", 0, "fwd_output", index, "eager", tensor, name)
+    records = _C.read_step(recorder.end_step())["records"]
+    assert {r["label"]: r["dtype"] for r in records} == {name: name for name in DUMP_DTYPES}
+
+
+def test_an_unknown_kind_is_refused_naming_the_kinds_there_are(tmp_path):
+    recorder = _C.Recorder(str(tmp_path), {})
+    recorder.begin_step(0)
+    expected = "expected one of fwd_input, fwd_output, grad_input, grad_output, param_grad, loss"
+    with pytest.raises(ValueError, match=f"unknown record kind 'forward'; {expected}"):
+        recorder.record("m", 0, "forward", 0, "eager", torch.ones(1))
+    # Reading through the format bindings says the same.
+    recorder.record("m", 0, "fwd_output", 0, "eager", torch.ones(1))
+    path = recorder.end_step()
+    with pytest.raises(ValueError, match=f"unknown record kind 'forward'; {expected}"):
+        _C.read_record(path, "m", 0, "forward", 0, "eager")
+
+
 def test_snapshot_is_taken_at_record_time(tmp_path):
     recorder = _C.Recorder(tmp_path, {})
     recorder.begin_step(0)
