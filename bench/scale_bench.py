@@ -270,8 +270,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     parser.add_argument("--json", help="write the rows there")
     parser.add_argument("--plot", help="write a plot of step time and dump size there (SVG/PNG)")
+    parser.add_argument("--no-msprobe", action="store_true", help="leave msProbe out")
     args = parser.parse_args()
-    with_msprobe = msprobe_available()
+    with_msprobe = not args.no_msprobe and msprobe_available()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; msProbe: "
           f"{'measured' if with_msprobe else 'not installed, skipped'}", flush=True)
     rows = []

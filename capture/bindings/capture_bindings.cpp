@@ -80,7 +80,7 @@ take turns.
           "record",
           [](Recorder& self, std::string module, std::uint32_t call, const std::string& kind,
              std::uint32_t tensor_index, const std::string& side, const at::Tensor& tensor,
-             std::string label) {
+             std::string label, bool handed_over) {
             fmt::RecordKey key;
             key.module = std::move(module);
             key.call = call;
@@ -89,10 +89,11 @@ take turns.
             key.side = side_arg(side);
             // Waiting for the budget must not stop other Python threads.
             py::gil_scoped_release release;
-            self.record(std::move(key), tensor, std::move(label));
+            self.record(std::move(key), tensor, std::move(label), handed_over);
           },
           py::arg("module"), py::arg("call"), py::arg("kind"), py::arg("tensor_index"),
           py::arg("side"), py::arg("tensor"), py::arg("label") = "",
+          py::arg("handed_over") = false,
           R"doc(Snapshots `tensor` (any dtype, device, strides; complex as real pairs) and queues it.
 
 Args:
@@ -103,6 +104,8 @@ Args:
   side: eager or compiled.
   tensor: the tensor; it may be changed in place as soon as record() returns.
   label: free text, e.g. a parameter name.
+  handed_over: the caller gives the tensor up (a private copy nobody changes or reuses): a
+    contiguous CPU tensor is then kept as it is, without a snapshot copy.
 )doc")
       .def(
           "record_graph",

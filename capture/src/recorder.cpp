@@ -613,7 +613,8 @@ void Recorder::begin_step(std::int64_t step) {
   impl.push(BeginItem{step});
 }
 
-void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::string label) {
+void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::string label,
+                      bool handed_over) {
   Impl& impl = *impl_;
   std::lock_guard call(impl.call_mutex);
   if (impl.check_step("record " + key.module)) return;
@@ -654,7 +655,11 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
 
   RecordItem item;
-  Snapshot snapshot = snapshot_of(tensor, *impl.pool);
+  const bool keep_as_is = handed_over && tensor.device().is_cpu() && tensor.is_contiguous() &&
+                          tensor.layout() == at::kStrided && !tensor.is_conj() &&
+                          !tensor.is_neg() && !tensor.is_complex();
+  Snapshot snapshot =
+      keep_as_is ? Snapshot{tensor.detach(), nullptr} : snapshot_of(tensor, *impl.pool);
   item.snapshot = std::move(snapshot.host);
   item.copied = std::move(snapshot.copied);
   item.bytes = bytes;

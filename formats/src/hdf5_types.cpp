@@ -197,111 +197,52 @@ std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
 
 namespace {
 
-struct MetricsField {
-  std::string_view name;
-  std::size_t offset;
-  bool floating;          // double, else a 64-bit integer
-  std::size_t count = 1;  // > 1: an array of that many
-};
-// The /metrics columns, in order: the compound type and the checksum both walk this table.
-constexpr MetricsField kMetricsFields[] = {
-    {"record", offsetof(MetricsRow, record), false},
-    {"atol", offsetof(MetricsRow, atol), true},
-    {"rtol", offsetof(MetricsRow, rtol), true},
-    {"max_abs", offsetof(MetricsRow, max_abs), true},
-    {"mean_abs", offsetof(MetricsRow, mean_abs), true},
-    {"max_rel", offsetof(MetricsRow, max_rel), true},
-    {"allclose", offsetof(MetricsRow, allclose), false},
-    {"cosine", offsetof(MetricsRow, cosine), true},
-    {"rmse", offsetof(MetricsRow, rmse), true},
-    {"elements", offsetof(MetricsRow, elements), false},
-    {"mismatches", offsetof(MetricsRow, mismatches), false},
-    {"nan_eager", offsetof(MetricsRow, nan_eager), false},
-    {"nan_compiled", offsetof(MetricsRow, nan_compiled), false},
-    {"inf_eager", offsetof(MetricsRow, inf_eager), false},
-    {"inf_compiled", offsetof(MetricsRow, inf_compiled), false},
-    {"nonfinite_only_compiled", offsetof(MetricsRow, nonfinite_only_compiled), false},
-    {"worst_index", offsetof(MetricsRow, worst_index), false},
-    {"worst_eager", offsetof(MetricsRow, worst_eager), true},
-    {"worst_compiled", offsetof(MetricsRow, worst_compiled), true},
-    {"histogram", offsetof(MetricsRow, histogram), false, kHistogramBins},
-};
-constexpr std::size_t metrics_field_bytes() {
-  std::size_t bytes = 0;
-  for (const MetricsField& field : kMetricsFields) bytes += 8 * field.count;
-  return bytes;
+hid_t native_type(MetricType type) {
+  switch (type) {
+    case MetricType::kFloat64:
+      return H5T_NATIVE_DOUBLE;
+    case MetricType::kInt64:
+      return H5T_NATIVE_INT64;
+    case MetricType::kBool:
+      return H5T_NATIVE_UINT8;
+    case MetricType::kUInt64:
+    case MetricType::kHistogram:
+      break;
+  }
+  return H5T_NATIVE_UINT64;
 }
-static_assert(metrics_field_bytes() == sizeof(MetricsRow),
-              "every MetricsRow field is a /metrics column");
+
+template <typename T>
+T field_value(const TensorMetrics& metrics, const MetricField& field, std::size_t index = 0) {
+  T value;
+  std::memcpy(&value, reinterpret_cast<const char*>(&metrics) + field.offset + index * sizeof(T),
+              sizeof(T));
+  return value;
+}
 
 }  // namespace
-
-MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record) {
-  const TensorMetrics& m = stored.metrics;
-  MetricsRow row{};
-  row.record = record;
-  row.atol = stored.tolerances.atol;
-  row.rtol = stored.tolerances.rtol;
-  row.max_abs = m.max_abs;
-  row.mean_abs = m.mean_abs;
-  row.max_rel = m.max_rel;
-  row.allclose = m.allclose ? 1 : 0;
-  row.cosine = m.cosine;
-  row.rmse = m.rmse;
-  row.elements = m.elements;
-  row.mismatches = m.mismatches;
-  row.nan_eager = m.nan_eager;
-  row.nan_compiled = m.nan_compiled;
-  row.inf_eager = m.inf_eager;
-  row.inf_compiled = m.inf_compiled;
-  row.nonfinite_only_compiled = m.nonfinite_only_compiled;
-  row.worst_index = m.worst_index;
-  row.worst_eager = m.worst_eager;
-  row.worst_compiled = m.worst_compiled;
-  std::copy(m.histogram.begin(), m.histogram.end(), row.histogram);
-  return row;
-}
-
-StoredMetrics metrics_of_row(const MetricsRow& row) {
-  StoredMetrics stored;
-  stored.tolerances = {row.atol, row.rtol};
-  TensorMetrics& m = stored.metrics;
-  m.max_abs = row.max_abs;
-  m.mean_abs = row.mean_abs;
-  m.max_rel = row.max_rel;
-  m.allclose = row.allclose != 0;
-  m.cosine = row.cosine;
-  m.rmse = row.rmse;
-  m.elements = row.elements;
-  m.mismatches = row.mismatches;
-  m.nan_eager = row.nan_eager;
-  m.nan_compiled = row.nan_compiled;
-  m.inf_eager = row.inf_eager;
-  m.inf_compiled = row.inf_compiled;
-  m.nonfinite_only_compiled = row.nonfinite_only_compiled;
-  m.worst_index = row.worst_index;
-  m.worst_eager = row.worst_eager;
-  m.worst_compiled = row.worst_compiled;
-  std::copy(std::begin(row.histogram), std::end(row.histogram), m.histogram.begin());
-  return stored;
-}
 
 h5::Handle metrics_row_type() {
   h5::Lock lock(h5::hdf5_mutex());
   h5::Handle row =
       h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(MetricsRow)), "defining", kWhere);
-  for (const MetricsField& field : kMetricsFields) {
-    const hid_t scalar = field.floating ? H5T_NATIVE_DOUBLE
-                         : field.name == "worst_index" ? H5T_NATIVE_INT64
-                                                       : H5T_NATIVE_UINT64;
-    const hsize_t count = field.count;
-    h5::Handle array;
-    if (field.count > 1) {
-      array = h5::type_handle(H5Tarray_create2(scalar, 1, &count), "defining", kWhere);
+  const auto insert = [&](std::string_view name, std::size_t offset, hid_t type) {
+    h5::check(H5Tinsert(row.get(), std::string(name).c_str(), offset, type), "defining /metrics",
+              kWhere);
+  };
+  insert("record", offsetof(MetricsRow, record), H5T_NATIVE_UINT64);
+  insert("atol", offsetof(MetricsRow, tolerances) + offsetof(Tolerances, atol), H5T_NATIVE_DOUBLE);
+  insert("rtol", offsetof(MetricsRow, tolerances) + offsetof(Tolerances, rtol), H5T_NATIVE_DOUBLE);
+  for (const MetricField& field : kMetricFields) {
+    const std::size_t offset = offsetof(MetricsRow, metrics) + field.offset;
+    if (field.type == MetricType::kHistogram) {
+      const hsize_t bins = kHistogramBins;
+      h5::Handle array =
+          h5::type_handle(H5Tarray_create2(H5T_NATIVE_UINT64, 1, &bins), "defining", kWhere);
+      insert(field.name, offset, array.get());
+    } else {
+      insert(field.name, offset, native_type(field.type));
     }
-    h5::check(H5Tinsert(row.get(), std::string(field.name).c_str(), field.offset,
-                        field.count > 1 ? array.get() : scalar),
-              "defining /metrics", kWhere);
   }
   return row;
 }
@@ -310,13 +251,32 @@ std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows) {
   std::string bytes;
   bytes.reserve(rows.size() * sizeof(MetricsRow) + 8);
   append_int<std::uint64_t>(bytes, rows.size());
+  const auto append_double = [&](double value) {
+    std::uint64_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    append_int(bytes, bits);
+  };
   for (const MetricsRow& row : rows) {
-    for (const MetricsField& field : kMetricsFields) {
-      for (std::size_t i = 0; i < field.count; ++i) {
-        std::uint64_t value = 0;  // a double's bits, or the integer's
-        std::memcpy(&value, reinterpret_cast<const char*>(&row) + field.offset + 8 * i,
-                    sizeof(value));
-        append_int(bytes, value);
+    append_int(bytes, row.record);
+    append_double(row.tolerances.atol);
+    append_double(row.tolerances.rtol);
+    for (const MetricField& field : kMetricFields) {
+      switch (field.type) {
+        case MetricType::kFloat64:
+          append_double(field_value<double>(row.metrics, field));
+          break;
+        case MetricType::kBool:
+          append_int<std::uint64_t>(bytes, field_value<std::uint8_t>(row.metrics, field));
+          break;
+        case MetricType::kUInt64:
+        case MetricType::kInt64:
+          append_int(bytes, field_value<std::uint64_t>(row.metrics, field));
+          break;
+        case MetricType::kHistogram:
+          for (std::size_t bin = 0; bin < kHistogramBins; ++bin) {
+            append_int(bytes, field_value<std::uint64_t>(row.metrics, field, bin));
+          }
+          break;
       }
     }
   }

@@ -47,25 +47,18 @@ std::uint64_t index_checksum(const std::vector<IndexRow>& rows,
                              const std::vector<std::uint64_t>& chunk_hashes, std::int64_t step,
                              const std::map<std::string, std::string>& provenance);
 
-// One row of /metrics (format 1.3): a pair's metrics judged at capture. `record` is the position
-// in /index of the pair's key. Every field is 8 bytes wide, so the struct has no padding.
+// One row of /metrics (format 1.3) in memory: a pair's metrics judged at capture. `record` is the
+// position in /index of the pair's key. The file stores the fields packed (no padding bytes).
 struct MetricsRow {
-  std::uint64_t record;
-  double atol, rtol;
-  double max_abs, mean_abs, max_rel;
-  std::uint64_t allclose;
-  double cosine, rmse;
-  std::uint64_t elements, mismatches, nan_eager, nan_compiled, inf_eager, inf_compiled,
-      nonfinite_only_compiled;
-  std::int64_t worst_index;
-  double worst_eager, worst_compiled;
-  std::uint64_t histogram[kHistogramBins];
+  std::uint64_t record = 0;
+  Tolerances tolerances;
+  TensorMetrics metrics;
 };
-MetricsRow metrics_row(const StoredMetrics& stored, std::uint64_t record);
-// The metrics of a row; the key is the caller's (from the index row it names).
-StoredMetrics metrics_of_row(const MetricsRow& row);
+// The in-memory row type (the file's is the same, packed).
 h5::Handle metrics_row_type();
-// The checksum of /metrics: XXH64 of every field of every row, little-endian, in order.
+// The checksum of /metrics: XXH64 of the row count, then of every field of every row in order,
+// each as 8 little-endian bytes (a float64 as its IEEE bits, a bool as 0 or 1, a histogram bin
+// by bin).
 std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows);
 
 }  // namespace dynaprobe::formats

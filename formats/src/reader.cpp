@@ -96,7 +96,16 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
     }
     const std::int64_t record = record_of_index_row[row.record];
     if (record < 0) continue;  // of a record this reader skips
-    StoredMetrics stored = metrics_of_row(row);
+    for (const MetricField& field : kMetricFields) {
+      std::uint8_t flag = 0;  // a bool must hold 0 or 1: anything else is damage, not true
+      if (field.type != MetricType::kBool) continue;
+      std::memcpy(&flag, reinterpret_cast<const char*>(&row.metrics) + field.offset, 1);
+      if (flag > 1) {
+        throw FormatError(context + ": damaged: " + std::string(field.name) + " is " +
+                          std::to_string(flag) + ", neither 0 nor 1");
+      }
+    }
+    StoredMetrics stored{{}, row.tolerances, row.metrics};
     stored.key = records[static_cast<std::size_t>(record)].key;
     metrics.push_back(std::move(stored));
   }

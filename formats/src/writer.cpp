@@ -547,12 +547,15 @@ void StepWriter::Impl::write_metrics_table() {
       throw UsageError("metrics of " + to_string(stored.key) +
                        ": no such record in the step; write or describe it first");
     }
-    rows.push_back(metrics_row(stored, found->second));
+    rows.push_back(MetricsRow{found->second, stored.tolerances, stored.metrics});
   }
   const std::uint64_t checksum = metrics_checksum(rows);
   const h5::Handle type = metrics_row_type();
   h5::Lock lock(h5::hdf5_mutex());
-  write_table(schema::kMetricsDataset, type.get(), type.get(), rows.data(), rows.size(),
+  // Stored packed: no padding bytes (of memory never written) in the file.
+  h5::Handle packed = h5::type_handle(H5Tcopy(type.get()), "copying", partial_path.string());
+  h5::check(H5Tpack(packed.get()), "packing the /metrics type", partial_path.string());
+  write_table(schema::kMetricsDataset, packed.get(), type.get(), rows.data(), rows.size(),
               schema::kMetricsChecksumAttr, checksum);
 }
 

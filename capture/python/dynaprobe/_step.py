@@ -53,13 +53,15 @@ class Step:
         self.lock = threading.Lock()
 
     def record(self, module: str, call: int, kind: str, index: int, side: str,
-               tensor: torch.Tensor, label: str = "") -> None:
+               tensor: torch.Tensor, label: str = "", handed_over: bool = False) -> None:
+        """``handed_over``: ``tensor`` is the step's own copy, which nothing changes afterwards:
+        the recorder keeps it without copying it again."""
         if self.error is not None:
             return
         try:
             with self.lock:
                 self.recorder.record(module, call, kind, index, side,
-                                     local_tensor(tensor.detach()), label)
+                                     local_tensor(tensor.detach()), label, handed_over)
         except Exception as error:  # disk full, ...: reported by collect(), training goes on
             self.error = error
 
@@ -87,8 +89,9 @@ class Step:
                 for side, param in (("eager", eager_param), ("compiled", compiled_param),
                                     ("reference", compiled_param)):
                     grad = None if param is None else self.param_grads[side].get(id(param))
-                    if grad is not None:
-                        self.record(name, 0, "param_grad", index, side, grad, label)
+                    if grad is not None:  # the step's own sum (add_param_grad)
+                        self.record(name, 0, "param_grad", index, side, grad, label,
+                                    handed_over=True)
 
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))

@@ -78,7 +78,12 @@ class Recorder {
   // ...), UsageError outside a step, for a key recorded twice in a step, a bad module path, a
   // dtype a dump cannot hold or a tensor without host-copyable data (meta, tensor subclasses
   // with __torch_dispatch__). Once the step is lost, returns without copying.
-  void record(formats::RecordKey key, const at::Tensor& tensor, std::string label = {});
+  //
+  // `handed_over`: the caller gives `tensor` up, it is a private copy that nobody changes or
+  // reuses afterwards (e.g. summed gradients): a contiguous CPU tensor is then kept as it is,
+  // without a snapshot copy (its memory counts against the budget the same way).
+  void record(formats::RecordKey key, const at::Tensor& tensor, std::string label = {},
+              bool handed_over = false);
   // Queue a graph / a module description, written in call order with the records. Names are
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 #include "dynaprobe/formats/record.h"
 
@@ -49,6 +50,37 @@ struct TensorMetrics {
   double worst_eager = 0;
   double worst_compiled = 0;
   Histogram histogram{};  // |a - b| per bin (kHistogramBins)
+};
+
+// TensorMetrics as a dump's /metrics stores it: every field, in order, with its type. Adding a
+// metric is a TensorMetrics field and its row here (the file format, its checksum and the reader
+// follow), its computation (analyze/metrics.cpp) and its place in the report model
+// (analyze/report_model.cpp).
+enum class MetricType : std::uint8_t { kFloat64, kUInt64, kInt64, kBool, kHistogram };
+struct MetricField {
+  std::string_view name;
+  std::size_t offset;  // in TensorMetrics
+  MetricType type;
+};
+inline constexpr MetricField kMetricFields[] = {
+    {"max_abs", offsetof(TensorMetrics, max_abs), MetricType::kFloat64},
+    {"mean_abs", offsetof(TensorMetrics, mean_abs), MetricType::kFloat64},
+    {"max_rel", offsetof(TensorMetrics, max_rel), MetricType::kFloat64},
+    {"allclose", offsetof(TensorMetrics, allclose), MetricType::kBool},
+    {"cosine", offsetof(TensorMetrics, cosine), MetricType::kFloat64},
+    {"rmse", offsetof(TensorMetrics, rmse), MetricType::kFloat64},
+    {"elements", offsetof(TensorMetrics, elements), MetricType::kUInt64},
+    {"mismatches", offsetof(TensorMetrics, mismatches), MetricType::kUInt64},
+    {"nan_eager", offsetof(TensorMetrics, nan_eager), MetricType::kUInt64},
+    {"nan_compiled", offsetof(TensorMetrics, nan_compiled), MetricType::kUInt64},
+    {"inf_eager", offsetof(TensorMetrics, inf_eager), MetricType::kUInt64},
+    {"inf_compiled", offsetof(TensorMetrics, inf_compiled), MetricType::kUInt64},
+    {"nonfinite_only_compiled", offsetof(TensorMetrics, nonfinite_only_compiled),
+     MetricType::kUInt64},
+    {"worst_index", offsetof(TensorMetrics, worst_index), MetricType::kInt64},
+    {"worst_eager", offsetof(TensorMetrics, worst_eager), MetricType::kFloat64},
+    {"worst_compiled", offsetof(TensorMetrics, worst_compiled), MetricType::kFloat64},
+    {"histogram", offsetof(TensorMetrics, histogram), MetricType::kHistogram},
 };
 
 // The metrics of one compared pair, computed at capture from the tensors in memory. `key` is
