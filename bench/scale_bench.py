@@ -11,7 +11,9 @@ reported:
   full        dynaprobe's PrecisionChecker, single-pass, dump="full"
   failing     dump="failing"
   stats       dump="stats"
-  msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional)
+  msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional),
+              in a process of its own right after the others: in the same process its hooks
+              slow every model about tenfold
 Per configuration: seconds per step, ratio to inherent, bytes of dump per step, and host memory
 growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
 
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -189,12 +192,33 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
         model.load_state_dict(state)
         return model
 
-    configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
-    for dump in ("full", "failing", "stats"):
-        configs.append(Dynaprobe(dump, copy_model(), os.path.join(workdir, f"{layers}x{hidden}-{dump}"),
-                                 dump))
-    if with_msprobe:
-        configs.append(MsProbe("msprobe", copy_model(), workdir))
+    if with_msprobe == "worker":  # this process runs msProbe alone
+        configs = [MsProbe("msprobe", copy_model(), workdir)]
+    else:
+        configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
+        for dump in ("full", "failing", "stats"):
+            configs.append(Dynaprobe(dump, copy_model(),
+                                     os.path.join(workdir, f"{layers}x{hidden}-{dump}"), dump))
+    run_steps(configs, batch, seq, steps)
+    if with_msprobe is True:
+        configs.append(msprobe_in_its_own_process(layers, hidden, batch, seq, steps))
+    if with_msprobe == "worker":
+        return configs[0]
+    inherent = statistics.median(next(c for c in configs if c.name == "inherent").times)
+    rows = []
+    for config in configs:
+        seconds = statistics.median(config.times)
+        rows.append({
+            "layers": layers, "hidden": hidden, "params": params, "config": config.name,
+            "seconds": seconds, "vs_inherent": seconds / inherent,
+            "dump_bytes": statistics.median(config.bytes),
+            "rss_growth_bytes": max(config.growth),
+        })
+    return rows
+
+
+def run_steps(configs, batch, seq, steps):
+    """Every configuration one step in turn, `steps` + 1 times (the first is warm-up)."""
     for config in configs:
         config.setup()
     ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -211,17 +235,19 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
                 config.times.append(elapsed)
                 config.growth.append(growth)
                 config.bytes.append(written)
-    inherent = statistics.median(next(c for c in configs if c.name == "inherent").times)
-    rows = []
-    for config in configs:
-        seconds = statistics.median(config.times)
-        rows.append({
-            "layers": layers, "hidden": hidden, "params": params, "config": config.name,
-            "seconds": seconds, "vs_inherent": seconds / inherent,
-            "dump_bytes": statistics.median(config.bytes),
-            "rss_growth_bytes": max(config.growth),
-        })
-    return rows
+
+
+def msprobe_in_its_own_process(layers, hidden, batch, seq, steps):
+    """msProbe's measurements, from `scale_bench.py --msprobe-worker` in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--msprobe-worker", f"{layers}x{hidden}", "--batch", str(batch),
+         "--seq", str(seq), "--steps", str(steps)],
+        capture_output=True, text=True, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    config = Config("msprobe", None)
+    config.times, config.growth, config.bytes = (measured["times"], measured["growth"],
+                                                 measured["bytes"])
+    return config
 
 
 def print_table(rows):
@@ -271,14 +297,21 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows there")
     parser.add_argument("--plot", help="write a plot of step time and dump size there (SVG/PNG)")
     parser.add_argument("--no-msprobe", action="store_true", help="leave msProbe out")
+    parser.add_argument("--msprobe-worker", metavar="LxH", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.msprobe_worker:
+        layers, hidden = (int(x) for x in args.msprobe_worker.split("x"))
+        workdir = tempfile.mkdtemp(prefix="dynaprobe-scale-msprobe-")
+        os.chdir(workdir)  # msProbe writes into the working folder
+        config = measure(layers, hidden, args.batch, args.seq, args.steps, workdir, "worker")
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(json.dumps({"times": config.times, "growth": config.growth, "bytes": config.bytes}))
+        return
     with_msprobe = not args.no_msprobe and msprobe_available()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; msProbe: "
           f"{'measured' if with_msprobe else 'not installed, skipped'}", flush=True)
     rows = []
     workdir = tempfile.mkdtemp(prefix="dynaprobe-scale-")
-    old_cwd = os.getcwd()
-    os.chdir(workdir)  # msProbe writes into the working folder
     try:
         for size in args.sizes.split(","):
             layers, hidden = (int(x) for x in size.split("x"))
@@ -287,7 +320,6 @@ def main() -> None:
             print_table([r for r in rows if (r["layers"], r["hidden"]) == (layers, hidden)])
             sys.stdout.flush()
     finally:
-        os.chdir(old_cwd)
         shutil.rmtree(workdir, ignore_errors=True)
     print()
     print_table(rows)
