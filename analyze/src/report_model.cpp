@@ -2,6 +2,7 @@
 // HTML report have, built in one place. docs/report-format.md#json lists the fields.
 #include "dynaprobe/analyze/report_model.h"
 
+#include <cstring>
 #include <map>
 
 #include "dynaprobe/analyze/report.h"
@@ -40,36 +41,62 @@ std::vector<std::int64_t> unravel(std::int64_t index, const std::vector<std::int
   return coordinates;
 }
 
+// A field of TensorMetrics as the model shows it.
+template <typename T>
+T metric_value(const TensorMetrics& metrics, const formats::MetricField& field) {
+  T value;
+  std::memcpy(&value, reinterpret_cast<const char*>(&metrics) + field.offset, sizeof(T));
+  return value;
+}
+
+// Every metric, in the order of formats::kMetricFields (so a new metric appears here, in the
+// JSON, the HTML and Python, with no change), with two composed for readers: mismatch_fraction
+// after mismatches, and the worst element as one object in place of its three fields.
 Value metrics_model(const Row& row) {
   if (!row.metrics) return nullptr;
+  using formats::MetricType;
   const TensorMetrics& m = *row.metrics;
-  const double fraction =
-      m.elements ? static_cast<double>(m.mismatches) / static_cast<double>(m.elements) : 0.0;
-  Value worst = nullptr;
-  if (m.worst_index >= 0) {
-    worst = Value::Object{{"flat_index", m.worst_index},
-                          {"index", shape_model(unravel(m.worst_index, row.eager->shape))},
-                          {"eager", m.worst_eager},
-                          {"compiled", m.worst_compiled}};
+  Value::Object object;
+  for (const formats::MetricField& field : formats::kMetricFields) {
+    if (field.name == "worst_eager" || field.name == "worst_compiled") continue;
+    if (field.name == "worst_index") {
+      Value worst = nullptr;
+      if (m.worst_index >= 0) {
+        worst = Value::Object{{"flat_index", m.worst_index},
+                              {"index", shape_model(unravel(m.worst_index, row.eager->shape))},
+                              {"eager", m.worst_eager},
+                              {"compiled", m.worst_compiled}};
+      }
+      object.emplace_back("worst", std::move(worst));
+      continue;
+    }
+    switch (field.type) {
+      case MetricType::kFloat64:
+        object.emplace_back(std::string(field.name), metric_value<double>(m, field));
+        break;
+      case MetricType::kBool:
+        object.emplace_back(std::string(field.name), metric_value<bool>(m, field));
+        break;
+      case MetricType::kUInt64:
+        object.emplace_back(std::string(field.name), metric_value<std::uint64_t>(m, field));
+        break;
+      case MetricType::kInt64:
+        object.emplace_back(std::string(field.name), metric_value<std::int64_t>(m, field));
+        break;
+      case MetricType::kHistogram: {
+        Value::Array histogram;
+        for (std::uint64_t count : m.histogram) histogram.emplace_back(count);
+        object.emplace_back(std::string(field.name), std::move(histogram));
+        break;
+      }
+    }
+    if (field.name == "mismatches") {
+      object.emplace_back("mismatch_fraction", m.elements ? static_cast<double>(m.mismatches) /
+                                                                static_cast<double>(m.elements)
+                                                          : 0.0);
+    }
   }
-  Value::Array histogram;
-  for (std::uint64_t count : m.histogram) histogram.emplace_back(count);
-  return Value::Object{{"max_abs", m.max_abs},
-                       {"mean_abs", m.mean_abs},
-                       {"max_rel", m.max_rel},
-                       {"allclose", m.allclose},
-                       {"cosine", m.cosine},
-                       {"rmse", m.rmse},
-                       {"elements", m.elements},
-                       {"mismatches", m.mismatches},
-                       {"mismatch_fraction", fraction},
-                       {"nan_eager", m.nan_eager},
-                       {"nan_compiled", m.nan_compiled},
-                       {"inf_eager", m.inf_eager},
-                       {"inf_compiled", m.inf_compiled},
-                       {"nonfinite_only_compiled", m.nonfinite_only_compiled},
-                       {"worst", std::move(worst)},
-                       {"histogram", std::move(histogram)}};
+  return object;
 }
 
 Value tolerances_model(const Tolerances& tolerances) {
