@@ -212,14 +212,6 @@ hid_t native_type(MetricType type) {
   return H5T_NATIVE_UINT64;
 }
 
-template <typename T>
-T field_value(const TensorMetrics& metrics, const MetricField& field, std::size_t index = 0) {
-  T value;
-  std::memcpy(&value, reinterpret_cast<const char*>(&metrics) + field.offset + index * sizeof(T),
-              sizeof(T));
-  return value;
-}
-
 }  // namespace
 
 h5::Handle metrics_row_type() {
@@ -245,42 +237,6 @@ h5::Handle metrics_row_type() {
     }
   }
   return row;
-}
-
-std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows) {
-  std::string bytes;
-  bytes.reserve(rows.size() * sizeof(MetricsRow) + 8);
-  append_int<std::uint64_t>(bytes, rows.size());
-  const auto append_double = [&](double value) {
-    std::uint64_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    append_int(bytes, bits);
-  };
-  for (const MetricsRow& row : rows) {
-    append_int(bytes, row.record);
-    append_double(row.tolerances.atol);
-    append_double(row.tolerances.rtol);
-    for (const MetricField& field : kMetricFields) {
-      switch (field.type) {
-        case MetricType::kFloat64:
-          append_double(field_value<double>(row.metrics, field));
-          break;
-        case MetricType::kBool:
-          append_int<std::uint64_t>(bytes, field_value<std::uint8_t>(row.metrics, field));
-          break;
-        case MetricType::kUInt64:
-        case MetricType::kInt64:
-          append_int(bytes, field_value<std::uint64_t>(row.metrics, field));
-          break;
-        case MetricType::kHistogram:
-          for (std::size_t bin = 0; bin < kHistogramBins; ++bin) {
-            append_int(bytes, field_value<std::uint64_t>(row.metrics, field, bin));
-          }
-          break;
-      }
-    }
-  }
-  return xxh64(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
 }
 
 }  // namespace dynaprobe::formats

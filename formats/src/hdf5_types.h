@@ -56,9 +56,5 @@ struct MetricsRow {
 };
 // The in-memory row type (the file's is the same, packed).
 h5::Handle metrics_row_type();
-// The checksum of /metrics: XXH64 of the row count, then of every field of every row in order,
-// each as 8 little-endian bytes (a float64 as its IEEE bits, a bool as 0 or 1, a histogram bin
-// by bin).
-std::uint64_t metrics_checksum(const std::vector<MetricsRow>& rows);
 
 }  // namespace dynaprobe::formats

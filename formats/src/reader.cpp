@@ -73,14 +73,23 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
   if (count < 0 || H5Sget_simple_extent_ndims(space.get()) != 1) {
     throw FormatError(context + ": damaged: expected a 1-D table");
   }
+  // The checksum covers the bytes as stored, whatever columns this reader knows: a table written
+  // with more metrics (a newer writer) or fewer (an older one) is checked all the same, and read
+  // by column name below (a column the file lacks keeps its default).
+  h5::Handle stored_type =
+      h5::type_handle(H5Dget_type(table.get()), "reading the metrics type", context);
+  std::vector<std::byte> stored(static_cast<std::size_t>(count) * H5Tget_size(stored_type.get()));
   std::vector<MetricsRow> rows(static_cast<std::size_t>(count));
   h5::Handle type = metrics_row_type();
   if (!rows.empty()) {
+    h5::check<FormatError>(H5Dread(table.get(), stored_type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                                   stored.data()),
+                           "reading the metrics", context);
     h5::check<FormatError>(
         H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
         "reading the metrics", context);
   }
-  if (metrics_checksum(rows) !=
+  if (xxh64(stored.data(), stored.size()) !=
       h5::read_u64_attribute(table.get(), schema::kMetricsChecksumAttr, name, where)) {
     throw FormatError(context +
                       ": damaged: its XXH64 checksum does not match the metrics (a damaged disk, "

@@ -549,14 +549,24 @@ void StepWriter::Impl::write_metrics_table() {
     }
     rows.push_back(MetricsRow{found->second, stored.tolerances, stored.metrics});
   }
-  const std::uint64_t checksum = metrics_checksum(rows);
   const h5::Handle type = metrics_row_type();
   h5::Lock lock(h5::hdf5_mutex());
-  // Stored packed: no padding bytes (of memory never written) in the file.
-  h5::Handle packed = h5::type_handle(H5Tcopy(type.get()), "copying", partial_path.string());
-  h5::check(H5Tpack(packed.get()), "packing the /metrics type", partial_path.string());
-  write_table(schema::kMetricsDataset, packed.get(), type.get(), rows.data(), rows.size(),
-              schema::kMetricsChecksumAttr, checksum);
+  // Stored packed (no padding bytes of memory never written), little-endian as the type says;
+  // the checksum covers those bytes.
+  const std::string where = partial_path.string();
+  h5::Handle packed = h5::type_handle(H5Tcopy(type.get()), "copying", where);
+  h5::check(H5Tpack(packed.get()), "packing the /metrics type", where);
+  std::vector<std::byte> bytes(rows.size() * sizeof(MetricsRow));
+  std::memcpy(bytes.data(), rows.data(), bytes.size());
+  if (!rows.empty()) {
+    std::vector<std::byte> background(rows.size() * H5Tget_size(packed.get()));  // compounds
+    h5::check(H5Tconvert(type.get(), packed.get(), rows.size(), bytes.data(), background.data(),
+                         H5P_DEFAULT),
+              "packing the metrics", where);
+  }
+  bytes.resize(rows.size() * H5Tget_size(packed.get()));
+  write_table(schema::kMetricsDataset, packed.get(), packed.get(), bytes.data(), rows.size(),
+              schema::kMetricsChecksumAttr, xxh64(bytes.data(), bytes.size()));
 }
 
 StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance provenance,

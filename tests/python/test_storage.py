@@ -226,3 +226,51 @@ def test_a_one_sided_capture_keeps_full_tensors(tmp_path):
     step_file = checker.capture(lambda m: m(torch.randn(2, 16)).sum(), model, side="eager")
     info = _C.read_step(step_file)
     assert all(r["stored"] for r in info["records"]) and info["metrics"] == []
+
+
+def _rewrite_metrics(step_file, change):
+    """Rewrites /metrics as another writer version would: `change` maps the structured array read
+    by h5py to the new one; the checksum covers the new bytes as stored."""
+    from dump_checksum import xxh64
+    import numpy as np
+
+    with h5py.File(step_file, "r+") as f:
+        old = f["metrics"][()]
+        new = change(old, np)
+        del f["metrics"]
+        f.create_dataset("metrics", data=new)
+        f["metrics"].attrs.create("checksum", xxh64(new.tobytes()), dtype="<u8")
+
+
+def test_metrics_of_a_newer_or_older_writer_are_read_by_column(tmp_path, dynaprobe_cli):
+    # A newer writer adds a metric, an older one lacks one: the table is checked as stored and
+    # read by column name, so the report (which shows neither) is unchanged.
+    result, step_file = checked_step(tmp_path, "stats")
+    dump = os.path.dirname(step_file)
+
+    def add_column(old, np):
+        new = np.zeros(old.shape, dtype=old.dtype.descr + [("future_metric", "<f8")])
+        for name in old.dtype.names:
+            new[name] = old[name]
+        new["future_metric"] = 42.0
+        return new
+
+    _rewrite_metrics(step_file, add_column)
+    proc = run_cli(dynaprobe_cli, "compare", dump)
+    assert proc.returncode == 1 and proc.stdout == result.text(), proc.stderr
+
+    def drop_rmse(old, np):
+        kept = [name for name in old.dtype.names if name != "rmse"]
+        return np.array([tuple(row[name] for name in kept) for row in old],
+                        dtype=[(name, old.dtype[name]) for name in kept])
+
+    _rewrite_metrics(step_file, drop_rmse)
+    proc = run_cli(dynaprobe_cli, "compare", dump)
+    assert proc.returncode == 1 and proc.stdout == result.text(), proc.stderr
+
+    with h5py.File(step_file, "r+") as f:  # a flipped byte in the table is damage
+        table = f["metrics"][()]
+        table["max_abs"][0] += 1.0
+        f["metrics"][...] = table
+    proc = run_cli(dynaprobe_cli, "compare", dump)
+    assert proc.returncode == 3 and "/metrics: damaged" in proc.stderr
