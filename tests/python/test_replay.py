@@ -263,7 +263,13 @@ def test_bisection_through_the_default_stages_and_the_cli(tmp_path):
     # nothing; the fault was the capture's backend, not any of these.
     assert bisected.stages[0].max_abs(True) == 0 and bisected.stages[1].max_abs(True) == 0
     assert bisected.first_failing(True) is None and bisected.first_failing(False) is None
-    out = subprocess.run([sys.executable, "-m", "dynaprobe.bisect", checker.dump_dir, "--module",
-                          "mlp", "--stages", "eager,aot_eager"], capture_output=True, text=True)
+    command = [sys.executable, "-m", "dynaprobe.bisect", checker.dump_dir, "--module", "mlp",
+               "--stages", "eager,aot_eager"]
+    out = subprocess.run(command, capture_output=True, text=True)
+    assert out.returncode == 2  # the module's class (tests/python/models.py) is not importable
+    assert "Make its class importable" in out.stderr
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(command, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": here})
     assert out.returncode == 0, out.stderr
     assert "forward  first changes at: no stage" in out.stdout

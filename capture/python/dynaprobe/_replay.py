@@ -86,9 +86,9 @@ class StoredCall:
                 raise ReplayError(
                     f"the module {self.module} ({self.replay['class']}) could not be rebuilt: "
                     f"{type(error).__name__}: {error}. Make its class importable (install the "
-                    "package or put its source folder on PYTHONPATH), or build it yourself in "
-                    "the repro script's build_module() and load the weights with "
-                    "load_weights(module)") from error
+                    "package or put its source folder on PYTHONPATH), or build it yourself (in "
+                    "the repro script's build_module(); bisect_call(module=...) in Python) and "
+                    "load the weights with load_weights(module)") from error
         else:
             module = self._construct()
         module.to_empty(device=device)

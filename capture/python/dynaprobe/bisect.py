@@ -59,7 +59,8 @@ class StageResult:
     result: Optional[CompareResult]
     error: str = ""  # the stage could not run (a backend error)
 
-    def _rows(self, forward: bool):
+    def rows(self, forward: bool) -> list:
+        """The report's rows of this stage: forward outputs, or the gradients."""
         if self.result is None:
             return []
         return [r for r in self.result.rows if r.check_type != "note"
@@ -67,13 +68,13 @@ class StageResult:
 
     def changed(self, forward: bool) -> bool:
         return bool(self.error) or any(r.max_abs != 0 or r.status != "PASS"
-                                       for r in self._rows(forward))
+                                       for r in self.rows(forward))
 
     def failed(self, forward: bool) -> bool:
-        return bool(self.error) or any(r.status == "FAIL" for r in self._rows(forward))
+        return bool(self.error) or any(r.status == "FAIL" for r in self.rows(forward))
 
     def max_abs(self, forward: bool) -> float:
-        values = [r.max_abs for r in self._rows(forward)]
+        values = [r.max_abs for r in self.rows(forward)]
         return max(values) if values else float("nan")
 
 
@@ -109,6 +110,9 @@ class BisectResult:
                 continue
             cells = []
             for forward in (True, False):
+                if not stage.rows(forward):  # no backward replayed (no grad_output stored)
+                    cells.append(f"{'-':>16} {'':4}")
+                    continue
                 status = "FAIL" if stage.failed(forward) else (
                     "diff" if stage.changed(forward) else "same")
                 cells.append(f"{stage.max_abs(forward):16.6e} {status:4}")
