@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 from functorch.compile import default_partition
+from models import Stage as TanhStage
 from models import _perturb_gelu, perturbed_gelu_backend, plain_compiler
 from torch._dynamo.backends.common import aot_autograd
 
 from dynaprobe import PrecisionChecker, _C
 from dynaprobe._replay import load_call, tensor_from_bytes
-from dynaprobe.bisect import Stage, bisect_call
+from dynaprobe.bisect import STAGES, Stage, bisect_call
 from test_storage import Chain  # norm -> mlp (GELU, perturbed by the backend) -> proj
 
 
@@ -230,6 +231,7 @@ def test_bisection_names_the_stage_a_fault_is_injected_into(tmp_path, fault):
     text = bisected.text()
     assert f"forward  first changes at: {fault}; first fails the tolerances at: {fault}" in text
     assert f"metrics at {fault}:" in text
+    assert "  FAIL fwd_output[0]" in text.split(f"metrics at {fault}:")[1]
 
 
 @pytest.mark.slow
@@ -253,3 +255,30 @@ def test_bisection_through_the_default_stages_and_the_cli(tmp_path):
                          env={**os.environ, "PYTHONPATH": here})
     assert out.returncode == 0, out.stderr
     assert "forward  first changes at: no stage" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_fault_in_an_inductor_lowering_is_named_by_compiler_bisector(tmp_path, monkeypatch):
+    from torch._inductor import lowering  # noqa: PLC0415 - imports Inductor: only here
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TanhStage(nn.Tanh()))
+    x = torch.randn(4, 8)
+    checker = PrecisionChecker(replay="all", dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    checker.compare(lambda m: m(x).sum(), model)
+
+    # Inductor's lowering of tanh made 1% too large; caches off, so that it is compiled again.
+    tanh = torch.ops.aten.tanh.default
+    correct = lowering.lowerings[tanh]
+    monkeypatch.setitem(lowering.lowerings, tanh, lambda a: lowering.lowerings[
+        torch.ops.aten.mul.Tensor](correct(a), 1.01))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    bisected = checker.bisect("0", stages=[s for s in STAGES if s.name in (
+        "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True)
+    assert bisected.first_failing() == "inductor"
+    assert (bisected.inductor.backend, bisected.inductor.subsystem) == ("inductor", "lowerings")
+    assert bisected.inductor.debug_info == "tanh"
+    assert "inductor subsystem: BisectionResult(backend='inductor', subsystem='lowerings'" in \
+        bisected.text()

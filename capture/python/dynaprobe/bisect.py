@@ -128,7 +128,7 @@ class BisectResult:
             if stage.result is not None and (stage.failed(True) or stage.failed(False)):
                 lines.append("")
                 lines.append(f"  metrics at {stage.name}:")
-                lines.extend(metrics_lines(stage.result.rows if stage.result else []))
+                lines.extend(metrics_lines(stage.result.rows))
                 break
         return "\n".join(lines) + "\n"
 
