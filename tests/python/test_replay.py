@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from functorch.compile import default_partition
 from models import Stage as TanhStage
-from models import _perturb_gelu, perturbed_gelu_backend, plain_compiler
+from models import TiedTwice, _perturb_gelu, perturbed_gelu_backend, plain_compiler
 from torch._dynamo.backends.common import aot_autograd
 
 from dynaprobe import PrecisionChecker, _C
@@ -108,6 +108,32 @@ def test_replay_of_a_passing_module_reproduces_its_stored_outputs_bit_for_bit(tm
                 assert torch.equal(run.grad_input[0], stored[(side, "grad_input", 0)]), (name, side)
             for index, (_, grad) in enumerate(run.param_grad):
                 assert torch.equal(grad, stored[(side, "param_grad", index)]), (name, side, index)
+
+
+def test_each_call_of_a_module_called_twice_replays_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    model, x = TiedTwice(8), torch.randn(4, 8, requires_grad=True)
+    checker = PrecisionChecker(backend="aot_eager", replay="all", dump_dir=str(tmp_path))
+    checker.wrap(model.shared)
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    stored = {(r["call"], r["side"], r["kind"]): read(result.dump_file, r)
+              for r in _C.read_step(result.dump_file)["records"]
+              if r["kind"] in ("fwd_output", "grad_input")}
+    for call in (0, 1):  # the module's structure is stored once, with call 0
+        replayed = load_call(checker.dump_dir, "shared", call)
+        module = replayed.build_module()
+        runs = {"eager": replayed.run(module, module.forward),
+                "compiled": replayed.run(module, replayed.compiled_forward(
+                    module, replayed.backend()))}
+        for side, run in runs.items():
+            assert torch.equal(run.outputs[0], stored[(call, side, "fwd_output")])
+            assert torch.equal(run.grad_input[0], stored[(call, side, "grad_input")])
 
 
 USER_CODE = '''
