@@ -74,9 +74,10 @@ if __name__ == "__main__":
 
 
 class ReproData(StoredCall):
-    """A StoredCall read from a repro data file, with the metrics the dump recorded."""
+    """A StoredCall read from a repro data file, with the metrics the dump recorded (``recorded``:
+    one line per row, as ``metrics_lines`` writes them)."""
 
-    recorded: List[str] = []
+    recorded: tuple = ()
 
 
 def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None,
@@ -126,7 +127,7 @@ def load_repro(path: str) -> ReproData:
     data = ReproData(saved["module"], saved["call"], saved["step"], json.loads(saved["replay"]),
                      saved["tensors"], saved["provenance"],
                      None if structure is None else structure.numpy().tobytes())
-    data.recorded = list(saved["recorded"])
+    data.recorded = tuple(saved["recorded"])
     return data
 
 
