@@ -61,7 +61,10 @@ Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOr
   const auto collect = [&](const StepReader* reader, Side side) {
     if (!reader) return;
     for (const RecordInfo& info : reader->records()) {
-      if (info.key.side != side || info.key.kind == Kind::kLoss) continue;
+      if (info.key.side != side || info.key.kind == Kind::kLoss ||
+          !formats::is_compared(info.key.kind)) {
+        continue;
+      }
       order.add(info.key.module);
       Pair& pair = pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}];
       (side == Side::kEager ? pair.eager : pair.compiled) = &info;

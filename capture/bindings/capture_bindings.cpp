@@ -99,7 +99,8 @@ take turns.
 Args:
   module: the module path, e.g. "layers.0.mlp" ("LOSS" for the loss).
   call: n-th call of the module within the step.
-  kind: fwd_input, fwd_output, grad_input, grad_output, param_grad or loss.
+  kind: fwd_input, fwd_output, grad_input, grad_output, param_grad, loss or replay (stored
+    whole, never compared: what a replay of the call needs).
   tensor_index: position of the tensor among the module's tensors of this kind.
   side: eager or compiled.
   tensor: the tensor; it may be changed in place as soon as record() returns.

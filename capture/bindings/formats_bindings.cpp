@@ -151,6 +151,9 @@ py::dict read_step(const std::filesystem::path& path) {
     graphs.append(py::make_tuple(graph.name, graph.kind, graph.text, graph.attributes));
   }
   d["graphs"] = graphs;
+  py::list modules;  // /modules, in model order: (module, attributes)
+  for (const auto& info : reader.modules()) modules.append(py::make_tuple(info.module, info.attributes));
+  d["modules"] = modules;
   return d;
 }
 

@@ -223,7 +223,8 @@ class PairJudge {
   // held for its twin; a held record may go out later, with another record's call.
   void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
     const formats::RecordKey& key = item.record.key;
-    if (!active_ || key.kind == formats::Kind::kLoss || key.side == formats::Side::kReference ||
+    if (!active_ || key.kind == formats::Kind::kLoss || !formats::is_compared(key.kind) ||
+        key.side == formats::Side::kReference ||
         spilled_.count(pair_key(key))) {
       store.push_back(std::move(item));
       return;

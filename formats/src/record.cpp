@@ -13,11 +13,13 @@ struct KindInfo {
   Kind kind;
   std::string_view name;
   bool forward;  // recorded in the forward pass (is_forward)
+  bool compared = true;  // paired and judged (is_compared)
 };
 constexpr KindInfo kKinds[] = {
     {Kind::kFwdInput, "fwd_input", true},    {Kind::kFwdOutput, "fwd_output", true},
     {Kind::kGradInput, "grad_input", false}, {Kind::kGradOutput, "grad_output", false},
     {Kind::kParamGrad, "param_grad", false}, {Kind::kLoss, "loss", false},
+    {Kind::kReplay, "replay", false, false},
 };
 constexpr std::array<std::string_view, 3> kSideNames = {"eager", "compiled", "reference"};
 
@@ -26,7 +28,7 @@ constexpr bool kinds_in_enumerator_order() {
   for (std::size_t i = 0; i < std::size(kKinds); ++i) {
     if (static_cast<std::size_t>(kKinds[i].kind) != i) return false;
   }
-  return std::size(kKinds) == static_cast<std::size_t>(Kind::kLoss) + 1;
+  return std::size(kKinds) == static_cast<std::size_t>(Kind::kReplay) + 1;
 }
 static_assert(kinds_in_enumerator_order(), "kKinds must list every Kind in enumerator order");
 static_assert(kSideNames.size() == static_cast<std::size_t>(Side::kReference) + 1);
@@ -57,6 +59,7 @@ std::string kind_names() {
   return names;
 }
 bool is_forward(Kind kind) { return kind_info(kind).forward; }
+bool is_compared(Kind kind) { return kind_info(kind).compared; }
 std::string_view side_name(Side side) { return kSideNames[static_cast<std::size_t>(side)]; }
 std::optional<Side> parse_side(std::string_view name) { return parse_name<Side>(kSideNames, name); }
 

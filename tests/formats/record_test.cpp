@@ -10,7 +10,8 @@ namespace dynaprobe::formats {
 namespace {
 
 constexpr Kind kEveryKind[] = {Kind::kFwdInput,   Kind::kFwdOutput, Kind::kGradInput,
-                               Kind::kGradOutput, Kind::kParamGrad, Kind::kLoss};
+                               Kind::kGradOutput, Kind::kParamGrad, Kind::kLoss,
+                               Kind::kReplay};
 
 TEST(Record, KindNamesRoundTripAndAreListedInEnumeratorOrder) {
   std::string listed;
@@ -18,10 +19,14 @@ TEST(Record, KindNamesRoundTripAndAreListedInEnumeratorOrder) {
     EXPECT_EQ(parse_kind(kind_name(kind)), kind);
     listed += (listed.empty() ? "" : ", ") + std::string(kind_name(kind));
   }
-  EXPECT_EQ(listed, "fwd_input, fwd_output, grad_input, grad_output, param_grad, loss");
+  EXPECT_EQ(listed, "fwd_input, fwd_output, grad_input, grad_output, param_grad, loss, replay");
   EXPECT_EQ(kind_names(), listed);
   EXPECT_FALSE(parse_kind("FWD_INPUT"));
   EXPECT_FALSE(parse_kind(""));
+}
+
+TEST(Record, EveryKindButReplayIsCompared) {
+  for (Kind kind : kEveryKind) EXPECT_EQ(is_compared(kind), kind != Kind::kReplay) << kind_name(kind);
 }
 
 TEST(Record, OnlyFwdInputAndFwdOutputAreForwardKinds) {

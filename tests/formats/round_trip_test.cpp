@@ -306,7 +306,7 @@ TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
 
   StepReader reader(path);
   EXPECT_EQ(reader.step(), 4);
-  EXPECT_EQ(reader.format_version(), "1.3");
+  EXPECT_EQ(reader.format_version(), "1.4");
   EXPECT_EQ(reader.provenance(), (Provenance{{"backend", "aot_eager"}, {"rank", "1"}}));
   EXPECT_EQ(reader.records().size(), 5u);
   for (const Record& r : records) {

@@ -87,7 +87,7 @@ def assert_same_values(got, want, what):
 def test_h5py_reads_every_value_bit_for_bit(written):
     path, tensors = written
     with h5py.File(path, "r") as f:
-        assert f.attrs["dynaprobe_format_version"] == "1.3"
+        assert f.attrs["dynaprobe_format_version"] == "1.4"
         assert f.attrs["backend"] == "aot_eager"
         for module, dtype, array in tensors:
             dataset = f[dataset_name(module)]
@@ -127,7 +127,7 @@ def test_h5py_reads_the_index_and_graphs(written):
 def test_dynaprobe_reads_back_what_it_wrote(written):
     path, tensors = written
     info = _C.read_step(path)
-    assert info["step"] == 0 and info["format_version"] == "1.3"
+    assert info["step"] == 0 and info["format_version"] == "1.4"
     assert info["provenance"]["torch_version"] == "2.13.0"
     assert_every_record_reads_back(path, tensors)
 
@@ -276,7 +276,7 @@ def test_rows_of_a_kind_from_a_newer_minor_version_are_skipped_not_fatal(tmp_pat
     assert "unknown kind 'buffer_after_step', written by a newer dynaprobe (format 1.9); skipped" in out.stderr
     # The same row in a file of this reader's own version can only be damage.
     with h5py.File(path, "r+") as f:
-        f.attrs["dynaprobe_format_version"] = "1.3"
+        f.attrs["dynaprobe_format_version"] = "1.4"
         f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
     with pytest.raises(dynaprobe.FormatError, match="damaged /index: index row 2 .*unknown kind 'buffer_after_step'"):
         _C.read_step(path)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _C, _options, _storage
+from dynaprobe import _C, _options, _replay_store, _storage
 from dynaprobe._capture import autocast_device_type, devices_of
 from dynaprobe._compiling import Compiler
 from dynaprobe._distributed import (
@@ -85,6 +85,12 @@ class PrecisionChecker:
             ``check_every``.
         disk_budget_bytes: the most bytes this rank's dump may hold; after each step the oldest
             committed steps are removed to fit (never the one just written). None: no limit.
+        replay: single-pass: which calls keep what a replay needs (``python -m dynaprobe.repro``,
+            ``checker.bisect()``): their inputs and argument structure, grad_output, the
+            module's weights and buffers, RNG state and class, in the step file (records of kind
+            ``replay``). ``"failing"``: the calls whose forward output fails ``threshold``/``rtol``;
+            ``"all"``: every call; ``"none"``. None (default): ``"failing"``, except under
+            ``dump="stats"`` and in two-pass, which keep none.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class PrecisionChecker:
         check_every: int = 1,
         check_steps=None,
         disk_budget_bytes: Optional[int] = None,
+        replay: Optional[str] = None,
     ):
         self.backend = _options.expect_backend(backend)
         self.threshold = _options.expect_tolerance("threshold", threshold)
@@ -135,6 +142,7 @@ class PrecisionChecker:
                                            _storage.expect_steps(check_steps))
         self.disk_budget_bytes = None if disk_budget_bytes is None else \
             _options.expect_positive_int("disk_budget_bytes", disk_budget_bytes)
+        self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
         # install()/collect() runs print a one-line estimate after their first checked step.
         self._estimated = False
         self._dump_dir_resolved = False  # see the dump_dir property
@@ -347,7 +355,7 @@ class PrecisionChecker:
             self._warn_nested_fully_shard(display, module)
         self._single_pass = SinglePass(targets, self._current_step, lambda: self._step,
                                        self.capture_input, self.cast_dtype, self.reference,
-                                       (self.threshold, self.rtol))
+                                       (self.threshold, self.rtol), self.replay, self.backend)
         self._installed = model
         return model
 
@@ -468,6 +476,31 @@ class PrecisionChecker:
             return self._finish_step(compare=compare)
         finally:
             self._step = None
+
+    # ------------------------------------------------------------------ replay
+    def bisect(self, module: str, call: Optional[int] = None, step: Optional[int] = None,
+               stages=None, inductor_subsystems: bool = False):
+        """Replays a stored call of ``module`` (kept by ``replay=``) from this checker's dump
+        through torch.compile's stages (eager, aot_eager, aot_eager_decomp_partition, inductor,
+        inductor with fallback_random) and returns a ``dynaprobe.bisect.BisectResult``: the
+        report's metrics at each stage against eager, and the first stage whose numbers change,
+        forward and backward (docs/user-guide.md).
+
+        Args:
+            module: the module path, as the report names it.
+            call: which call (default: the first one kept); step: which step (default: the
+                first keeping replay data of ``module``).
+            stages: ``dynaprobe.bisect.Stage`` values in pipeline order (default: the five
+                above).
+            inductor_subsystems: when inductor is the first stage to fail, name its subsystem
+                with ``torch._inductor.compiler_bisector`` (resets Dynamo; slow).
+        """
+        from dynaprobe import bisect as stage_bisect  # noqa: PLC0415 - its own module
+        from dynaprobe._replay import load_call  # noqa: PLC0415
+
+        stored = load_call(self.dump_dir, module, call, step)
+        return stage_bisect.bisect_call(stored, stages or stage_bisect.STAGES,
+                                        inductor_subsystems=inductor_subsystems)
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

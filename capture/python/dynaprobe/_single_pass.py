@@ -24,6 +24,7 @@ from dynaprobe._capture import (
     tensor_leaves,
 )
 from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
+from dynaprobe import _replay_store
 from dynaprobe._reference import (
     ReferenceRun,
     copy_reference_arguments,
@@ -44,7 +45,8 @@ class SinglePass:
 
     def __init__(self, targets: List[Target], current_step: Callable[[], Step],
                  active_step: Callable[[], object], capture_input: bool, cast_dtype,
-                 reference: Optional[str] = None, tolerances: Tuple[float, float] = (1e-4, 1e-3)):
+                 reference: Optional[str] = None, tolerances: Tuple[float, float] = (1e-4, 1e-3),
+                 replay: str = "none", backend=None):
         self.targets = targets
         self.current_step = current_step
         self.active_step = active_step
@@ -52,6 +54,9 @@ class SinglePass:
         self.cast_dtype = cast_dtype
         self.reference = reference  # None, "fp64" (every call) or "failing" (_reference.py)
         self.tolerances = tolerances  # (atol, rtol): what "failing" means
+        self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
+        self.backend = backend
+        self._backend_spec = None  # how a replay finds the backend, worked out once
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
         self.warned: set = set()  # (module, topic): warnings said once
@@ -108,6 +113,8 @@ class SinglePass:
             reference_args = copy_reference_arguments(args, kwargs) if self.reference else None
             state_before = ModuleState(target.module, clone_buffers=True)
             rng_before = RngState(devices)
+            buffers_before = {n: b.detach().clone() for n, b in target.module.named_buffers()
+                              } if self.replay != "none" else None
             params = self._call_params(step, target)
         except Exception as error:  # never break training because of the checker
             step.note(name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
@@ -138,9 +145,19 @@ class SinglePass:
             eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
             with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
                 eager_out = target.eager(*eager_args, **eager_kwargs)
+            differs = []  # outputs_differ, computed once when needed
+
+            def failing() -> bool:
+                if not differs:
+                    differs.append(outputs_differ(eager_out, compiled_out, tensor_leaves,
+                                                  *self.tolerances))
+                return differs[0]
+
+            if self.replay == "all" or (self.replay == "failing" and failing()):
+                self._replay_call(step, target, call, eager_args, eager_kwargs, inputs,
+                                  buffers_before, rng_before, grad_mode)
             reference = None
-            if reference_args is not None and (self.reference == "fp64" or outputs_differ(
-                    eager_out, compiled_out, tensor_leaves, *self.tolerances)):
+            if reference_args is not None and (self.reference == "fp64" or failing()):
                 rng_before.restore()
                 reference = self._reference_call(step, target, call, reference_args, grad_mode,
                                                  inputs)
@@ -193,6 +210,23 @@ class SinglePass:
         for index, (label, tensor) in enumerate(tensor_leaves(out)):
             step.record(target.name, call, "fwd_output", index, "reference", tensor, label)
         return run
+
+    def _replay_call(self, step: Step, target: Target, call: int, args: tuple, kwargs: dict,
+                     inputs: list, buffers: dict, rng: RngState, grad_mode: bool) -> None:
+        """Keeps what replaying this call needs (_replay_store.py): its inputs (the eager
+        re-run's copies, taken before the training call), weights, RNG state, structure; its
+        grad_output follows in the backward. A call that cannot be kept is said in a warning and
+        checks nothing less."""
+        try:
+            if self._backend_spec is None:
+                self._backend_spec = _replay_store.backend_spec(self.backend)
+            step.replays[(target.name, call)] = _replay_store.record_call(
+                step, target.name, target.module, call, args, kwargs,
+                [t.requires_grad for _, t in inputs], buffers, rng, grad_mode, self.cast_dtype,
+                self._backend_spec)
+        except Exception as error:
+            self._warn_once(target.name, "replay", f"dynaprobe: {target.name}: its replay data "
+                            f"could not be kept ({type(error).__name__}: {error})")
 
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training
@@ -257,6 +291,9 @@ class SinglePass:
             pending.on_output_grad(index, grad)
             # Seeds both sides' backward: recorded once, for both.
             step.record(pending.target.name, pending.call, "grad_output", index, "compiled", grad)
+            replay = step.replays.get((pending.target.name, pending.call))
+            if replay is not None:
+                _replay_store.add_grad_output(replay, index, grad)
 
         return hook
 

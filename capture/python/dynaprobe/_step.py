@@ -47,6 +47,7 @@ class Step:
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
+        self.replays: Dict[Tuple[str, int], object] = {}  # (module, call) -> its replay records
         self.error: Optional[BaseException] = None
         # Backward hooks may run on autograd's device threads; the recorder takes one call at a
         # time.

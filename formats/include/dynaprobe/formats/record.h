@@ -13,16 +13,18 @@
 
 namespace dynaprobe::formats {
 
-// What a tensor is, relative to its module (the spec's check types, plus param_grad and loss).
-// A new kind is an enumerator here and a row of kKinds in record.cpp (its name and pass): the
-// analyzer pairs, judges and reports every kind by those.
+// What a tensor is, relative to its module (the spec's check types, plus param_grad and loss,
+// and replay: what a replay of a failing call needs, never compared).
+// A new kind is an enumerator here and a row of kKinds in record.cpp (its name, pass and whether
+// it is compared): the analyzer pairs, judges and reports every compared kind by those.
 enum class Kind : std::uint8_t {
   kFwdInput,
   kFwdOutput,
   kGradInput,
   kGradOutput,
   kParamGrad,
-  kLoss
+  kLoss,
+  kReplay  // since format 1.4: a call's inputs, grad_output, state and RNG (docs/dump-format.md)
 };
 // Which execution produced it.
 enum class Side : std::uint8_t { kEager, kCompiled, kReference };
@@ -35,6 +37,9 @@ std::string kind_names();
 // is MISSING_fwd_*, and the text report lists it in a FORWARD section. Every other kind is of the
 // backward pass.
 bool is_forward(Kind kind);
+// Whether records of the kind are paired and judged (every kind but replay, which the capture
+// stores whole for replaying a call and the analyzer leaves out of reports).
+bool is_compared(Kind kind);
 std::string_view side_name(Side side);  // "eager", ...
 std::optional<Side> parse_side(std::string_view name);
 

@@ -23,8 +23,9 @@ inline constexpr int kFormatMajor = 1;
 // 1.1: /index locates single-chunk records. 1.2: /chunk_hashes checks every chunk stored as it
 // is, and the index carries a checksum of itself and of the provenance. 1.3: /metrics holds the
 // metrics the capture computed in memory, and an index row with elements and stored_bytes 0 is a
-// record whose tensor was not stored (PrecisionChecker(dump="failing" or "stats")).
-inline constexpr int kFormatMinor = 3;
+// record whose tensor was not stored (PrecisionChecker(dump="failing" or "stats")). 1.4: records
+// of kind "replay" keep what a replay of a failing call needs (never compared).
+inline constexpr int kFormatMinor = 4;
 
 inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
 inline constexpr std::string_view kStepAttr = "step";

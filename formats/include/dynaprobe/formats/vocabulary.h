@@ -43,6 +43,9 @@ inline constexpr std::string_view kCompileErrors = "compile_errors";
 inline constexpr std::string_view kSharedArguments = "shared_arguments";
 inline constexpr std::string_view kReferenceError = "reference_error";
 inline constexpr std::string_view kNestedFullyShard = "nested_fully_shard";
+// JSON: what replaying the module's calls needs besides its "replay" records (class path,
+// backend, each recorded call's argument structure; docs/dump-format.md#replay-records).
+inline constexpr std::string_view kReplay = "replay";
 }  // namespace module_attribute
 namespace role {
 inline constexpr std::string_view kWrapped = "wrapped";
@@ -92,6 +95,7 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"ATTRIBUTE_SHARED_ARGUMENTS", module_attribute::kSharedArguments},
     {"ATTRIBUTE_REFERENCE_ERROR", module_attribute::kReferenceError},
     {"ATTRIBUTE_NESTED_FULLY_SHARD", module_attribute::kNestedFullyShard},
+    {"ATTRIBUTE_REPLAY", module_attribute::kReplay},
     {"ROLE_WRAPPED", role::kWrapped},
     {"ROLE_IGNORED", role::kIgnored},
     {"NOTE_IGNORED", note::kIgnored},

@@ -1,0 +1,366 @@
+"""Replaying one stored call (``PrecisionChecker(replay=...)`` keeps what it needs,
+_replay_store.py): rebuild the module from the dump, run the call's inputs through a forward
+(eager, or compiled with some backend) and, when the call ran in grad mode, its backward seeded
+with the stored grad_output; then judge two runs with the engine, as the report does.
+
+Used by ``python -m dynaprobe.repro`` (a standalone folder), ``python -m dynaprobe.bisect`` and
+``PrecisionChecker.bisect``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from dynaprobe import _C
+from dynaprobe._C import vocabulary
+from dynaprobe._capture import tensor_leaves
+from dynaprobe._compiling import own_entry
+from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, INPUT, KIND, PARAM, RNG, STRUCTURE,
+                                     split_label)
+from dynaprobe._result import CompareResult
+from dynaprobe._storage import committed_steps
+
+# The provenance a replay's judging keeps from the original dump: the tolerances and how rows
+# are judged, so that the metrics and verdicts are the report's.
+_JUDGING_KEYS = (vocabulary.PROVENANCE_ATOL, vocabulary.PROVENANCE_RTOL,
+                 vocabulary.PROVENANCE_TOLERANCE_RULES,
+                 vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES, vocabulary.PROVENANCE_CAST_DTYPE)
+
+
+class ReplayError(ValueError):
+    """A call cannot be replayed from this dump; the message says why and what to do."""
+
+
+def tensor_from_bytes(dtype: str, shape: tuple, data: bytes) -> torch.Tensor:
+    torch_dtype = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=torch_dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
+
+
+@dataclass
+class StoredCall:
+    """One call's replay data: what the dump (or a repro data file) holds for it.
+
+    ``tensors`` maps each replay record's label (``input:0``, ``param:lin.weight``,
+    ``grad_output:0``, ``rng:cpu``, ...) to its tensor; ``description`` is the call's argument
+    structure (module attribute ``replay``); ``replay`` the module's whole attribute;
+    ``provenance`` the step's (tolerances, backend name, torch version).
+    """
+
+    module: str
+    call: int
+    step: int
+    replay: dict
+    tensors: Dict[str, torch.Tensor]
+    provenance: Dict[str, str]
+    structure: Optional[bytes] = None
+    stored_outputs: Dict[Tuple[str, str, int], torch.Tensor] = field(default_factory=dict)
+    path: str = ""  # the step file it was read from
+
+    @property
+    def description(self) -> dict:
+        return self.replay["calls"][str(self.call)]
+
+    # ------------------------------------------------------------------ the module
+    def build_module(self, device: str = "cpu") -> nn.Module:
+        """The module with its stored weights: unpickled from its stored structure (its class
+        must be importable), else ``class()`` when the class takes no arguments. Raises
+        ReplayError saying what to do otherwise."""
+        module = None
+        if self.structure is not None:
+            try:
+                module = torch.load(io.BytesIO(self.structure), weights_only=False)
+            except Exception as error:
+                raise ReplayError(
+                    f"the module {self.module} ({self.replay['class']}) could not be rebuilt: "
+                    f"{type(error).__name__}: {error}. Make its class importable (install the "
+                    "package or put its source folder on PYTHONPATH), or build it yourself (in "
+                    "the repro script's build_module(); bisect_call(module=...) in Python) and "
+                    "load the weights with load_weights(module)") from error
+        else:
+            module = self._construct()
+        module.to_empty(device=device)
+        self.load_weights(module)
+        return module
+
+    def _construct(self) -> nn.Module:
+        path = self.replay["class"]
+        module_name, _, qualname = path.rpartition(".")
+        try:
+            cls = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+            return cls()
+        except Exception as error:
+            raise ReplayError(
+                f"the module {self.module} did not pickle when it was captured, and its class "
+                f"{path} cannot be built without arguments ({type(error).__name__}: {error}): "
+                "build it yourself in the repro script's build_module() and load the weights "
+                "with load_weights(module)") from error
+
+    def load_weights(self, module: nn.Module) -> None:
+        """Sets every stored parameter and buffer of ``module`` (by name) to its stored value."""
+        for label, tensor in self.tensors.items():
+            role, name = split_label(label)
+            if role not in (PARAM, BUFFER):
+                continue
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            value = tensor.clone().to(_module_device(module))
+            if role == PARAM:  # the Parameter object stays (ties, hooks), its data is set
+                owner._parameters[leaf].data = value
+            else:
+                owner._buffers[leaf] = value
+
+    # ------------------------------------------------------------------ the call
+    def arguments(self, device: str = "cpu") -> Tuple[tuple, dict, List[Tuple[int, torch.Tensor]]]:
+        """Fresh copies of the call's (args, kwargs); the inputs that required grad are leaves
+        requiring grad (in grad mode), returned as (input index, leaf)."""
+        description = self.description
+        unsupported = [leaf["unsupported"] for leaf in description["leaves"]
+                       if "unsupported" in leaf]
+        if unsupported or description["tree"] is None:
+            raise ReplayError(
+                f"call {self.call} of {self.module} took arguments a replay cannot rebuild "
+                f"({', '.join(unsupported)}): only tensors, numbers, strings, None, dtypes and "
+                "devices in tuples, lists and dicts are stored")
+        leaves, grad_leaves = [], []
+        for leaf in description["leaves"]:
+            if "tensor" in leaf:
+                tensor = self.tensors[f"{INPUT}:{leaf['tensor']}"].clone().to(device)
+                if description["grad_mode"] and leaf["requires_grad"]:
+                    tensor.requires_grad_(True)
+                    grad_leaves.append((leaf["tensor"], tensor))
+                leaves.append(tensor)
+            elif "value" in leaf:
+                leaves.append(leaf["value"])
+            elif "dtype" in leaf:
+                leaves.append(getattr(torch, leaf["dtype"].replace("torch.", "")))
+            else:
+                leaves.append(torch.device(leaf["device"]))
+        args, kwargs = pytree.tree_unflatten(leaves, pytree.treespec_loads(description["tree"]))
+        return tuple(args), dict(kwargs), grad_leaves
+
+    def grad_outputs(self) -> Dict[int, torch.Tensor]:
+        return {int(split_label(label)[1]): tensor for label, tensor in self.tensors.items()
+                if split_label(label)[0] == GRAD_OUTPUT}
+
+    def restore_rng(self) -> None:
+        for label, state in self.tensors.items():
+            role, name = split_label(label)
+            if role != RNG:
+                continue
+            if name == "cpu":
+                torch.set_rng_state(state)
+            elif torch.cuda.is_available():
+                torch.cuda.set_rng_state(state, int(name.split(":")[1]))
+
+    def backend(self):
+        """The backend the call was compiled with: a registered name, or the callable imported
+        from where it was defined. Raises ReplayError when it cannot be found."""
+        spec = self.replay.get("backend", {})
+        if "name" in spec:
+            return spec["name"]
+        if "import" in spec:
+            module_name, _, attribute = spec["import"].partition(":")
+            try:
+                value = importlib.import_module(module_name)
+                for part in attribute.split("."):
+                    value = getattr(value, part)
+                return value
+            except Exception as error:
+                raise ReplayError(
+                    f"the backend {spec['import']} cannot be imported ({type(error).__name__}: "
+                    f"{error}): make its module importable (install its package or put its "
+                    "source folder on PYTHONPATH), or set BACKEND in the repro script "
+                    "yourself") from error
+        raise ReplayError(f"the backend {spec.get('unknown', '?')} was not a registered name nor "
+                          "a module-level object when captured: pass it yourself (edit BACKEND "
+                          "in the repro script)")
+
+    @property
+    def tolerances(self) -> Tuple[float, float]:
+        return (float(self.provenance.get(vocabulary.PROVENANCE_ATOL, "1e-4")),
+                float(self.provenance.get(vocabulary.PROVENANCE_RTOL, "1e-3")))
+
+    # ------------------------------------------------------------------ running
+    def run(self, module: nn.Module, forward: Callable, backward: bool = True) -> "Run":
+        """Runs ``forward`` (the module's, or a compiled one) on fresh copies of the inputs from
+        the stored RNG state, then, when the call ran in grad mode and has a stored grad_output,
+        its backward through ``torch.autograd.grad`` (``.grad`` is left alone)."""
+        device = _module_device(module)
+        args, kwargs, leaves = self.arguments(device)
+        self.restore_rng()
+        cast = self.description.get("cast_dtype")
+        autocast = (torch.autocast(device_type=torch.device(device).type,
+                                   dtype=getattr(torch, cast.replace("torch.", "")))
+                    if cast else contextlib.nullcontext())
+        grad_mode = bool(self.description["grad_mode"])
+        with torch.set_grad_enabled(grad_mode), autocast:
+            out = forward(*args, **kwargs)
+        run = Run([t.detach() for _, t in tensor_leaves(out)])
+        seeds = self.grad_outputs()
+        if not (backward and grad_mode and seeds):
+            return run
+        outputs, grads = [], []
+        for index, (_, tensor) in enumerate(tensor_leaves(out)):
+            if tensor.requires_grad:
+                outputs.append(tensor)
+                seed = seeds.get(index)
+                grads.append(seed.to(tensor.device) if seed is not None and seed.shape ==
+                             tensor.shape else torch.zeros_like(tensor))
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        inputs = [leaf for _, leaf in leaves] + [p for _, p in params]
+        if outputs and inputs:
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            for (index, _), grad in zip(leaves, found):
+                if grad is not None:
+                    run.grad_input[index] = grad
+            for (name, _), grad in zip(params, found[len(leaves):]):
+                if grad is not None:
+                    run.param_grad.append((name, grad))
+        return run
+
+    def compiled_forward(self, module: nn.Module, backend, label: str = "replay") -> Callable:
+        """``torch.compile`` of the module's forward, through a code object of its own (as the
+        checker compiles it: compilations for several backends do not share Dynamo's cache)."""
+        return torch.compile(own_entry(module.forward, f"{label}_{self.module}"), backend=backend)
+
+
+@dataclass
+class Run:
+    """What one run of a call produced."""
+
+    outputs: List[torch.Tensor]
+    grad_input: Dict[int, torch.Tensor] = field(default_factory=dict)
+    param_grad: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+def _module_device(module: nn.Module) -> str:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return str(tensor.device)
+    return "cpu"
+
+
+# ---------------------------------------------------------------------- reading a dump
+def step_file(dump: str, step: Optional[int], module: str) -> str:
+    """The step file to replay from: ``step``'s, else the first step that keeps replay data of
+    ``module``."""
+    if os.path.isfile(dump):
+        return dump
+    steps = committed_steps(dump)
+    if not steps:
+        raise ReplayError(f"{dump} holds no committed step file (step_<N>.h5); pass a dump "
+                          "folder written by PrecisionChecker")
+    if step is not None:
+        for index, path, _ in steps:
+            if index == step:
+                return path
+        raise ReplayError(f"{dump} has no step {step}; its steps are "
+                          f"{', '.join(str(s) for s, _, _ in steps)}")
+    for _, path, _ in steps:
+        if module in _replay_attributes(_C.read_step(path)):
+            return path
+    raise ReplayError(f"no step of {dump} keeps replay data of module {module!r}: replay data is "
+                      "kept for calls whose forward output fails (PrecisionChecker(replay="
+                      "'failing'), the default) or for every call (replay='all')")
+
+
+def _replay_attributes(info: dict) -> Dict[str, dict]:
+    found = {}
+    for module, attributes in info.get("modules", []):
+        text = attributes.get(vocabulary.ATTRIBUTE_REPLAY)
+        if text:
+            found[module] = json.loads(text)
+    return found
+
+
+def load_call(dump: str, module: str, call: Optional[int] = None,
+              step: Optional[int] = None) -> StoredCall:
+    """The stored call ``call`` (default: the first one kept) of ``module`` from a dump folder
+    (or one step file), at ``step`` (default: the first step keeping replay data of it)."""
+    path = step_file(dump, step, module)
+    info = _C.read_step(path)
+    replays = _replay_attributes(info)
+    if module not in replays:
+        known = ", ".join(sorted(replays)) or "none"
+        raise ReplayError(f"{path} keeps no replay data of module {module!r} (modules with "
+                          f"replay data: {known})")
+    replay = replays[module]
+    calls = sorted(int(c) for c in replay["calls"])
+    if call is None:
+        call = calls[0]
+    if call not in calls:
+        raise ReplayError(f"{path}: module {module!r} keeps replay data of call(s) "
+                          f"{', '.join(map(str, calls))}, not of call {call}")
+    tensors, structure, outputs = {}, None, {}
+    for record in info["records"]:
+        if record["module"] != module:
+            continue
+        if record["kind"] == KIND and record["call"] in (call, replay.get("structure_call")):
+            role, _ = split_label(record["label"])
+            if record["call"] != call and role != STRUCTURE:
+                continue
+            tensor = tensor_from_bytes(*_C.read_record(path, module, record["call"], KIND,
+                                                       record["tensor_index"], "compiled"))
+            if role == STRUCTURE:
+                structure = tensor.numpy().tobytes()
+            else:
+                tensors[record["label"]] = tensor
+        elif record["call"] == call and record["kind"] == "fwd_output" and record["stored"]:
+            outputs[(record["side"], record["kind"], record["tensor_index"])] = tensor_from_bytes(
+                *_C.read_record(path, module, call, record["kind"], record["tensor_index"],
+                                record["side"]))
+    return StoredCall(module, call, int(info["step"]), replay, tensors,
+                      dict(info["provenance"]), structure, outputs, path)
+
+
+# ---------------------------------------------------------------------- judging
+def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] = None
+          ) -> List[CompareResult]:
+    """The engine's comparison of each (eager run, other run), one step each, judged with the
+    original dump's tolerances: the report's metrics and verdicts for these runs."""
+    folder = folder or tempfile.mkdtemp(prefix="dynaprobe-replay-")
+    provenance = {key: call.provenance[key] for key in _JUDGING_KEYS if key in call.provenance}
+    provenance.update({"producer": "dynaprobe replay", vocabulary.PROVENANCE_MODE:
+                       vocabulary.MODE_SINGLE_PASS, vocabulary.PROVENANCE_CAPTURE_INPUT: "false",
+                       "torch_version": torch.__version__})
+    recorder = _C.Recorder(folder, provenance)
+    for index, (eager, other) in enumerate(pairs):
+        recorder.begin_step(index)
+        for side, run in (("eager", eager), ("compiled", other)):
+            for position, tensor in enumerate(run.outputs):
+                recorder.record(call.module, call.call, "fwd_output", position, side, tensor)
+            for position, grad in sorted(run.grad_input.items()):
+                recorder.record(call.module, call.call, "grad_input", position, side, grad)
+            for position, (name, grad) in enumerate(run.param_grad):
+                recorder.record(call.module, 0, "param_grad", position, side, grad, name)
+        recorder.end_step()
+    comparison = _C.compare(folder, folder)
+    return [CompareResult.from_report(report, folder, "", comparison)
+            for report in comparison.steps]
+
+
+def metrics_lines(rows) -> List[str]:
+    """One line per row: status, check, and the report's metrics (exact: ``repr`` of each)."""
+    lines = []
+    for row in rows:
+        if row.check_type == "note":
+            lines.append(f"  {row.status:4} {row.module} {row.note} {row.reason}")
+            continue
+        what = f"{row.check_type}[{row.tensor_index}]" + (f" {row.label}" if row.label else "")
+        lines.append(f"  {row.status:4} {what:32} max_abs={row.max_abs!r} "
+                     f"mean_abs={row.mean_abs!r} max_rel={row.max_rel!r}")
+    return lines

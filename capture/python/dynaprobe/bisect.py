@@ -1,0 +1,229 @@
+"""Stage bisection of a stored call: ``python -m dynaprobe.bisect DUMP --module NAME`` and
+``PrecisionChecker.bisect(...)`` (docs/user-guide.md, Which compile stage changes the numbers?).
+
+The stored call is replayed (_replay.py) eagerly and through torch.compile's stages in order,
+each adding one part of the pipeline to the one before:
+
+    eager                       Dynamo's captured graph, run by Python
+    aot_eager                   + AOTAutograd (functionalization, the joint forward/backward graph)
+    aot_eager_decomp_partition  + Inductor's decompositions and the min-cut partitioner
+    inductor                    + Inductor's lowering, fusion and code generation
+    inductor_fallback_random    inductor with eager's random number generation
+
+Each stage's forward outputs and gradients (seeded with the stored grad_output) are judged against
+the eager run with the report's metrics and tolerances. The first stage whose numbers change, in the
+forward and in the backward, is where to look; when it is inductor, ``inductor_subsystems=True``
+hands the replay to ``torch._inductor.compiler_bisector`` to name the inductor subsystem (passes,
+lowerings, config switches) whose switching off restores the tolerances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from dynaprobe._replay import ReplayError, StoredCall, judge, load_call, metrics_lines
+from dynaprobe._result import CompareResult
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One compile stage: a name, the backend that runs the pipeline up to it, and inductor
+    config switches set while it compiles (``torch._inductor.config.patch``)."""
+
+    name: str
+    backend: Any
+    config: Dict[str, Any] = field(default_factory=dict)
+
+
+STAGES = (
+    Stage("eager", "eager"),
+    Stage("aot_eager", "aot_eager"),
+    Stage("aot_eager_decomp_partition", "aot_eager_decomp_partition"),
+    Stage("inductor", "inductor"),
+    Stage("inductor_fallback_random", "inductor", {"fallback_random": True}),
+)
+
+
+@dataclass
+class StageResult:
+    """How one stage's numbers compare with eager's: the report's rows (``result``), and per
+    direction whether any number changed at all and whether a row fails the tolerances."""
+
+    name: str
+    result: Optional[CompareResult]
+    error: str = ""  # the stage could not run (a backend error)
+
+    def rows(self, forward: bool) -> list:
+        """The report's rows of this stage: forward outputs, or the gradients."""
+        if self.result is None:
+            return []
+        return [r for r in self.result.rows if r.check_type != "note"
+                and (r.check_type == "fwd_output") == forward]
+
+    def changed(self, forward: bool) -> bool:
+        return bool(self.error) or any(r.max_abs != 0 or r.status != "PASS"
+                                       for r in self.rows(forward))
+
+    def failed(self, forward: bool) -> bool:
+        return bool(self.error) or any(r.status == "FAIL" for r in self.rows(forward))
+
+    def max_abs(self, forward: bool) -> float:
+        values = [r.max_abs for r in self.rows(forward)]
+        return max(values) if values else float("nan")
+
+
+@dataclass
+class BisectResult:
+    """The stages of one call, in order. ``first_changed(forward)`` names the first stage whose
+    numbers differ from eager at all, ``first_failing(forward)`` the first that fails the
+    tolerances (None: none); ``inductor`` is compiler_bisector's finding, when asked for.
+    ``bool(result)``: no stage fails."""
+
+    module: str
+    call: int
+    step: int
+    stages: List[StageResult]
+    inductor: Optional[Any] = None
+
+    def first_changed(self, forward: bool = True) -> Optional[str]:
+        return next((s.name for s in self.stages if s.changed(forward)), None)
+
+    def first_failing(self, forward: bool = True) -> Optional[str]:
+        return next((s.name for s in self.stages if s.failed(forward)), None)
+
+    def __bool__(self) -> bool:
+        return self.first_failing(True) is None and self.first_failing(False) is None
+
+    def text(self) -> str:
+        lines = [f"Stage bisection of {self.module} call {self.call} (step {self.step}), each "
+                 "stage against eager:", ""]
+        lines.append(f"  {'stage':28} {'forward max_abs':>16} {'':4} {'backward max_abs':>16}")
+        for stage in self.stages:
+            if stage.error:
+                lines.append(f"  {stage.name:28} could not run: {stage.error}")
+                continue
+            cells = []
+            for forward in (True, False):
+                if not stage.rows(forward):  # no backward replayed (no grad_output stored)
+                    cells.append(f"{'-':>16} {'':4}")
+                    continue
+                status = "FAIL" if stage.failed(forward) else (
+                    "diff" if stage.changed(forward) else "same")
+                cells.append(f"{stage.max_abs(forward):16.6e} {status:4}")
+            lines.append(f"  {stage.name:28} {cells[0]} {cells[1]}")
+        lines.append("")
+        for forward, direction in ((True, "forward"), (False, "backward")):
+            changed, failing = self.first_changed(forward), self.first_failing(forward)
+            lines.append(f"  {direction:8} first changes at: {changed or 'no stage'}; first fails "
+                         f"the tolerances at: {failing or 'no stage'}")
+        if self.inductor is not None:
+            lines.append(f"  inductor subsystem: {self.inductor}")
+        for stage in self.stages:
+            if stage.result is not None and (stage.failed(True) or stage.failed(False)):
+                lines.append("")
+                lines.append(f"  metrics at {stage.name}:")
+                lines.extend(metrics_lines(stage.result.rows))
+                break
+        return "\n".join(lines) + "\n"
+
+
+def _config_patch(config: Dict[str, Any]):
+    if not config:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when needed
+
+    return inductor_config.patch(config)
+
+
+def bisect_call(call: StoredCall, stages: Sequence[Stage] = STAGES, module=None,
+                inductor_subsystems: bool = False) -> BisectResult:
+    """Replays ``call`` eagerly and through each stage; see the module docstring.
+
+    Args:
+        call: the stored call (``_replay.load_call``).
+        stages: the stages, in pipeline order (default ``STAGES``).
+        module: the module to run (default: rebuilt from the stored call).
+        inductor_subsystems: when a stage named ``inductor`` is the first to fail, run
+            ``torch._inductor.compiler_bisector`` on the replay (it resets Dynamo, and compiles
+            many times: slow).
+    """
+    module = call.build_module() if module is None else module
+    eager = call.run(module, module.forward)
+    runs, results = [], []
+    for stage in stages:
+        try:
+            with _config_patch(stage.config):
+                runs.append((stage, call.run(module, call.compiled_forward(
+                    module, stage.backend, f"bisect_{stage.name}"))))
+        except Exception as error:  # a stage that cannot compile: said, the others still run
+            results.append(StageResult(stage.name, None,
+                                       f"{type(error).__name__}: {error}".splitlines()[0]))
+            runs.append((stage, None))
+    judged = iter(judge(call, [(eager, run) for _, run in runs if run is not None]))
+    failed_stages = {r.name: r for r in results}
+    ordered = [failed_stages.get(stage.name) or StageResult(stage.name, next(judged))
+               for stage, _ in runs]
+    result = BisectResult(call.module, call.call, call.step, ordered)
+    if inductor_subsystems and "inductor" in (result.first_failing(True),
+                                               result.first_failing(False)):
+        result.inductor = _inductor_subsystem(call, module, eager)
+    return result
+
+
+def _inductor_subsystem(call: StoredCall, module, eager):
+    """torch._inductor.compiler_bisector on the replay: passes while the stage's numbers stay
+    within the tolerances."""
+    from torch._inductor.compiler_bisector import CompilerBisector  # noqa: PLC0415
+
+    def passes() -> bool:
+        torch._dynamo.reset()
+        backend = CompilerBisector.get_backend() or "inductor"
+        run = call.run(module, call.compiled_forward(module, backend, "compiler_bisector"))
+        return judge(call, [(eager, run)])[0].all_pass
+
+    return CompilerBisector.do_bisect(passes)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynaprobe.bisect",
+        description="Replays a stored call through torch.compile's stages (eager, aot_eager, "
+                    "aot_eager_decomp_partition, inductor, inductor with fallback_random) and "
+                    "names the first stage whose numbers change.")
+    parser.add_argument("dump", help="dump folder (or step file) with replay data")
+    parser.add_argument("--module", required=True, help="module path, as the report names it")
+    parser.add_argument("--call", type=int, default=None)
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--stages", default=None, help="comma-separated subset of "
+                        + ", ".join(s.name for s in STAGES))
+    parser.add_argument("--inductor-subsystems", action="store_true",
+                        help="when inductor is the first stage to fail, find its subsystem with "
+                             "torch._inductor.compiler_bisector (slow)")
+    args = parser.parse_args(argv)
+    stages = STAGES
+    if args.stages:
+        by_name = {s.name: s for s in STAGES}
+        unknown = [n for n in args.stages.split(",") if n not in by_name]
+        if unknown:
+            print(f"dynaprobe bisect: unknown stage(s) {', '.join(unknown)}; the stages are "
+                  f"{', '.join(by_name)}", file=sys.stderr)
+            return 2
+        stages = [by_name[n] for n in args.stages.split(",")]
+    try:
+        call = load_call(args.dump, args.module, args.call, args.step)
+        result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems)
+    except ReplayError as error:
+        print(f"dynaprobe bisect: {error}", file=sys.stderr)
+        return 2
+    print(result.text(), end="")
+    return 0 if result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

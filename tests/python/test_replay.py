@@ -1,0 +1,310 @@
+"""From a failing row to a fix: what the dump keeps of a call for replaying it (replay=), the
+standalone repro folder (python -m dynaprobe.repro) and the stage bisection (checker.bisect,
+python -m dynaprobe.bisect). docs/user-guide.md, From a failing row to a repro."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from functorch.compile import default_partition
+from models import Stage as TanhStage
+from models import TiedTwice, _perturb_gelu, perturbed_gelu_backend, plain_compiler
+from torch._dynamo.backends.common import aot_autograd
+
+from dynaprobe import PrecisionChecker, _C
+from dynaprobe._replay import load_call, tensor_from_bytes
+from dynaprobe.bisect import STAGES, Stage, bisect_call
+from test_storage import Chain  # norm -> mlp (GELU, perturbed by the backend) -> proj
+
+
+def checked_step(tmp_path, backend=perturbed_gelu_backend, **kwargs):
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(8, 16)
+    checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"), **kwargs)
+    checker.wrap_all_children(model, depth=0)
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    return checker, model, result
+
+
+def replay_records(step_file):
+    return [r for r in _C.read_step(step_file)["records"] if r["kind"] == "replay"]
+
+
+def read(step_file, record):
+    return tensor_from_bytes(*_C.read_record(step_file, record["module"], record["call"],
+                                             record["kind"], record["tensor_index"],
+                                             record["side"]))
+
+
+def test_a_failing_call_keeps_inputs_weights_grad_output_and_structure(tmp_path):
+    checker, model, result = checked_step(tmp_path, dump="failing")
+    assert {r.module for r in result.rows if r.status == "FAIL"} >= {"mlp"}
+    records = replay_records(result.dump_file)
+    assert {r["module"] for r in records} == {"mlp"}  # only the call whose output fails
+    assert all(r["stored"] and r["side"] == "compiled" for r in records)
+    labels = {r["label"]: r for r in records}
+    assert set(labels) == {"input:0", "param:up.weight", "param:up.bias", "param:down.weight",
+                           "param:down.bias", "rng:cpu", "structure:pickle", "grad_output:0"}
+    assert torch.equal(read(result.dump_file, labels["param:up.weight"]), model.mlp.up.weight)
+    # The input is norm's output: recomputed here from the seed's input.
+    torch.manual_seed(0)
+    Chain()
+    x = torch.randn(8, 16)
+    assert torch.equal(read(result.dump_file, labels["input:0"]), model.norm(x).detach())
+    assert read(result.dump_file, labels["grad_output:0"]).shape == (8, 16)
+    info = dict(_C.read_step(result.dump_file)["modules"])
+    replay = json.loads(info["mlp"]["replay"])
+    assert replay["class"] == "models.MLP"
+    assert replay["backend"] == {"import": "models:perturbed_gelu_backend"}
+    assert replay["calls"]["0"]["leaves"] == [{"tensor": 0, "requires_grad": True}]
+    assert replay["calls"]["0"]["grad_mode"] is True
+    # The report is unchanged: replay records are never rows.
+    assert {r.check_type for r in result.rows} <= {"fwd_input", "fwd_output", "grad_input",
+                                                   "grad_output", "param_grad", "note"}
+
+
+def test_stats_and_two_pass_keep_no_replay_data_and_replay_is_checked(tmp_path):
+    _, _, result = checked_step(tmp_path / "stats", dump="stats")
+    assert replay_records(result.dump_file) == []
+    _, _, result = checked_step(tmp_path / "two_pass", single_pass=False)
+    assert replay_records(result.dump_file) == []
+    with pytest.raises(ValueError, match="replay='all' needs single_pass=True"):
+        PrecisionChecker(single_pass=False, replay="all")
+    with pytest.raises(ValueError, match="replay must be None or one of"):
+        PrecisionChecker(replay="yes")
+
+
+def test_replay_of_a_passing_module_reproduces_its_stored_outputs_bit_for_bit(tmp_path):
+    checker, model, result = checked_step(tmp_path, backend="aot_eager", replay="all")
+    assert result.all_pass
+    step_file = result.dump_file
+    for name in ("norm", "mlp", "proj"):
+        call = load_call(checker.dump_dir, name)
+        module = call.build_module()
+        assert type(module) is type(dict(model.named_modules())[name])
+        stored = {(r["side"], r["kind"], r["tensor_index"]): read(step_file, r)
+                  for r in _C.read_step(step_file)["records"]
+                  if r["module"] == name and r["kind"] in ("fwd_output", "grad_input",
+                                                             "param_grad")}
+        eager = call.run(module, module.forward)
+        compiled = call.run(module, call.compiled_forward(module, call.backend()))
+        for side, run in (("eager", eager), ("compiled", compiled)):
+            assert torch.equal(run.outputs[0], stored[(side, "fwd_output", 0)]), (name, side)
+            if name != "norm":  # the model's input needs no gradient: norm has no grad_input
+                assert torch.equal(run.grad_input[0], stored[(side, "grad_input", 0)]), (name, side)
+            for index, (_, grad) in enumerate(run.param_grad):
+                assert torch.equal(grad, stored[(side, "param_grad", index)]), (name, side, index)
+
+
+def test_each_call_of_a_module_called_twice_replays_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    model, x = TiedTwice(8), torch.randn(4, 8, requires_grad=True)
+    checker = PrecisionChecker(backend="aot_eager", replay="all", dump_dir=str(tmp_path))
+    checker.wrap(model.shared)
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    stored = {(r["call"], r["side"], r["kind"]): read(result.dump_file, r)
+              for r in _C.read_step(result.dump_file)["records"]
+              if r["kind"] in ("fwd_output", "grad_input")}
+    for call in (0, 1):  # the module's structure is stored once, with call 0
+        replayed = load_call(checker.dump_dir, "shared", call)
+        module = replayed.build_module()
+        runs = {"eager": replayed.run(module, module.forward),
+                "compiled": replayed.run(module, replayed.compiled_forward(
+                    module, replayed.backend()))}
+        for side, run in runs.items():
+            assert torch.equal(run.outputs[0], stored[(call, side, "fwd_output")])
+            assert torch.equal(run.grad_input[0], stored[(call, side, "grad_input")])
+
+
+USER_CODE = '''
+import torch
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+
+class Net(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x, scale=1.0, extra=None):
+        return self.down(self.act(self.up(x))) * scale + extra["bias"]
+
+
+''' + inspect.getsource(_perturb_gelu) + '''
+
+perturbed = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)
+'''
+
+
+def test_a_repro_folder_reproduces_the_failing_metric_in_a_fresh_process(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "user_model.py").write_text(USER_CODE)
+    sys.path.insert(0, str(user))
+    try:
+        import user_model
+
+        torch.manual_seed(0)
+        model = nn.Sequential(user_model.Net(8))
+        x, bias = torch.randn(4, 8), torch.randn(8)
+        checker = PrecisionChecker(backend=user_model.perturbed, dump="failing",
+                                   dump_dir=str(tmp_path / "dump"))
+        checker.wrap(model[0])
+        checker.install(model)
+        loss = model[0](x, 0.5, extra={"bias": bias}).square().sum()
+        loss.backward()
+        result = checker.collect(loss)
+        checker.uninstall()
+    finally:
+        sys.path.remove(str(user))
+        sys.modules.pop("user_model", None)
+    failing = next(r for r in result.rows if r.check_type == "fwd_output")
+    assert failing.status == "FAIL"
+
+    out = tmp_path / "repro"
+    made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", checker.dump_dir,
+                           "--module", "0", "-o", str(out)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
+    assert "TORCHDYNAMO_REPRO_AFTER" in (out / "repro.py").read_text()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
+    assert run.returncode == 1, run.stdout + run.stderr  # the failure reproduces
+    recorded, replayed = run.stdout.split("replayed:\n")
+    line = next(l for l in replayed.splitlines() if "fwd_output[0]" in l)
+    assert line.split()[0] == "FAIL"
+    assert f"max_abs={failing.max_abs!r} " in line
+    assert f"mean_abs={failing.mean_abs!r} " in line
+    assert line in recorded  # the same metrics the dump recorded, to the bit
+
+    # Without the user's code the module cannot be rebuilt: the message says what to do.
+    run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+                         capture_output=True, text=True, env=env)
+    assert run.returncode != 0
+    assert "PYTHONPATH" in run.stderr
+
+
+# ---------------------------------------------------------------------- stage bisection
+def _faulty_gelu_decomposition(x, approximate="none"):
+    return 0.5 * x * (1 + torch.erf(x * 0.7071067811865476)) * 1.01
+
+
+def _faulty_partition(joint, joint_inputs, **kwargs):
+    forward, backward = default_partition(joint, joint_inputs, **kwargs)
+    _perturb_gelu(forward, None)
+    return forward, backward
+
+
+def _stages(fault: str):
+    """eager -> aot_eager -> decomposition -> partition -> codegen, each adding its component to
+    the one before; the fault is injected into the component of stage ``fault``, so that every
+    stage from it on carries it."""
+    table = {torch.ops.aten.gelu.default: _faulty_gelu_decomposition} if fault == \
+        "decomposition" else {}
+    partition = _faulty_partition if fault == "partition" else default_partition
+    compiler = _perturb_gelu if fault == "codegen" else plain_compiler
+    return [
+        Stage("eager", "eager"),
+        Stage("aot_eager", aot_autograd(fw_compiler=plain_compiler)),
+        Stage("decomposition", aot_autograd(fw_compiler=plain_compiler, decompositions=table)),
+        Stage("partition", aot_autograd(fw_compiler=plain_compiler, decompositions=table,
+                                        partition_fn=partition)),
+        Stage("codegen", aot_autograd(fw_compiler=compiler, bw_compiler=plain_compiler,
+                                      decompositions=table, partition_fn=partition)),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["decomposition", "partition", "codegen"])
+def test_bisection_names_the_stage_a_fault_is_injected_into(tmp_path, fault):
+    checker, _, result = checked_step(tmp_path, replay="all", backend="aot_eager")
+    call = load_call(checker.dump_dir, "mlp")
+    bisected = bisect_call(call, _stages(fault))
+    assert bisected.first_failing(forward=True) == fault
+    assert bisected.first_changed(forward=True) == fault
+    # Every stage before the fault gives eager's numbers, forward and backward, to the bit.
+    before = bisected.stages[:[s.name for s in bisected.stages].index(fault)]
+    assert all(s.max_abs(True) == 0 and s.max_abs(False) == 0 for s in before)
+    assert bisected.first_changed(forward=False) == fault
+    assert not bisected
+    text = bisected.text()
+    assert f"forward  first changes at: {fault}; first fails the tolerances at: {fault}" in text
+    assert f"metrics at {fault}:" in text
+    assert "  FAIL fwd_output[0]" in text.split(f"metrics at {fault}:")[1]
+
+
+@pytest.mark.slow
+def test_bisection_through_the_default_stages_and_the_cli(tmp_path):
+    checker, _, result = checked_step(tmp_path, dump="failing")  # mlp fails: its call is kept
+    bisected = checker.bisect("mlp")
+    assert [s.name for s in bisected.stages] == [
+        "eager", "aot_eager", "aot_eager_decomp_partition", "inductor",
+        "inductor_fallback_random"]
+    # The stored call replayed through PyTorch's own stages: eager and AOTAutograd change
+    # nothing; the fault was the capture's backend, not any of these.
+    assert bisected.stages[0].max_abs(True) == 0 and bisected.stages[1].max_abs(True) == 0
+    assert bisected.first_failing(True) is None and bisected.first_failing(False) is None
+    command = [sys.executable, "-m", "dynaprobe.bisect", checker.dump_dir, "--module", "mlp",
+               "--stages", "eager,aot_eager"]
+    out = subprocess.run(command, capture_output=True, text=True)
+    assert out.returncode == 2  # the module's class (tests/python/models.py) is not importable
+    assert "Make its class importable" in out.stderr
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(command, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": here})
+    assert out.returncode == 0, out.stderr
+    assert "forward  first changes at: no stage" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_fault_in_an_inductor_lowering_is_named_by_compiler_bisector(tmp_path, monkeypatch):
+    from torch._inductor import lowering  # noqa: PLC0415 - imports Inductor: only here
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TanhStage(nn.Tanh()))
+    x = torch.randn(4, 8)
+    checker = PrecisionChecker(replay="all", dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    checker.compare(lambda m: m(x).sum(), model)
+
+    # Inductor's lowering of tanh made 1% too large; caches off, so that it is compiled again.
+    tanh = torch.ops.aten.tanh.default
+    correct = lowering.lowerings[tanh]
+    monkeypatch.setitem(lowering.lowerings, tanh, lambda a: lowering.lowerings[
+        torch.ops.aten.mul.Tensor](correct(a), 1.01))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    bisected = checker.bisect("0", stages=[s for s in STAGES if s.name in (
+        "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True)
+    assert bisected.first_failing() == "inductor"
+    assert (bisected.inductor.backend, bisected.inductor.subsystem) == ("inductor", "lowerings")
+    assert bisected.inductor.debug_info == "tanh"
+    assert "inductor subsystem: BisectionResult(backend='inductor', subsystem='lowerings'" in \
+        bisected.text()
