@@ -74,7 +74,6 @@ OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) 
   return dump;
 }
 
-
 // Which sides a dump holds records of.
 struct SidesHeld {
   bool eager = false;
@@ -96,7 +95,8 @@ SidesHeld sides_held(const OpenDump& dump) {
 void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
                  const OpenDump& compiled, const formats::Provenance& eager_provenance,
                  const formats::Provenance& compiled_provenance) {
-  const std::string eager_mode = formats::provenance_value(eager_provenance, vocabulary::provenance::kMode);
+  const std::string eager_mode =
+      formats::provenance_value(eager_provenance, vocabulary::provenance::kMode);
   const std::string compiled_mode =
       formats::provenance_value(compiled_provenance, vocabulary::provenance::kMode);
   const SidesHeld e = sides_held(eager), c = sides_held(compiled);
@@ -161,22 +161,13 @@ bool matches(const std::string& glob, const std::string& module) {
   return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
 }
 
-Tolerances row_tolerances(const StepReport& report, const Row& row) {
-  const Judging judging{report.tolerances, report.tolerance_rules, report.dtype_aware};
-  return judging.row_tolerances(row.module, *row.kind, row.eager->dtype, row.compiled->dtype);
-}
-
 // Builds one step's report: its header, then, for the wanted modules in model order, a row per
 // module note and per tensor key, and the metric tasks of the rows both sides hold (run_tasks
 // computes them later and sets those rows' statuses). The phases are in step_rows.h.
 class StepBuilder {
  public:
-  StepBuilder(const CompareOptions& options, Tolerances tolerances,
-              std::vector<ToleranceRule> rules, bool dtype_aware)
-      : options_(options),
-        tolerances_(tolerances),
-        rules_(std::move(rules)),
-        dtype_aware_(dtype_aware) {}
+  StepBuilder(const CompareOptions& options, Judging judging)
+      : options_(options), judging_(std::move(judging)) {}
 
   StepReport build(std::int64_t step, const StepReader* eager, const StepReader* compiled,
                    std::vector<Task>& tasks_out);
@@ -205,9 +196,7 @@ class StepBuilder {
                  std::vector<Task>& tasks) const;
 
   const CompareOptions& options_;
-  Tolerances tolerances_;
-  std::vector<ToleranceRule> rules_;
-  bool dtype_aware_;
+  Judging judging_;
 };
 
 StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
@@ -232,9 +221,9 @@ StepReport StepBuilder::report_header(std::int64_t step, const StepReader* eager
                                       const StepReader* compiled) const {
   StepReport report;
   report.step = step;
-  report.tolerances = tolerances_;
-  report.tolerance_rules = rules_;
-  report.dtype_aware = dtype_aware_;
+  report.tolerances = judging_.tolerances;
+  report.tolerance_rules = judging_.rules;
+  report.dtype_aware = judging_.dtype_aware;
   apply_provenance((eager ? eager : compiled)->provenance(), report);
   report.loss_eager = read_loss(eager, Side::kEager);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
@@ -288,7 +277,8 @@ void StepBuilder::add_tensor_row(const TensorKey& key, Pair pair, const StepReco
 // `row` is the next row of `report`.
 void StepBuilder::add_tasks(const Pair& pair, const StepRecords& records, const StepReport& report,
                             Row& row, std::vector<Task>& tasks) const {
-  const Tolerances tolerances = row_tolerances(report, row);
+  const Tolerances tolerances =
+      judging_.row_tolerances(row.module, *row.kind, row.eager->dtype, row.compiled->dtype);
   if (tolerances.atol != report.tolerances.atol || tolerances.rtol != report.tolerances.rtol) {
     row.tolerances = tolerances;
   }
@@ -397,8 +387,8 @@ const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
       task.compiled_reader->path().string() + ": " + std::to_string(count) +
       " compared pair(s) cannot be judged with these tolerances, because the capture did not "
       "store their tensors (PrecisionChecker(dump=\"failing\" or \"stats\")); e.g. " +
-      formats::printable_name(row.module) + " " + std::string(formats::kind_name(*row.kind)) +
-      "[" + std::to_string(row.tensor_index) + "], " + judged + ", asked for atol=" +
+      formats::printable_name(row.module) + " " + std::string(formats::kind_name(*row.kind)) + "[" +
+      std::to_string(row.tensor_index) + "], " + judged + ", asked for atol=" +
       format_double(task.tolerances.atol) + " rtol=" + format_double(task.tolerances.rtol) +
       ". Compare with the capture's tolerances (leave --atol, --rtol and --tolerance out), or "
       "capture with dump=\"full\" to judge again with others");
@@ -661,7 +651,7 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
     judging.rules.push_back(rule);
   }
   std::vector<Task> tasks;
-  StepBuilder builder(options, judging.tolerances, std::move(judging.rules), judging.dtype_aware);
+  StepBuilder builder(options, std::move(judging));
   result.steps.reserve(steps.size());
   for (std::int64_t step : steps) {
     auto e = eager.steps.find(step);

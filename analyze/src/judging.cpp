@@ -42,7 +42,8 @@ std::optional<double> dump_tolerance(const formats::Provenance& provenance,
 std::vector<ToleranceRule> dump_tolerance_rules(const formats::Provenance& provenance,
                                                 const fs::path& dump) {
   std::vector<ToleranceRule> rules;
-  const std::string text = formats::provenance_value(provenance, vocabulary::provenance::kToleranceRules);
+  const std::string text =
+      formats::provenance_value(provenance, vocabulary::provenance::kToleranceRules);
   std::size_t start = 0;
   while (start < text.size()) {
     std::size_t end = text.find('\n', start);
@@ -115,14 +116,12 @@ Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump
                      std::optional<double> atol, std::optional<double> rtol,
                      std::optional<bool> dtype_aware) {
   Judging judging;
-  judging.tolerances.atol =
-      atol ? *atol
-           : dump_tolerance(provenance, vocabulary::provenance::kAtol, dump)
-                 .value_or(judging.tolerances.atol);
-  judging.tolerances.rtol =
-      rtol ? *rtol
-           : dump_tolerance(provenance, vocabulary::provenance::kRtol, dump)
-                 .value_or(judging.tolerances.rtol);
+  judging.tolerances.atol = atol ? *atol
+                                 : dump_tolerance(provenance, vocabulary::provenance::kAtol, dump)
+                                       .value_or(judging.tolerances.atol);
+  judging.tolerances.rtol = rtol ? *rtol
+                                 : dump_tolerance(provenance, vocabulary::provenance::kRtol, dump)
+                                       .value_or(judging.tolerances.rtol);
   judging.rules = dump_tolerance_rules(provenance, dump);
   judging.dtype_aware = dtype_aware.value_or(
       formats::provenance_value(provenance, vocabulary::provenance::kDtypeAwareTolerances) !=

@@ -156,8 +156,7 @@ __attribute__((target_clones("avx2", "default"))) std::size_t find_first(const f
 constexpr std::int32_t kFirstEdgeExponent = 127 + 2 * kHistogramFirstPower;
 constexpr std::uint8_t kNanBin = kHistogramBins;
 __attribute__((target_clones("avx2", "default"))) void histogram_bins(const float* a,
-                                                                      const float* b,
-                                                                      std::size_t n,
+                                                                      const float* b, std::size_t n,
                                                                       std::uint8_t* bins) {
   for (std::size_t i = 0; i < n; ++i) {
     const float diff = std::fabs(a[i] - b[i]);
@@ -174,8 +173,9 @@ __attribute__((target_clones("avx2", "default"))) void histogram_bins(const floa
 
 // How many of the n bytes are `bin`, n a multiple of 32 and at most 255 * 32: one byte counter
 // per vector lane, which cannot overflow, so the compiler compares and counts 32 bins at a time.
-__attribute__((target_clones("avx2", "default"))) std::uint32_t count_bin(
-    const std::uint8_t* bins, std::size_t n, std::uint8_t bin) {
+__attribute__((target_clones("avx2", "default"))) std::uint32_t count_bin(const std::uint8_t* bins,
+                                                                          std::size_t n,
+                                                                          std::uint8_t bin) {
   std::uint8_t lanes[32] = {};
   for (std::size_t i = 0; i < n; i += 32) {
     for (std::size_t k = 0; k < 32; ++k) lanes[k] += bins[i + k] == bin;
@@ -186,8 +186,7 @@ __attribute__((target_clones("avx2", "default"))) std::uint32_t count_bin(
 }
 
 __attribute__((target_clones("avx2", "default"))) void bin_range(const std::uint8_t* bins,
-                                                                 std::size_t n,
-                                                                 std::uint8_t& low,
+                                                                 std::size_t n, std::uint8_t& low,
                                                                  std::uint8_t& high) {
   std::uint8_t lo = 255, hi = 0;
   for (std::size_t i = 0; i < n; ++i) {

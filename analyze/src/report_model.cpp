@@ -91,9 +91,9 @@ Value metrics_model(const Row& row) {
       }
     }
     if (field.name == "mismatches") {
-      object.emplace_back("mismatch_fraction", m.elements ? static_cast<double>(m.mismatches) /
-                                                                static_cast<double>(m.elements)
-                                                          : 0.0);
+      object.emplace_back(
+          "mismatch_fraction",
+          m.elements ? static_cast<double>(m.mismatches) / static_cast<double>(m.elements) : 0.0);
     }
   }
   return object;

@@ -308,7 +308,8 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
   // each of its chunks is one accumulation, merged in element order.
   const auto eager_chunks = formats::chunk_extents(eager.dtype, eager.shape, chunk_bytes);
   const auto compiled_chunks = formats::chunk_extents(compiled.dtype, compiled.shape, chunk_bytes);
-  const auto& units = eager_chunks.size() <= compiled_chunks.size() ? eager_chunks : compiled_chunks;
+  const auto& units =
+      eager_chunks.size() <= compiled_chunks.size() ? eager_chunks : compiled_chunks;
   const auto* eager_bytes = static_cast<const std::byte*>(eager.data);
   const auto* compiled_bytes = static_cast<const std::byte*>(compiled.data);
   const std::size_t eager_size = formats::dtype_size(eager.dtype);

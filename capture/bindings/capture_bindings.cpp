@@ -92,8 +92,7 @@ take turns.
             self.record(std::move(key), tensor, std::move(label), handed_over);
           },
           py::arg("module"), py::arg("call"), py::arg("kind"), py::arg("tensor_index"),
-          py::arg("side"), py::arg("tensor"), py::arg("label") = "",
-          py::arg("handed_over") = false,
+          py::arg("side"), py::arg("tensor"), py::arg("label") = "", py::arg("handed_over") = false,
           R"doc(Snapshots `tensor` (any dtype, device, strides; complex as real pairs) and queues it.
 
 Args:

@@ -152,7 +152,8 @@ py::dict read_step(const std::filesystem::path& path) {
   }
   d["graphs"] = graphs;
   py::list modules;  // /modules, in model order: (module, attributes)
-  for (const auto& info : reader.modules()) modules.append(py::make_tuple(info.module, info.attributes));
+  for (const auto& info : reader.modules())
+    modules.append(py::make_tuple(info.module, info.attributes));
   d["modules"] = modules;
   return d;
 }

@@ -169,10 +169,9 @@ Snapshot device_snapshot(const at::Tensor& source) {
   staged_event.record(producer);
   staged_event.block(side);
   Snapshot snapshot;
-  snapshot.host = at::empty(staged.sizes(), at::TensorOptions()
-                                                .dtype(staged.scalar_type())
-                                                .device(at::kCPU)
-                                                .pinned_memory(true));
+  snapshot.host = at::empty(
+      staged.sizes(),
+      at::TensorOptions().dtype(staged.scalar_type()).device(at::kCPU).pinned_memory(true));
   {
     const c10::StreamGuard on_side(side);
     snapshot.host.copy_(staged, /*non_blocking=*/true);
@@ -224,8 +223,7 @@ class PairJudge {
   void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
     const formats::RecordKey& key = item.record.key;
     if (!active_ || key.kind == formats::Kind::kLoss || !formats::is_compared(key.kind) ||
-        key.side == formats::Side::kReference ||
-        spilled_.count(pair_key(key))) {
+        key.side == formats::Side::kReference || spilled_.count(pair_key(key))) {
       store.push_back(std::move(item));
       return;
     }

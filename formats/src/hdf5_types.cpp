@@ -216,8 +216,7 @@ hid_t native_type(MetricType type) {
 
 h5::Handle metrics_row_type() {
   h5::Lock lock(h5::hdf5_mutex());
-  h5::Handle row =
-      h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(MetricsRow)), "defining", kWhere);
+  h5::Handle row = h5::type_handle(H5Tcreate(H5T_COMPOUND, sizeof(MetricsRow)), "defining", kWhere);
   const auto insert = [&](std::string_view name, std::size_t offset, hid_t type) {
     h5::check(H5Tinsert(row.get(), std::string(name).c_str(), offset, type), "defining /metrics",
               kWhere);

@@ -82,9 +82,9 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
   std::vector<MetricsRow> rows(static_cast<std::size_t>(count));
   h5::Handle type = metrics_row_type();
   if (!rows.empty()) {
-    h5::check<FormatError>(H5Dread(table.get(), stored_type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT,
-                                   stored.data()),
-                           "reading the metrics", context);
+    h5::check<FormatError>(
+        H5Dread(table.get(), stored_type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, stored.data()),
+        "reading the metrics", context);
     h5::check<FormatError>(
         H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
         "reading the metrics", context);
@@ -99,9 +99,8 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
   metrics.reserve(rows.size());
   for (const MetricsRow& row : rows) {
     if (row.record >= record_of_index_row.size()) {
-      throw FormatError(context + ": damaged: a row names index row " +
-                        std::to_string(row.record) + ", but the index has " +
-                        std::to_string(record_of_index_row.size()));
+      throw FormatError(context + ": damaged: a row names index row " + std::to_string(row.record) +
+                        ", but the index has " + std::to_string(record_of_index_row.size()));
     }
     const std::int64_t record = record_of_index_row[row.record];
     if (record < 0) continue;  // of a record this reader skips
@@ -788,8 +787,8 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     }
     // Format 1.3: a record with elements but no stored bytes was judged at capture and not
     // stored (older writers stored every record).
-    info->stored = !(version.major == 1 && version.minor >= 3 && info->numel() > 0 &&
-                     info->stored_bytes == 0);
+    info->stored =
+        !(version.major == 1 && version.minor >= 3 && info->numel() > 0 && info->stored_bytes == 0);
     record_of_index_row[i] = static_cast<std::int64_t>(impl.records.size());
     impl.by_key.emplace(info->key, impl.records.size());
     impl.records.push_back(std::move(*info));

@@ -12,7 +12,7 @@ namespace {
 struct KindInfo {
   Kind kind;
   std::string_view name;
-  bool forward;  // recorded in the forward pass (is_forward)
+  bool forward;          // recorded in the forward pass (is_forward)
   bool compared = true;  // paired and judged (is_compared)
 };
 constexpr KindInfo kKinds[] = {

@@ -38,8 +38,8 @@ formats::Record record(Side side, std::vector<std::int64_t> shape, const void* d
   return r;
 }
 
-const formats::Provenance kSinglePass = {{"mode", "single_pass"}, {"atol", "0.0001"},
-                                         {"rtol", "0.001"}};
+const formats::Provenance kSinglePass = {
+    {"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}};
 
 TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
   // Several chunks per side, and a bfloat16 side whose chunks hold twice the elements: the
@@ -69,8 +69,8 @@ TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
   const TensorMetrics& expected = *from_dump.steps[0].rows[0].metrics;
 
   const formats::TensorView a{DType::kFloat32, {static_cast<std::int64_t>(n)}, eager.data()};
-  const formats::TensorView b{DType::kBFloat16, {static_cast<std::int64_t>(n)},
-                              compiled_half.data()};
+  const formats::TensorView b{
+      DType::kBFloat16, {static_cast<std::int64_t>(n)}, compiled_half.data()};
   const Tolerances tolerances = dump_judging(kSinglePass, dir.path())
                                     .row_tolerances("layers.0", Kind::kFwdOutput, a.dtype, b.dtype);
   const TensorMetrics got = compare_in_memory(a, b, tolerances, options.chunk_bytes);
@@ -180,15 +180,15 @@ TEST(Judging, MetricsOfARecordNotInTheStepAreRefused) {
 TEST(Judging, RowTolerancesApplyTheFloorThenTheLastMatchingRule) {
   Judging judging;
   judging.rules = {{"layers.*", {1, 2}}, {"grad_*", {3, 4}}};
-  EXPECT_EQ(judging.row_tolerances("head", Kind::kFwdOutput, DType::kFloat32, DType::kBFloat16)
-                .rtol,
-            1.6e-2);
-  EXPECT_EQ(judging.row_tolerances("layers.0", Kind::kGradInput, DType::kFloat32, DType::kFloat32)
-                .atol,
-            3);
-  EXPECT_EQ(judging.row_tolerances("layers.0", Kind::kFwdOutput, DType::kFloat32, DType::kFloat32)
-                .atol,
-            1);
+  EXPECT_EQ(
+      judging.row_tolerances("head", Kind::kFwdOutput, DType::kFloat32, DType::kBFloat16).rtol,
+      1.6e-2);
+  EXPECT_EQ(
+      judging.row_tolerances("layers.0", Kind::kGradInput, DType::kFloat32, DType::kFloat32).atol,
+      3);
+  EXPECT_EQ(
+      judging.row_tolerances("layers.0", Kind::kFwdOutput, DType::kFloat32, DType::kFloat32).atol,
+      1);
 }
 
 }  // namespace

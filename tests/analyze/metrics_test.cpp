@@ -126,8 +126,8 @@ TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
   EXPECT_THROW(histogram_edge(kHistogramEdges), std::out_of_range);
   // |a - b|: zero, below 2^-40, 2^-40, just below 1, 1, just below 4, 4, 2^20, 1e30, inf, NaN.
   const float below_four = std::nextafter(4.0f, 0.0f);
-  const std::vector<float> b = {1,    1e-30f, std::ldexp(1.0f, -40), 0.999f, 1,   below_four,
-                                4.0f, 1048576.0f, 1e30f,             kInf,   kNaN};
+  const std::vector<float> b = {
+      1, 1e-30f, std::ldexp(1.0f, -40), 0.999f, 1, below_four, 4.0f, 1048576.0f, 1e30f, kInf, kNaN};
   const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const TensorMetrics m = compare(a, b);
   Histogram expected{};

@@ -445,8 +445,7 @@ struct JudgedStep {
 JudgedStep judged_step(const fs::path& dir, StoreMode mode) {
   RecorderOptions options;
   options.store = mode;
-  Recorder recorder(dir, {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
-                    options);
+  Recorder recorder(dir, {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}}, options);
   recorder.begin_step(0);
   const at::Tensor x = at::randn({256, 256});  // 256 KiB
   recorder.record(key("same", 0, Kind::kFwdOutput, Side::kCompiled), x);
@@ -520,7 +519,7 @@ TEST(Recorder, HeldSnapshotsStayWithinHalfTheBudgetAndTheRestIsStoredWhole) {
   EXPECT_LE(most_held, options.memory_budget_bytes / 2);
   std::size_t stored = 0;
   for (const auto& r : reader.records()) stored += r.stored;
-  EXPECT_GT(stored, 0u);                  // spilled pairs, stored whole on both sides
+  EXPECT_GT(stored, 0u);  // spilled pairs, stored whole on both sides
   EXPECT_EQ(stored % 2, 0u);
   EXPECT_EQ(reader.stored_metrics().size() + stored / 2, 16u);  // every other pair judged
   EXPECT_GT(reader.stored_metrics().size(), 0u);

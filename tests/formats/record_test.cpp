@@ -26,7 +26,8 @@ TEST(Record, KindNamesRoundTripAndAreListedInEnumeratorOrder) {
 }
 
 TEST(Record, EveryKindButReplayIsCompared) {
-  for (Kind kind : kEveryKind) EXPECT_EQ(is_compared(kind), kind != Kind::kReplay) << kind_name(kind);
+  for (Kind kind : kEveryKind)
+    EXPECT_EQ(is_compared(kind), kind != Kind::kReplay) << kind_name(kind);
 }
 
 TEST(Record, OnlyFwdInputAndFwdOutputAreForwardKinds) {
