@@ -1,0 +1,212 @@
+"""Whole-model mode: install() of a model the user compiled whole (``torch.compile(model)``)
+checks the wrapped modules at their boundaries inside the graphs Dynamo captures."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from dynaprobe import PrecisionChecker
+
+from models import plain_compiler
+
+WIDTH = 8
+
+
+def rows_of(result, check_type=None, module=None):
+    return [r for r in result if (check_type is None or r.check_type == check_type)
+            and (module is None or r.module == module)]
+
+
+class Layer(nn.Module):
+    """Starts with a tanh of its input and ends with an add: two layers in one graph make the
+    pattern add -> tanh, which no graph of one layer holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.lin(torch.tanh(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer() for _ in range(layers)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.alias.default,
+          torch.ops.aten._unsafe_view.default)
+
+
+def _fused_add_tanh_fault(gm: torch.fx.GraphModule, example_inputs):
+    """A fake fusion bug: a tanh whose input comes (through views) from an add is 1% too large,
+    as a compiler fusing add and tanh into one kernel might get it wrong. Forward only."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.tanh.default:
+            continue
+        source = node.args[0]
+        while source.op == "call_function" and source.target in _VIEWS:
+            source = source.args[0]
+        if source.op == "call_function" and source.target is torch.ops.aten.add.Tensor:
+            with gm.graph.inserting_after(node):
+                scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.01))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+CROSS_BOUNDARY_FAULT = aot_autograd(fw_compiler=_fused_add_tanh_fault, bw_compiler=plain_compiler)
+
+
+def _train_step(model, x):
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+def _check_whole(model, backend, step=_train_step, x=None, **options):
+    """One checked training step of ``model`` compiled whole with ``backend``."""
+    checker = PrecisionChecker(**options)
+    checker.wrap_by_policy(model, (Layer,))
+    compiled = torch.compile(model, backend=backend)
+    checker.install(compiled)
+    try:
+        step(compiled, torch.randn(4, WIDTH) if x is None else x)
+        return checker, checker.collect()
+    finally:
+        checker.uninstall()
+
+
+def test_a_fault_across_a_module_boundary_is_found_whole_and_not_per_module(tmp_path):
+    torch.manual_seed(0)
+    model = Stack(layers=3)
+    x = torch.randn(4, WIDTH)
+
+    _, whole = _check_whole(copy.deepcopy(model), CROSS_BOUNDARY_FAULT, x=x,
+                            dump_dir=str(tmp_path / "whole"))
+    status = {r.module: r.status for r in rows_of(whole, "fwd_output")}
+    # layers.0's tanh reads the model's input; layers.1 and layers.2 read the previous add.
+    assert status == {"layers.0": "PASS", "layers.1": "FAIL", "layers.2": "FAIL"}
+    assert all(r.status == "PASS" for r in rows_of(whole, "fwd_input"))
+    assert rows_of(whole, "fwd_output", "layers.1")[0].max_rel > 5e-3
+
+    per_module = PrecisionChecker(backend=CROSS_BOUNDARY_FAULT, dump_dir=str(tmp_path / "per"))
+    per_module.wrap_by_policy(model, (Layer,))
+    result = per_module.compare(lambda m: _train_step(m, x), model)
+    assert {r.module for r in rows_of(result, "fwd_output")} == {"layers.0", "layers.1",
+                                                                 "layers.2"}
+    assert result.all_pass, result.text()
+
+
+def test_aot_eager_outputs_and_gradients_are_bit_identical_with_the_checker(tmp_path):
+    torch.manual_seed(0)
+    model = Stack(layers=3)
+    x = torch.randn(4, WIDTH)
+    plain = copy.deepcopy(model)
+    expected_loss = _train_step(torch.compile(plain, backend="aot_eager"), x)
+
+    def step(compiled, x):
+        step.loss = _train_step(compiled, x)
+
+    _, result = _check_whole(model, "aot_eager", step=step, x=x, dump_dir=str(tmp_path))
+    assert torch.equal(step.loss, expected_loss)
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    # Every boundary tensor of every layer, forward and backward, compared and equal.
+    assert result.all_pass, result.text()
+    for layer in ("layers.0", "layers.1", "layers.2"):
+        kinds = {r.check_type for r in rows_of(result, module=layer) if r.status == "PASS"}
+        # The model's input needs no gradient: layers.0 has no grad_input.
+        assert kinds == {"fwd_input", "fwd_output", "grad_output", "param_grad"} | (
+            set() if layer == "layers.0" else {"grad_input"})
+        for row in rows_of(result, module=layer):
+            assert row.max_abs == 0.0, row
+
+
+def test_report_names_modules_by_user_paths_and_provenance_says_whole_model(tmp_path):
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checker, result = _check_whole(Stack(), "aot_eager", dump_dir=str(tmp_path))
+    assert {r.module for r in result} == {"layers.0", "layers.1"}
+    assert not [w for w in caught if "gethostname" in str(w.message)]
+    provenance = result._step_comparison().compiled_provenance
+    assert provenance["compile_scope"] == "whole_model"
+    assert provenance["mode"] == "single_pass"  # single-pass semantics: inputs recorded once
+
+
+class Repeat(nn.Module):
+    """Calls layers[0] twice and layers[1] once."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x):
+        return self.layers[0](self.layers[1](self.layers[0](x))).sum()
+
+
+def test_a_module_called_twice_in_one_graph_is_compared_per_call(tmp_path):
+    torch.manual_seed(0)
+    _, result = _check_whole(Repeat(), "aot_eager", dump_dir=str(tmp_path))
+    calls = sorted((r.module, r.call) for r in rows_of(result, "fwd_output"))
+    assert calls == [("layers.0", 0), ("layers.0", 1), ("layers.1", 0)]
+    assert result.all_pass, result.text()
+    assert result.modules["layers.0"]["calls"] == "2"
+
+
+class Broken(nn.Module):
+    """A graph break in the middle of its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        torch._dynamo.graph_break()
+        return x + self.second(y)
+
+
+class WithBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Broken()
+        self.skip = nn.Identity()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.head(self.skip(self.block(x))).sum()
+
+
+def test_a_module_split_by_a_graph_break_or_without_operations_is_reported(tmp_path):
+    torch.manual_seed(0)
+    model = WithBreak()
+    checker = PrecisionChecker(dump_dir=str(tmp_path))
+    checker.wrap(model.block)
+    checker.wrap(model.skip)
+    compiled = torch.compile(model, backend="aot_eager")
+    checker.install(compiled)
+    _train_step(compiled, torch.randn(4, WIDTH))
+    result = checker.collect()
+    checker.uninstall()
+    # The block's two pieces, one per graph, each compared as a call, and said to be pieces.
+    assert sorted(r.call for r in rows_of(result, "fwd_output", "block")) == [0, 1]
+    assert all(r.status == "PASS" for r in rows_of(result, module="block"))
+    assert "graph break" in result.modules["block"]["graph_break_reasons"]
+    # nn.Identity leaves no operation in any graph: a warning, never a silent pass.
+    notes = rows_of(result, "note", "skip")
+    assert [r.status for r in notes] == ["WARN"] and notes[0].note == "NOT_COMPILED"
