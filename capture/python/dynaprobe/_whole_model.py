@@ -104,6 +104,9 @@ class _Call:
         self.target = target
         self.key = key
         self.partial = partial  # a frame Dynamo started at the module: a graph break split it
+        self.tapped_inputs = 0
+        self.function = ""  # Dynamo's __compiled_fn_<n> holding it
+        self.root: Optional[Tuple[int, str]] = None  # partial: (graph input, its name) telling
         self.inputs: List[Tuple[str, int]] = []
         self.input_labels: List[str] = []
         self.outputs: List[Tuple[str, int]] = []
@@ -138,6 +141,8 @@ class WholeModel:
             self.model.named_buffers(remove_duplicate=False))}
         self.calls: List[_Call] = []
         self.functions: Dict[str, List[str]] = {}  # target -> compiled functions holding it
+        # This step: target -> the graphs that ran a frame started at it (a graph break).
+        self.pieces: Dict[str, set] = {}
         self.tap_keys: List[int] = []
         self.restore: List[Callable[[], None]] = []
         self._hook_parameters()
@@ -164,7 +169,9 @@ class WholeModel:
         compiled backward has delivered a target's gradients (its parameters' are accumulated)."""
         hooked = set()
         for target in self.targets:
-            for _, param in target.params:
+            for name, param in target.params:
+                if name in target.shards:  # FSDP2: see _check
+                    continue
                 if id(param) not in hooked:
                     hooked.add(id(param))
                     self.restore.append(param.register_hook(self._param_hook(param)).remove)
@@ -183,6 +190,12 @@ class WholeModel:
     def finish(self, step: Step) -> None:
         """Runs the eager backwards still pending before the step is written."""
         for pending in step.pending:
+            if not pending.done and pending.grads and pending.params_freed():
+                step.note(pending.target.name, vocabulary.NOTE_HOOK_ERROR,
+                          "eager backward not run: no gradient left the module through an input "
+                          "during the backward, and FSDP2 has since freed the full parameters "
+                          "it saved")
+                continue
             pending.run()
         step.pending.clear()
         for call in self.calls:
@@ -194,7 +207,7 @@ class WholeModel:
         for target in self.targets:
             functions = self.functions.get(target.name, [])
             calls = [c for c in self.calls if c.target is target]
-            pieces = sum(c.partial for c in calls)
+            pieces = len(self.pieces.pop(target.name, ()))
             attributes = step.attributes.setdefault(target.name, {})
             attributes.update({
                 vocabulary.ATTRIBUTE_CALLS: str(target.calls),
@@ -207,8 +220,9 @@ class WholeModel:
                           "some calls were not compared: " + "; ".join(unchecked))
             elif pieces:
                 attributes[vocabulary.ATTRIBUTE_GRAPH_BREAK_REASONS] = (
-                    "a graph break splits its forward: each graph's part of it is compared as "
-                    "one call")
+                    "Dynamo compiled its forward as a frame of its own (a graph break at its "
+                    "call or inside it): each graph's part of it is compared as one call, and "
+                    "no fusion crosses its boundary")
             if target.calls == 0 and not unchecked:
                 step.note(target.name, vocabulary.NOTE_NOT_COMPILED,
                           "no operation of it was found in the graphs Dynamo captured in this "
@@ -243,30 +257,32 @@ class WholeModel:
         compiled = self.graphs.compile(self.model_name, gm, example_inputs)
         function = self.graphs.functions[self.model_name][-1]
         for call, _ in calls:
-            names = self.functions.setdefault(call.target.name, [])
-            if function not in names:
-                names.append(function)
+            call.function = function
+            self._found_in(call.target, function)
         self.calls.extend(call for call, _ in calls)
         return self._runner(compiled, [call for call, _ in checked], count, as_tuple)
 
-    def _frame_root(self, gm: fx.GraphModule) -> Optional[str]:
-        """The model path of the module whose forward this frame runs, found from a parameter
-        placeholder's source; None when no parameter tells."""
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
+    def _frame_root(self, gm: fx.GraphModule):
+        """The module whose forward this frame runs, as ``(model path, graph input index,
+        relative name)`` of a parameter or buffer that tells; None when none tells. The model's
+        tensors are looked up now: FSDP2 registers the unsharded parameters while they run."""
+        names = {id(t): n for n, t in itertools.chain(
+            self.model.named_parameters(remove_duplicate=False),
+            self.model.named_buffers(remove_duplicate=False))}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for position, node in enumerate(placeholders):
             grapharg = node.meta.get("grapharg")
             example = getattr(grapharg, "example", None) if grapharg is not None else None
-            full = self.tensor_names.get(id(example)) if example is not None else None
+            full = names.get(id(example)) if example is not None else None
             relative = _relative_name(grapharg.source.name) if full else None
             if relative is not None and (full == relative or full.endswith("." + relative)):
-                return full[:len(full) - len(relative)].rstrip(".")
+                return full[:len(full) - len(relative)].rstrip("."), position, relative
         return None
 
     def _find_calls(self, gm: fx.GraphModule):
         """The targets' calls in this graph, in graph order, each with its node set."""
         root = self._frame_root(gm)
-        root_target = next((t for t in self.targets if self.paths.get(id(t.module)) == root),
+        root_target = next((t for t in self.targets if self.paths.get(id(t.module)) == root[0]),
                            None) if root is not None else None
         found: Dict[str, Tuple[_Call, set]] = {}
         for node in gm.graph.nodes:
@@ -281,8 +297,32 @@ class WholeModel:
             if key not in found:
                 target = self.by_id[key.split("@")[0]]
                 found[key] = (_Call(target, key, key.endswith("@root")), set())
+                if key.endswith("@root"):
+                    found[key][0].root = root[1:]
             found[key][1].add(node)
         return list(found.values())
+
+    def _found_in(self, target: Target, function: str) -> None:
+        names = self.functions.setdefault(target.name, [])
+        if function not in names:
+            names.append(function)
+
+    def _root_target(self, call: _Call, args: tuple) -> Optional[Target]:
+        """The target whose forward a frame started at a module runs this time: Dynamo reuses a
+        frame's graph for every module of the same class (its parameters are graph inputs), so
+        the module is found from the parameter the graph received."""
+        position, relative = call.root
+        tensor = args[position]
+        for target in self.targets:
+            module = target.module
+            owner, _, leaf = relative.rpartition(".")
+            try:
+                holder = module.get_submodule(owner) if owner else module
+            except AttributeError:
+                continue
+            if holder._parameters.get(leaf) is tensor or holder._buffers.get(leaf) is tensor:
+                return target
+        return None
 
     def _boundary(self, gm: fx.GraphModule, call: _Call, nodes: set, placeholders: list,
                   flat: list) -> None:
@@ -360,6 +400,7 @@ class WholeModel:
         for index, label in enumerate(call.input_labels):
             node = values[label]
             if node.meta["example_value"].requires_grad:
+                call.tapped_inputs += 1
                 first_use = next(n for n in gm.graph.nodes if n in nodes and node in n.all_input_nodes)
                 with gm.graph.inserting_before(first_use):
                     tap = self._tap(gm, node, call, "grad_input", index)
@@ -401,9 +442,14 @@ class WholeModel:
     def _check(self, step: Step, call: _Call, args: tuple, out) -> None:
         """Records one call's boundary, runs its eager graph on the same inputs and prepares its
         eager backward."""
-        target = call.target
+        target = call.target if call.root is None else self._root_target(call, args)
+        if target is None:  # the frame's graph, run for a module that is not wrapped
+            return
         index = target.calls
         target.calls += 1
+        if call.partial:
+            self.pieces.setdefault(target.name, set()).add(id(call))
+            self._found_in(target, call.function)
 
         def value(source: Tuple[str, int]) -> torch.Tensor:
             return args[source[1]] if source[0] == "arg" else out[source[1]]
@@ -437,8 +483,12 @@ class WholeModel:
         if not grad_mode:
             return
         eager_outputs = [(i, t) for i, t in enumerate(eager_out) if t.requires_grad]
+        # Parameter gradients are compared for the parameters the training hooks see: under FSDP2
+        # the graph gets the unsharded parameters, whose gradients the eager backward gives
+        # w.r.t. this rank's batch while training's are reduce-scattered: not compared.
+        own = {id(p) for _, p in target.params}
         named = [(self.tensor_names.get(id(p), ""), p) for p in params
-                 if isinstance(p, nn.Parameter) and p.requires_grad]
+                 if isinstance(p, nn.Parameter) and p.requires_grad and id(p) in own]
         pending = PendingBackward(step, target, index, eager_outputs, leaves, named)
         if eager_outputs:
             step.pending.append(pending)
@@ -457,11 +507,15 @@ class WholeModel:
                     continue
                 if kind == "grad_output" and index not in pending.grads:
                     pending.on_output_grad(index, grad.clone())
-                    step.record(call.target.name, pending.call, kind, index, "compiled", grad)
+                    step.record(pending.target.name, pending.call, kind, index, "compiled", grad)
                     return
                 if kind == "grad_input" and index not in inputs_seen:
                     inputs_seen.add(index)
-                    step.record(call.target.name, pending.call, kind, index, "compiled", grad)
+                    step.record(pending.target.name, pending.call, kind, index, "compiled", grad)
+                    if len(inputs_seen) == call.tapped_inputs:
+                        # The compiled backward has passed this call: every grad_output has
+                        # arrived, and FSDP2 has not yet freed the parameters it gathered.
+                        pending.run()
                     return
 
         return receive
@@ -471,8 +525,8 @@ class WholeModel:
         if step is None:
             return
         for call in self.calls:
-            if call.target is target:
-                for pending, _ in call.pending:
+            for pending, _ in call.pending:
+                if pending.target is target:
                     pending.run()
 
     def _param_hook(self, param: torch.Tensor):
