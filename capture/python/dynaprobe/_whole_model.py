@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -100,9 +101,8 @@ class _Call:
     at run time (``("arg", i)``: the graph's i-th input; ``("out", i)``: its i-th output), its
     eager graph, and its taps."""
 
-    def __init__(self, target: Target, key: str, partial: bool):
+    def __init__(self, target: Target, partial: bool):
         self.target = target
-        self.key = key
         self.partial = partial  # a frame Dynamo started at the module: a graph break split it
         self.tapped_inputs = 0
         self.function = ""  # Dynamo's __compiled_fn_<n> holding it
@@ -124,7 +124,8 @@ class WholeModel:
     which compiles through ``graphs`` (the user's backend), the hooks, and what the graphs Dynamo
     captured hold of each target."""
 
-    def __init__(self, optimized, targets: List[Target], model_name: str, graphs: GraphRecorder, current_step: Callable[[], Optional[Step]],
+    def __init__(self, optimized, targets: List[Target], model_name: str, graphs: GraphRecorder,
+                 current_step: Callable[[], Optional[Step]],
                  active_step: Callable[[], Optional[Step]], capture_input: bool):
         self.optimized = optimized
         self.model: nn.Module = optimized._orig_mod
@@ -143,6 +144,7 @@ class WholeModel:
         self.functions: Dict[str, List[str]] = {}  # target -> compiled functions holding it
         # This step: target -> the graphs that ran a frame started at it (a graph break).
         self.pieces: Dict[str, set] = {}
+        self.errors: List[str] = []  # graphs that could not be analysed (compiled as they are)
         self.tap_keys: List[int] = []
         self.restore: List[Callable[[], None]] = []
         self._hook_parameters()
@@ -228,19 +230,26 @@ class WholeModel:
                           "no operation of it was found in the graphs Dynamo captured in this "
                           "step: it was not called, or ran outside them (a graph break made "
                           "Dynamo skip the frame calling it, or it has no tensor operations); "
-                          "it was not compared")
+                          "it was not compared" + "".join(
+                              f"; a graph could not be analysed: {e}" for e in self.errors))
 
     # ------------------------------------------------------------------ compile time
     def _backend(self, gm: fx.GraphModule, example_inputs):
-        calls = self._find_calls(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         original = output_node.args[0]
         as_tuple = isinstance(original, (tuple, list))
         flat = list(original) if as_tuple else [original]
         count = len(flat)
-        for call, nodes in calls:
-            self._boundary(gm, call, nodes, placeholders, flat)
+        try:  # reads the graph only: on failure it is compiled as it is, and the failure said
+            calls = self._find_calls(gm)
+            for call, nodes in calls:
+                self._boundary(gm, call, nodes, placeholders, flat)
+        except Exception as error:
+            self.errors.append(f"{type(error).__name__}: {error}".splitlines()[0])
+            warnings.warn(f"dynaprobe: a graph of the compiled model could not be analysed "
+                          f"({self.errors[-1]}); its modules are not compared", stacklevel=2)
+            return self.graphs.compile(self.model_name, gm, example_inputs)
         checked = [(call, nodes) for call, nodes in calls if not call.unchecked]
         # Inputs first: a block's input is often the previous block's output, whose tap then
         # comes before the input's (the gradient passes grad_input of the second block, then
@@ -296,7 +305,7 @@ class WholeModel:
                 continue
             if key not in found:
                 target = self.by_id[key.split("@")[0]]
-                found[key] = (_Call(target, key, key.endswith("@root")), set())
+                found[key] = (_Call(target, key.endswith("@root")), set())
                 if key.endswith("@root"):
                     found[key][0].root = root[1:]
             found[key][1].add(node)
@@ -401,7 +410,8 @@ class WholeModel:
             node = values[label]
             if node.meta["example_value"].requires_grad:
                 call.tapped_inputs += 1
-                first_use = next(n for n in gm.graph.nodes if n in nodes and node in n.all_input_nodes)
+                first_use = next(n for n in gm.graph.nodes
+                                 if n in nodes and node in n.all_input_nodes)
                 with gm.graph.inserting_before(first_use):
                     tap = self._tap(gm, node, call, "grad_input", index)
                 node.replace_all_uses_with(tap, lambda user: user in nodes)
