@@ -2,6 +2,7 @@
 checks the wrapped modules at their boundaries inside the graphs Dynamo captures."""
 
 import copy
+import subprocess
 import warnings
 
 import pytest
@@ -135,16 +136,42 @@ def test_aot_eager_outputs_and_gradients_are_bit_identical_with_the_checker(tmp_
             assert row.max_abs == 0.0, row
 
 
-def test_report_names_modules_by_user_paths_and_provenance_says_whole_model(tmp_path):
+def test_same_report_and_dump_as_single_pass_named_by_user_paths(tmp_path, dynaprobe_cli):
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        checker, result = _check_whole(Stack(), "aot_eager", dump_dir=str(tmp_path))
-    assert {r.module for r in result} == {"layers.0", "layers.1"}
+        _, result = _check_whole(Stack(), "aot_eager", dump_dir=str(tmp_path))
+    assert {r.module for r in result} == {"layers.0", "layers.1"}  # never _orig_mod.layers.0
     assert not [w for w in caught if "gethostname" in str(w.message)]
     provenance = result._step_comparison().compiled_provenance
     assert provenance["compile_scope"] == "whole_model"
     assert provenance["mode"] == "single_pass"  # single-pass semantics: inputs recorded once
+    cli = subprocess.run([dynaprobe_cli, "compare", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == result.text()
+
+
+def test_uninstall_gives_the_model_its_backend_back_and_unchecked_steps_run(tmp_path):
+    torch.manual_seed(0)
+    model = Stack()
+    compiled = torch.compile(model, backend="aot_eager")
+    context = compiled.dynamo_ctx
+    checker = PrecisionChecker(dump_dir=str(tmp_path), check_every=2)
+    checker.wrap_by_policy(model, (Layer,))
+    checker.install(compiled)
+    x = torch.randn(4, WIDTH)
+    results = []
+    for _ in range(3):
+        loss = _train_step(compiled, x)
+        results.append(checker.collect(loss))
+    assert [r is None for r in results] == [False, True, False]
+    assert results[2].all_pass and results[2].step == 2
+    checker.uninstall()
+    assert compiled.dynamo_ctx is context
+    model.zero_grad()
+    loss = _train_step(compiled, x)
+    torch.testing.assert_close(loss, model(x), rtol=0, atol=0)
 
 
 class Repeat(nn.Module):
