@@ -335,3 +335,45 @@ def test_whole_model_mode_runs_under_fsdp2_on_two_ranks(tmp_path):
             assert kinds == {"fwd_input", "fwd_output", "grad_input", "grad_output"}
             # Dynamo breaks the graph at each fully_shard unit's hooks: each block is a frame.
             assert "graph break" in summary["modules"][block]["graph_break_reasons"]
+
+
+class Scaler(nn.Module):
+    """Changes its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = Scaler()
+        self.layer = Layer()
+
+    def forward(self, x):
+        return self.layer(self.scale(x)).sum()
+
+
+def test_a_module_whose_boundary_is_changed_in_place_is_reported_not_compared(tmp_path):
+    torch.manual_seed(0)
+    model = InPlace()
+    checker = PrecisionChecker(dump_dir=str(tmp_path))
+    checker.wrap(model.scale)
+    checker.wrap(model.layer)
+    compiled = torch.compile(model, backend="aot_eager")
+    checker.install(compiled)
+    x = torch.randn(4, WIDTH)
+    expected = model(x.clone())
+    loss = _train_step(compiled, x)
+    result = checker.collect(loss)
+    checker.uninstall()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    note = rows_of(result, "note", "scale")
+    assert [r.status for r in note] == ["WARN"] and "in place" in note[0].reason
+    assert not rows_of(result, "fwd_output", "scale")
+    assert [r.status for r in rows_of(result, "fwd_output", "layer")] == ["PASS"]

@@ -25,6 +25,7 @@ compiled backward; the eager graph's backward runs with that grad_output, as in 
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 import threading
 import warnings
@@ -94,6 +95,29 @@ def _relative_name(source: str) -> Optional[str]:
 
 def _is_tensor_node(node: fx.Node) -> bool:
     return isinstance(node.meta.get("example_value"), torch.Tensor)
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul}
+
+
+def _mutated(node: fx.Node) -> Optional[fx.Node]:
+    """The value ``node`` changes in place (``x += y``, ``x.add_(y)``, ``torch.relu_(x)``,
+    ``inplace=True``), if any."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return node.args[0]
+        name = getattr(node.target, "__name__", "")
+    else:
+        return None
+    inplace = name.endswith("_") and not name.startswith("_") or node.kwargs.get("inplace") is True
+    return node.args[0] if inplace else None
 
 
 class _Call:
@@ -353,6 +377,14 @@ class WholeModel:
         outputs = [n for n in gm.graph.nodes if n in nodes
                    and any(user not in nodes for user in n.users)]
         strange = [n.name for n in inputs + outputs if not _is_tensor_node(n)]
+        changed = sorted({_mutated(n).name for n in gm.graph.nodes
+                          if _mutated(n) in inputs or _mutated(n) in outputs})
+        if changed:
+            # The value the graph returns is the one after the change: not what the call saw
+            # or gave.
+            call.unchecked = (f"the graph changes values crossing its boundary in place "
+                              f"({', '.join(changed)})")
+            return
         if strange:
             call.unchecked = (f"values crossing its boundary are not tensors "
                               f"({', '.join(strange)})")
