@@ -157,10 +157,11 @@ def test_uninstall_gives_the_model_its_backend_back_and_unchecked_steps_run(tmp_
     model = Stack()
     compiled = torch.compile(model, backend="aot_eager")
     context = compiled.dynamo_ctx
+    x = torch.randn(4, WIDTH)
+    _train_step(compiled, x)  # compiled and run before install(): recompiled for the checker
     checker = PrecisionChecker(dump_dir=str(tmp_path), check_every=2)
     checker.wrap_by_policy(model, (Layer,))
     checker.install(compiled)
-    x = torch.randn(4, WIDTH)
     results = []
     for _ in range(3):
         loss = _train_step(compiled, x)
