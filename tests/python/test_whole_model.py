@@ -209,15 +209,28 @@ class Broken(nn.Module):
         return x + self.second(y)
 
 
+class Holder(nn.Module):
+    """The graph break is inside its child."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Broken()
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inner(x)))
+
+
 class WithBreak(nn.Module):
     def __init__(self):
         super().__init__()
         self.block = Broken()
+        self.holder = Holder()
         self.skip = nn.Identity()
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x):
-        return self.head(self.skip(self.block(x))).sum()
+        return self.head(self.skip(self.holder(self.block(x)))).sum()
 
 
 def test_a_module_split_by_a_graph_break_or_without_operations_is_reported(tmp_path):
@@ -225,16 +238,20 @@ def test_a_module_split_by_a_graph_break_or_without_operations_is_reported(tmp_p
     model = WithBreak()
     checker = PrecisionChecker(dump_dir=str(tmp_path))
     checker.wrap(model.block)
+    checker.wrap(model.holder)
     checker.wrap(model.skip)
     compiled = torch.compile(model, backend="aot_eager")
     checker.install(compiled)
     _train_step(compiled, torch.randn(4, WIDTH))
     result = checker.collect()
     checker.uninstall()
-    # The block's two pieces, one per graph, each compared as a call, and said to be pieces.
+    # The block's two pieces, one per graph, each compared as a call, and said to be pieces;
+    # the holder's pieces too (its own code and its child's, around the child's break).
     assert sorted(r.call for r in rows_of(result, "fwd_output", "block")) == [0, 1]
-    assert all(r.status == "PASS" for r in rows_of(result, module="block"))
-    assert "graph break" in result.modules["block"]["graph_break_reasons"]
+    assert len(rows_of(result, "fwd_output", "holder")) >= 2
+    for module in ("block", "holder"):
+        assert all(r.status == "PASS" for r in rows_of(result, module=module)), result.text()
+        assert "graph break" in result.modules[module]["graph_break_reasons"]
     # nn.Identity leaves no operation in any graph: a warning, never a silent pass.
     notes = rows_of(result, "note", "skip")
     assert [r.status for r in notes] == ["WARN"] and notes[0].note == "NOT_COMPILED"

@@ -127,7 +127,7 @@ class _Call:
 
     def __init__(self, target: Target, partial: bool):
         self.target = target
-        self.partial = partial  # a frame Dynamo started at the module: a graph break split it
+        self.partial = partial  # in a frame Dynamo started at or inside it: a graph break
         self.tapped_inputs = 0
         self.function = ""  # Dynamo's __compiled_fn_<n> holding it
         self.root: Optional[Tuple[int, str]] = None  # partial: (graph input, its name) telling
@@ -295,13 +295,25 @@ class WholeModel:
         self.calls.extend(call for call, _ in calls)
         return self._runner(compiled, [call for call, _ in checked], count, as_tuple)
 
-    def _frame_root(self, gm: fx.GraphModule):
-        """The module whose forward this frame runs, as ``(model path, graph input index,
-        relative name)`` of a parameter or buffer that tells; None when none tells. The model's
-        tensors are looked up now: FSDP2 registers the unsharded parameters while they run."""
-        names = {id(t): n for n, t in itertools.chain(
+    def _tensor_names(self) -> Dict[int, str]:
+        """Model path of every parameter and buffer, looked up now: FSDP2 registers the unsharded
+        parameters on the modules while they run."""
+        return {id(t): n for n, t in itertools.chain(
             self.model.named_parameters(remove_duplicate=False),
             self.model.named_buffers(remove_duplicate=False))}
+
+    def _target_at(self, path: str) -> Optional[Target]:
+        """The target that is the module at ``path`` or holds it."""
+        for target in self.targets:
+            own = self.paths.get(id(target.module))
+            if own is not None and (own == path or own == "" or path.startswith(own + ".")):
+                return target
+        return None
+
+    def _frame_root(self, gm: fx.GraphModule):
+        """The module whose forward this frame runs, as ``(model path, graph input index,
+        relative name)`` of a parameter or buffer that tells; None when none tells."""
+        names = self._tensor_names()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for position, node in enumerate(placeholders):
             grapharg = node.meta.get("grapharg")
@@ -313,10 +325,11 @@ class WholeModel:
         return None
 
     def _find_calls(self, gm: fx.GraphModule):
-        """The targets' calls in this graph, in graph order, each with its node set."""
+        """The targets' calls in this graph, in graph order, each with its node set. In a frame
+        Dynamo started at a target or inside one (a graph break), the nodes of no other target
+        are that target's."""
         root = self._frame_root(gm)
-        root_target = next((t for t in self.targets if self.paths.get(id(t.module)) == root[0]),
-                           None) if root is not None else None
+        root_target = self._target_at(root[0]) if root is not None else None
         found: Dict[str, Tuple[_Call, set]] = {}
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output"):
@@ -329,7 +342,8 @@ class WholeModel:
                 continue
             if key not in found:
                 target = self.by_id[key.split("@")[0]]
-                found[key] = (_Call(target, key.endswith("@root")), set())
+                partial = key.endswith("@root") and target.module is not self.model
+                found[key] = (_Call(target, partial), set())
                 if key.endswith("@root"):
                     found[key][0].root = root[1:]
             found[key][1].add(node)
@@ -341,21 +355,14 @@ class WholeModel:
             names.append(function)
 
     def _root_target(self, call: _Call, args: tuple) -> Optional[Target]:
-        """The target whose forward a frame started at a module runs this time: Dynamo reuses a
-        frame's graph for every module of the same class (its parameters are graph inputs), so
+        """The target a frame Dynamo started at a module runs for this time: Dynamo reuses a
+        frame's graph for every module of the same class (their parameters are graph inputs), so
         the module is found from the parameter the graph received."""
         position, relative = call.root
-        tensor = args[position]
-        for target in self.targets:
-            module = target.module
-            owner, _, leaf = relative.rpartition(".")
-            try:
-                holder = module.get_submodule(owner) if owner else module
-            except AttributeError:
-                continue
-            if holder._parameters.get(leaf) is tensor or holder._buffers.get(leaf) is tensor:
-                return target
-        return None
+        full = self._tensor_names().get(id(args[position]))
+        if full is None or not (full == relative or full.endswith("." + relative)):
+            return None
+        return self._target_at(full[:len(full) - len(relative)].rstrip("."))
 
     def _boundary(self, gm: fx.GraphModule, call: _Call, nodes: set, placeholders: list,
                   flat: list) -> None:
