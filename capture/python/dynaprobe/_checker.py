@@ -32,6 +32,7 @@ from dynaprobe._result import CompareResult
 from dynaprobe._single_pass import SinglePass
 from dynaprobe._step import Step, Target
 from dynaprobe._two_pass import run_sides
+from dynaprobe._whole_model import WholeModel
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -152,12 +153,16 @@ class PrecisionChecker:
         self._step_index = 0
         self._step: Optional[Step] = None
         self._installed: Optional[nn.Module] = None
-        self._single_pass: Optional[SinglePass] = None  # install(): the installation
+        # install(): the installation, per module or on a model compiled whole
+        self._single_pass: Optional[Union[SinglePass, WholeModel]] = None
         self._module_notes: List[Tuple[str, Dict[str, str]]] = []
         self._compiler = Compiler(backend)
         self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
         self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
         self._recorded_loss = None  # record_loss(): the loss of the step being checked
+        # install(): the provenance, worked out before any step: a step may begin inside a region
+        # Dynamo traces, which must not see the checker's own code (socket, clock).
+        self._installed_provenance: Optional[Dict[str, str]] = None
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -222,15 +227,18 @@ class PrecisionChecker:
         return targets
 
     # ------------------------------------------------------------------ dump
-    def _provenance(self, mode: str) -> Dict[str, str]:
+    def _provenance(self, mode: str, backend=None,
+                    compile_scope: str = "per_module") -> Dict[str, str]:
         rank, world = rank_and_world()
-        backend = self.backend if isinstance(self.backend, str) else getattr(
-            self.backend, "__name__", type(self.backend).__name__)
+        backend = self.backend if backend is None else backend
+        backend = backend if isinstance(backend, str) else getattr(
+            backend, "compiler_name", getattr(backend, "__name__", type(backend).__name__))
         return {
             "producer": "dynaprobe.PrecisionChecker",
             "torch_version": torch.__version__,
             "backend": backend,
             vocabulary.PROVENANCE_MODE: mode,
+            "compile_scope": compile_scope,
             vocabulary.PROVENANCE_RANK: str(rank),
             "world_size": str(world),
             vocabulary.PROVENANCE_SCENARIO: self.scenario,
@@ -277,7 +285,8 @@ class PrecisionChecker:
             mode = {None: vocabulary.MODE_SINGLE_PASS if self.single_pass else vocabulary.MODE_TWO_PASS,
                     "eager": vocabulary.MODE_EAGER_ONLY,
                     "compiled": vocabulary.MODE_COMPILED_ONLY}[self._capture_side]
-            self._recorder = _C.Recorder(self.dump_dir, self._provenance(mode),
+            provenance = self._installed_provenance or self._provenance(mode)
+            self._recorder = _C.Recorder(self.dump_dir, provenance,
                                          memory_budget_bytes=self.memory_budget_bytes,
                                          store="full" if self._capture_side else self.dump)
         self._recorder.begin_step(self._step_index)
@@ -331,6 +340,13 @@ class PrecisionChecker:
         Every call of a wrapped module then runs compiled (the training path) and is re-run
         eagerly on the same inputs for comparison. Call ``collect(loss)`` after each checked
         step, and ``uninstall()`` to restore the model.
+
+        Given a model the user compiled whole (``torch.compile(model, backend=B)``, an
+        ``OptimizedModule``), the checker compiles nothing of its own: it checks the wrapped
+        modules at their boundaries inside the graphs Dynamo captures of the whole model, which
+        ``B`` compiles as it would without the checker, with their boundary values as extra
+        outputs (whole-model mode, docs/user-guide.md). ``backend`` and ``cast_dtype`` of the
+        checker are then not used.
         """
         if not self.single_pass:
             if is_deepcopy_forbidden(model):
@@ -343,8 +359,11 @@ class PrecisionChecker:
         if self._installed is not None:
             raise RuntimeError("this checker is already installed on a model; call uninstall() "
                                "first")
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            return self._install_whole_model(model)
         planned = self._plan(model)
         self.dump_dir  # noqa: B018 - several ranks agree on their run folder now, all together
+        self._installed_provenance = self._provenance(vocabulary.MODE_SINGLE_PASS)
         modules = dict(model.named_modules())
         targets = []
         for display, name in planned:
@@ -358,6 +377,27 @@ class PrecisionChecker:
                                        (self.threshold, self.rtol), self.replay, self.backend)
         self._installed = model
         return model
+
+    def _install_whole_model(self, compiled: nn.Module) -> nn.Module:
+        """install() on a model compiled whole: see install()."""
+        if self.cast_dtype is not None or self.reference is not None:
+            raise ValueError("install() of a compiled model (whole-model mode) checks the model "
+                             "as it was compiled: cast_dtype and reference are not available; "
+                             "create the checker without them")
+        model = compiled._orig_mod
+        backend = torch._dynamo.eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
+        planned = self._plan(model)
+        self.dump_dir  # noqa: B018 - several ranks agree on their run folder now, all together
+        self._installed_provenance = self._provenance(vocabulary.MODE_SINGLE_PASS, backend,
+                                                      "whole_model")
+        modules = dict(model.named_modules())
+        targets = [Target(display, modules[name], None, None) for display, name in planned]
+        self._per_module_compiler, self._compiler = self._compiler, Compiler(backend)
+        self._single_pass = WholeModel(compiled, targets, type(model).__name__,
+                                       self._compiler.graphs, self._current_step,
+                                       lambda: self._step, self.capture_input)
+        self._installed = compiled
+        return compiled
 
     def _warn_nested_fully_shard(self, name: str, module: nn.Module) -> None:
         """A wrapped module holding fully_shard units below it: their parameters are still
@@ -379,7 +419,10 @@ class PrecisionChecker:
         if self._single_pass is not None:
             self._single_pass.remove()
             self._single_pass = None
+        if isinstance(self._installed, torch._dynamo.eval_frame.OptimizedModule):
+            self._compiler = self._per_module_compiler
         self._installed = None
+        self._installed_provenance = None
         self._recorded_loss = None
         if self._step is not None:  # a step begun but never collected is discarded
             self._step = None
@@ -417,7 +460,10 @@ class PrecisionChecker:
         if loss is not None:
             step.record_loss("compiled", loss)
         targets = self._single_pass.targets
-        self._compiler.summarize(step, targets)
+        if isinstance(self._single_pass, WholeModel):
+            self._single_pass.summarize(step)
+        else:
+            self._compiler.summarize(step, targets)
         step.record_param_grads([(t.name, [(n, p, p) for n, p in t.params]) for t in targets])
         return self._finish_step()
 

@@ -79,11 +79,12 @@ class GraphRecorder:
         """The backend to compile ``module`` with."""
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
-            return self._compile(module, gm, example_inputs)
+            return self.compile(module, gm, example_inputs)
 
         return backend
 
-    def _compile(self, module: str, gm: torch.fx.GraphModule, example_inputs):
+    def compile(self, module: str, gm: torch.fx.GraphModule, example_inputs):
+        """Compiles ``gm`` for ``module`` with the real backend, keeping its graphs."""
         match = _FN_NAME.match(str(gm.meta.get("backend_id", "")))
         function = match.group(1) if match else f"__compiled_fn_unnamed{len(self.graphs)}"
         self._add(function, module, "captured", "Captured_Graph",
