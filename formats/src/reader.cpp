@@ -252,12 +252,7 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
       hash_bytes(s.hash, raw.bytes.data(), raw.bytes.size()) == at.hash) {
     return;
   }
-  if (s.every_chunk) {  // format 2.0: no tool rewrites a file and keeps its checksums
-    throw FormatError(s.where +
-                      ": chunk 0 is corrupt: its stored bytes do not match their XXH3 in /index "
-                      "(a damaged disk, the file truncated or edited in place)");
-  }
-  const auto dataset = open_state(s.file, at.dataset, at.file_name, s.dtype);
+  const auto dataset = open_state(s.file, at.dataset, at.file_name, s.dtype, s.every_chunk);
   if (dataset->shape != s.shape) {
     throw FormatError(s.where + ": the index says shape " + shape_string(s.shape) +
                       ", but the dataset has shape " + shape_string(dataset->shape));
@@ -269,9 +264,16 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
     return h5::first_chunk_location(dataset->dataset.get(), dataset->shape.size());
   }();
   if (chunk && chunk->offset == at.offset && chunk->size == at.size) {
+    throw FormatError(s.where + ": chunk 0 is corrupt: its stored bytes do not match their " +
+                      hash_name(s.hash) +
+                      " in /index (a damaged disk, or the file was edited in place)");
+  }
+  if (s.every_chunk) {  // format 2.0: only the bytes dynaprobe wrote, checked, are read
     throw FormatError(s.where +
-                      ": chunk 0 is corrupt: its stored bytes do not match their XXH64 in "
-                      "/index (a damaged disk, or the file was edited in place)");
+                      ": the file was rewritten by another tool (its chunk is not where the index "
+                      "puts it, e.g. by h5repack) or is damaged: format 2.0 files are read as "
+                      "dynaprobe wrote them, every chunk checked against its XXH3; read the "
+                      "original file");
   }
   read_whole(*dataset, raw);
 }
