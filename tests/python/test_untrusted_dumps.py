@@ -85,6 +85,8 @@ def mutate(data, rng):
 
 def test_mutated_step_files_exit_1_or_3_or_report_as_before(tmp_path, dynaprobe_cli):
     original = real_step(tmp_path / "original")
+    with h5py.File(original) as f:
+        assert f.attrs["dynaprobe_format_version"] == b"2.0"
     data = original.read_bytes()
     before = run_cli(dynaprobe_cli, "compare", original)
     # It passes, so a mutant that exits 0 must print exactly its report: damage never passes
