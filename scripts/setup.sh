@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything dynaprobe needs on a fresh Debian 12 machine, idempotently:
-#   1. Debian packages (HDF5, zstd, zlib, oneTBB, CLI11, GoogleTest, h5dump, compilers' helpers;
+#   1. Debian packages (HDF5, zstd, xxHash, zlib, oneTBB, CLI11, GoogleTest, h5dump, compilers'
+#      helpers, clang with libFuzzer for the fuzz test;
 #      Chart.js, embedded in HTML reports, and Chromium, the browser their tests open them in);
 #   2. a project-local virtual environment .venv with torch==2.13.0 (CPU) and the test tools;
 #   3. one CMake build in build/ (library, CLI, tests, benchmarks, Python extension), installed
@@ -10,8 +11,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-apt_packages=(cmake ninja-build g++ pkg-config libhdf5-dev libzstd-dev libtbb-dev libcli11-dev
-              libgtest-dev hdf5-tools zlib1g-dev libjs-chart.js chromium)
+apt_packages=(cmake ninja-build g++ pkg-config libhdf5-dev libzstd-dev libxxhash-dev libtbb-dev
+              libcli11-dev libgtest-dev hdf5-tools zlib1g-dev libjs-chart.js chromium
+              clang libclang-rt-14-dev)
 missing=()
 for package in "${apt_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -25,8 +25,8 @@ std::string version_text() {
   const std::string format =
       std::to_string(schema::kFormatMajor) + "." + std::to_string(schema::kFormatMinor);
   return std::string("dynaprobe ") + DYNAPROBE_VERSION + "\ndump format " + format + ": writes " +
-         format + "; reads " + std::to_string(schema::kFormatMajor) + ".0 to " + format +
-         ", and a newer " + std::to_string(schema::kFormatMajor) +
+         format + "; reads 1.0 to " + format + ", and a newer " +
+         std::to_string(schema::kFormatMajor) +
          ".x with a warning (what it adds is skipped)\n";
 }
 

@@ -258,6 +258,12 @@ void StepBuilder::add_tensor_row(const TensorKey& key, Pair pair, const StepReco
       row.status = Status::kFail;
       row.reason = "shape mismatch: eager " + formats::shape_string(pair.eager->shape) +
                    ", compiled " + formats::shape_string(pair.compiled->shape);
+      if (formats::is_complex(pair.eager->dtype) != formats::is_complex(pair.compiled->dtype)) {
+        row.reason = "dtype mismatch: eager " +
+                     std::string(formats::dtype_name(pair.eager->dtype)) + ", compiled " +
+                     std::string(formats::dtype_name(pair.compiled->dtype)) +
+                     " (complex values compare with complex ones only)";
+      }
     } else {
       add_tasks(pair, records, report, row, tasks);
     }

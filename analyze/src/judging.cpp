@@ -79,6 +79,7 @@ Tolerances dtype_tolerance_floor(formats::DType dtype) {
     case formats::DType::kBFloat16:
       return {1e-2, 1.6e-2};
     case formats::DType::kFloat16:
+    case formats::DType::kComplex32:  // float16 parts
       return {1e-3, 2e-3};
     case formats::DType::kFloat8E4M3FN:
     case formats::DType::kFloat8E4M3FNUZ:

@@ -73,6 +73,13 @@ std::string detail_text(const Row& row) {
                      " max_abs=" + format_float(n.max_abs, "%.3e") +
                      "  mean_abs=" + format_float(n.mean_abs, "%.3e") +
                      "  max_rel=" + format_float(n.max_rel, "%.3e") + "  shape=" + shape_text(row);
+  // Complex rows say so: their metrics are over the real and imaginary parts.
+  for (const auto* side : {&row.eager, &row.compiled}) {
+    if (*side && formats::is_complex((*side)->dtype)) {
+      text += "  dtype=" + std::string(formats::dtype_name((*side)->dtype));
+      break;
+    }
+  }
   if (row.kind == Kind::kParamGrad && !row.label.empty()) {
     text += "  param=" + formats::printable_name(row.label);
   }

@@ -62,10 +62,15 @@ Value metrics_model(const Row& row) {
     if (field.name == "worst_index") {
       Value worst = nullptr;
       if (m.worst_index >= 0) {
-        worst = Value::Object{{"flat_index", m.worst_index},
-                              {"index", shape_model(unravel(m.worst_index, row.eager->shape))},
-                              {"eager", m.worst_eager},
-                              {"compiled", m.worst_compiled}};
+        // A complex tensor's values are its elements' real and imaginary parts, in turn.
+        const auto values = static_cast<std::int64_t>(formats::value_count(row.eager->dtype));
+        Value::Object fields{
+            {"flat_index", m.worst_index},
+            {"index", shape_model(unravel(m.worst_index / values, row.eager->shape))},
+            {"eager", m.worst_eager},
+            {"compiled", m.worst_compiled}};
+        if (values == 2) fields.emplace_back("part", m.worst_index % 2 == 0 ? "real" : "imag");
+        worst = std::move(fields);
       }
       object.emplace_back("worst", std::move(worst));
       continue;

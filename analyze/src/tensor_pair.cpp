@@ -33,11 +33,12 @@ struct DecodeBuffers {
   std::vector<float> driver_f32, follower_f32;
 };
 
-// The unit's elements of `stream` as float32: a pointer into `bytes` when they already are.
+// The unit's elements of `stream` as float32 values (a complex element as two: real, imaginary):
+// a pointer into `bytes` when they already are.
 const float* as_float32(formats::DType dtype, const std::byte* bytes, std::uint64_t count,
                         std::vector<float>& buffer) {
   if (dtype == formats::DType::kFloat32) return reinterpret_cast<const float*>(bytes);
-  buffer.resize(count);
+  buffer.resize(count * formats::value_count(dtype));
   formats::convert_to_float32(dtype, bytes, count, buffer.data());
   return buffer.data();
 }
@@ -120,8 +121,11 @@ class PairPlan {
     MetricsAccumulator metrics;
     const float* eager_values = eager_drives_ ? driver_values : follower_values;
     const float* compiled_values = eager_drives_ ? follower_values : driver_values;
-    metrics.accumulate(eager_values, compiled_values, extent.element_count, extent.first_element,
-                       tolerances);
+    // Complex tensors are compared as their real and imaginary parts (engine.h: shape_mismatch
+    // pairs complex with complex only).
+    const std::uint64_t values = formats::value_count(driver_.dtype());
+    metrics.accumulate(eager_values, compiled_values, extent.element_count * values,
+                       extent.first_element * values, tolerances);
     return metrics;
   }
 
@@ -322,7 +326,8 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
     const float* b = as_float32(compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
                                 unit.element_count, compiled_f32);
     MetricsAccumulator part;
-    part.accumulate(a, b, unit.element_count, unit.first_element, tolerances);
+    const std::uint64_t values = formats::value_count(eager.dtype);
+    part.accumulate(a, b, unit.element_count * values, unit.first_element * values, tolerances);
     total.merge(part);
   }
   return total.result();

@@ -93,7 +93,7 @@ take turns.
           },
           py::arg("module"), py::arg("call"), py::arg("kind"), py::arg("tensor_index"),
           py::arg("side"), py::arg("tensor"), py::arg("label") = "", py::arg("handed_over") = false,
-          R"doc(Snapshots `tensor` (any dtype, device, strides; complex as real pairs) and queues it.
+          R"doc(Snapshots `tensor` (any dtype, device, strides) and queues it.
 
 Args:
   module: the module path, e.g. "layers.0.mlp" ("LOSS" for the loss).

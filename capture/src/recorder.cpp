@@ -5,7 +5,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/view_as_real.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
@@ -43,15 +42,15 @@ namespace {
 
 // The dump's dtype of a torch dtype, by torch's own name of it (torch.bfloat16 -> "bfloat16"),
 // which the dump's dtype names are (formats/dtype.h): a dtype formats learns needs nothing here.
-// None for dtypes a dump does not hold (complex is recorded as real pairs, quantized ones not).
+// None for dtypes a dump does not hold (quantized ones).
 std::optional<formats::DType> stored_dtype(at::ScalarType type) {
   return formats::parse_dtype(c10::getDtypeNames(type).first);
 }
 
 [[noreturn]] void throw_bad_dtype(at::ScalarType type) {
   throw UsageError(std::string("cannot record a tensor of dtype ") + c10::toString(type) +
-                   ": a dump holds floating-point (float64/32/16, bfloat16, float8), complex (as "
-                   "real pairs), integer and bool tensors; convert it first (e.g. "
+                   ": a dump holds floating-point (float64/32/16, bfloat16, float8), complex "
+                   "(complex32/64/128), integer and bool tensors; convert it first (e.g. "
                    "tensor.int_repr() for a quantized tensor)");
 }
 
@@ -79,7 +78,7 @@ struct BeginItem {
 struct EndItem {};
 using Item = std::variant<BeginItem, RecordItem, formats::Graph, formats::ModuleInfo, EndItem>;
 
-// Bytes of the contiguous host copy of `tensor` (complex: two reals per element).
+// Bytes of the contiguous host copy of `tensor`.
 std::size_t host_bytes(const at::Tensor& tensor) {
   return static_cast<std::size_t>(tensor.numel()) * static_cast<std::size_t>(tensor.element_size());
 }
@@ -183,8 +182,8 @@ Snapshot device_snapshot(const at::Tensor& source) {
 }
 
 // Copies `tensor` into contiguous host memory: any device, any strides (views, expanded and
-// transposed tensors), conjugate and negative bits resolved, sparse made dense, complex stored as
-// real pairs (at::view_as_real, trailing dimension 2). CPU tensors go into memory from `pool`;
+// transposed tensors), conjugate and negative bits resolved, sparse made dense (complex stays
+// complex: the dump stores it as such since format 2.0). CPU tensors go into memory from `pool`;
 // device tensors as device_snapshot() says.
 Snapshot snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   at::Tensor source = tensor.detach();
@@ -197,7 +196,6 @@ Snapshot snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   } else {
     snapshot = device_snapshot(source);
   }
-  if (snapshot.host.is_complex()) snapshot.host = at::view_as_real(snapshot.host);
   return snapshot;
 }
 
@@ -638,8 +636,7 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
   // Checked before any copy, so a bad dtype costs nothing.
   const at::ScalarType type = tensor.scalar_type();
-  const at::ScalarType stored = c10::isComplexType(type) ? c10::toRealValueType(type) : type;
-  if (!stored_dtype(stored)) throw_bad_dtype(type);
+  if (!stored_dtype(type)) throw_bad_dtype(type);
   const std::size_t bytes = host_bytes(tensor);
 
   // Back-pressure: wait for room before allocating the snapshot, so host memory stays within
@@ -655,8 +652,7 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
 
   RecordItem item;
   const bool keep_as_is = handed_over && tensor.device().is_cpu() && tensor.is_contiguous() &&
-                          tensor.layout() == at::kStrided && !tensor.is_conj() &&
-                          !tensor.is_neg() && !tensor.is_complex();
+                          tensor.layout() == at::kStrided && !tensor.is_conj() && !tensor.is_neg();
   Snapshot snapshot =
       keep_as_is ? Snapshot{tensor.detach(), nullptr} : snapshot_of(tensor, *impl.pool);
   item.snapshot = std::move(snapshot.host);

@@ -34,6 +34,9 @@ constexpr DTypeInfo kInfos[] = {
     {DType::kUInt32, "uint32", 4},
     {DType::kUInt64, "uint64", 8},
     {DType::kBool, "bool", 1},
+    {DType::kComplex32, "complex32", 4},
+    {DType::kComplex64, "complex64", 8},
+    {DType::kComplex128, "complex128", 16},
 };
 
 // kInfos is indexed by the enumerator: each entry must stand at its own dtype's position.
@@ -41,7 +44,7 @@ constexpr bool infos_in_enumerator_order() {
   for (std::size_t i = 0; i < std::size(kInfos); ++i) {
     if (static_cast<std::size_t>(kInfos[i].dtype) != i) return false;
   }
-  return std::size(kInfos) == static_cast<std::size_t>(DType::kBool) + 1;
+  return std::size(kInfos) == static_cast<std::size_t>(DType::kComplex128) + 1;
 }
 static_assert(infos_in_enumerator_order(), "kInfos must list every DType in enumerator order");
 
@@ -139,8 +142,29 @@ bool is_float8(DType dtype) {
   return dtype >= DType::kFloat8E4M3FN && dtype <= DType::kFloat8E8M0FNU;
 }
 
+bool is_complex(DType dtype) { return dtype >= DType::kComplex32 && dtype <= DType::kComplex128; }
+
+DType complex_part(DType dtype) {
+  switch (dtype) {
+    case DType::kComplex32:
+      return DType::kFloat16;
+    case DType::kComplex64:
+      return DType::kFloat32;
+    case DType::kComplex128:
+      return DType::kFloat64;
+    default:
+      return dtype;
+  }
+}
+
+std::size_t value_count(DType dtype) { return is_complex(dtype) ? 2 : 1; }
+
 void convert_to_float32(DType dtype, const void* src, std::size_t count, float* dst) {
   switch (dtype) {
+    case DType::kComplex32:
+    case DType::kComplex64:
+    case DType::kComplex128:  // interleaved parts: converted as 2 * count values of the part
+      return convert_to_float32(complex_part(dtype), src, 2 * count, dst);
     case DType::kFloat32:
       std::memcpy(dst, src, count * sizeof(float));
       return;

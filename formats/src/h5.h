@@ -105,10 +105,19 @@ struct ChunkLocation {
 };
 std::optional<ChunkLocation> first_chunk_location(hid_t dataset, std::size_t rank);
 
-// Scalar string attributes (variable-length UTF-8), the form h5py reads as str.
+// A fixed-length UTF-8 string type of `size` bytes (at least 1), padded with NULs (format 2.0:
+// strings that live in the object header or a dataset, never in HDF5's global heap).
+Handle fixed_string_type(std::size_t size, std::string_view where);
+
+// Scalar string attributes. Written as fixed-length UTF-8 (format 2.0; h5py reads bytes). Read in
+// either form; `allow_variable` false (format 2.0 files) refuses a variable-length one with a
+// FormatError instead of reading HDF5's global heap.
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
                             std::string_view where);
-std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where);
+std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where,
+                                  bool allow_variable = true);
+// A fixed-length string held in a byte buffer: up to its first NUL.
+std::string fixed_string(const char* data, std::size_t size);
 bool has_attribute(hid_t object, std::string_view name);
 // Scalar uint64 attributes (the checksums). The reader throws FormatError, naming `what`, when
 // the attribute is missing or not one number.

@@ -1,6 +1,8 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <vector>
 
 #include "dynaprobe/formats/filters.h"
@@ -124,19 +126,31 @@ std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
   return group_handle(H5Gopen2(file, path.c_str(), H5P_DEFAULT), "opening " + path, where);
 }
 
+Handle fixed_string_type(std::size_t size, std::string_view where) {
+  Handle type = type_handle(H5Tcopy(H5T_C_S1), "creating a string type", where);
+  check(H5Tset_size(type.get(), std::max<std::size_t>(size, 1)), "creating a string type", where);
+  check(H5Tset_strpad(type.get(), H5T_STR_NULLPAD), "creating a string type", where);
+  check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "creating a string type", where);
+  return type;
+}
+
+std::string fixed_string(const char* data, std::size_t size) {
+  return std::string(data, strnlen(data, size));
+}
+
 void write_string_attribute(hid_t object, std::string_view name, std::string_view value,
                             std::string_view where) {
   Lock lock(hdf5_mutex());
   const std::string attribute_name(name);
   const std::string context = std::string(where) + " attribute " + attribute_name;
-  const hid_t type = string_type(context);
+  Handle type = fixed_string_type(value.size(), context);
   Handle space = space_handle(H5Screate(H5S_SCALAR), "creating a dataspace", context);
   Handle attribute = attribute_handle(
-      H5Acreate2(object, attribute_name.c_str(), type, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+      H5Acreate2(object, attribute_name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT),
       "creating attribute", context);
-  const std::string text(value);
-  const char* pointer = text.c_str();
-  check(H5Awrite(attribute.get(), type, &pointer), "writing attribute", context);
+  std::string text(value);
+  text.resize(std::max<std::size_t>(text.size(), 1), '\0');
+  check(H5Awrite(attribute.get(), type.get(), text.data()), "writing attribute", context);
 }
 
 void write_u64_attribute(hid_t object, std::string_view name, std::uint64_t value,
@@ -178,7 +192,8 @@ bool has_attribute(hid_t object, std::string_view name) {
   return H5Aexists(object, std::string(name).c_str()) > 0;
 }
 
-std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where) {
+std::string read_string_attribute(hid_t object, std::string_view name, std::string_view where,
+                                  bool allow_variable) {
   Lock lock(hdf5_mutex());
   const std::string attribute_name(name);
   const std::string context = std::string(where) + " attribute " + attribute_name;
@@ -192,7 +207,18 @@ std::string read_string_attribute(hid_t object, std::string_view name, std::stri
     throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
                       ": expected a string, but received another HDF5 type");
   }
+  Handle space = space_handle(H5Aget_space(attribute.get()), "reading attribute", context);
+  if (H5Sget_simple_extent_npoints(space.get()) != 1) {
+    throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
+                      ": expected one string, but it holds " +
+                      std::to_string(H5Sget_simple_extent_npoints(space.get())));
+  }
   if (H5Tis_variable_str(stored.get()) > 0) {
+    if (!allow_variable) {
+      throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
+                        ": damaged: a variable-length string, which its format (2.0) never "
+                        "has");
+    }
     char* pointer = nullptr;
     check<FormatError>(H5Aread(attribute.get(), string_type(context), &pointer),
                        "reading attribute", context);
@@ -200,12 +226,18 @@ std::string read_string_attribute(hid_t object, std::string_view name, std::stri
     H5free_memory(pointer);
     return value;
   }
+  // An attribute lives in its object header, which HDF5 keeps under 64 KiB unless it moves it to
+  // dense storage; anything near this bound is damage, not text.
+  constexpr std::size_t kMaxAttributeBytes = 64 << 20;
   const std::size_t size = H5Tget_size(stored.get());
+  if (size == 0 || size > kMaxAttributeBytes) {
+    throw FormatError("attribute '" + attribute_name + "' on " + std::string(where) +
+                      ": damaged: a string of " + std::to_string(size) + " bytes");
+  }
   std::string value(size, '\0');
   check<FormatError>(H5Aread(attribute.get(), stored.get(), value.data()), "reading attribute",
                      context);
-  value.resize(value.find('\0') == std::string::npos ? size : value.find('\0'));
-  return value;
+  return fixed_string(value.data(), size);
 }
 
 std::vector<std::string> attribute_names(hid_t object, std::string_view where) {

@@ -35,7 +35,17 @@ ZSTD_DCtx* thread_decompressor() {
 
 std::atomic<OpenObserver> open_observer{nullptr};
 
-// /chunk_hashes of a format 1.2 file (fixed-size integers: nothing in HDF5's global heap).
+std::string hash_name(HashAlgorithm hash) {
+  return hash == HashAlgorithm::kXxh3 ? "XXH3" : "XXH64";
+}
+
+// The size of an open file in bytes (bounds what a damaged table may claim to hold).
+std::uint64_t file_size(hid_t file) {
+  hsize_t size = 0;
+  return H5Fget_filesize(file, &size) < 0 ? 0 : size;
+}
+
+// /chunk_hashes of a format >= 1.2 file (fixed-size integers: nothing in HDF5's global heap).
 std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& where) {
   const std::string name = "/" + std::string(schema::kChunkHashesDataset);
   if (H5Lexists(file, name.c_str(), H5P_DEFAULT) <= 0) {
@@ -48,6 +58,12 @@ std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& wher
   const hssize_t count = H5Sget_simple_extent_npoints(space.get());
   if (count < 0 || H5Sget_simple_extent_ndims(space.get()) != 1) {
     throw FormatError(where + ": damaged " + name + ": expected a 1-D dataset");
+  }
+  h5::Handle type = h5::type_handle(H5Dget_type(dataset.get()), "reading the chunk hashes", where);
+  if (H5Tequal(type.get(), H5T_STD_U64LE) <= 0 ||
+      static_cast<std::uint64_t>(count) > file_size(file) / sizeof(std::uint64_t)) {
+    throw FormatError(where + ": damaged " + name + ": expected uint64 hashes, at most as many " +
+                      "as the file's size allows");
   }
   std::vector<std::uint64_t> hashes(static_cast<std::size_t>(count));
   if (!hashes.empty()) {
@@ -62,7 +78,7 @@ std::vector<std::uint64_t> read_chunk_hashes(hid_t file, const std::string& wher
 // index row, whose key it takes.
 std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<RecordInfo>& records,
                                                const std::vector<std::int64_t>& record_of_index_row,
-                                               const std::string& where) {
+                                               HashAlgorithm hash, const std::string& where) {
   const std::string name = "/" + std::string(schema::kMetricsDataset);
   if (H5Lexists(file, name.c_str(), H5P_DEFAULT) <= 0) return {};
   const std::string context = where + " " + name;
@@ -78,22 +94,27 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
   // by column name below (a column the file lacks keeps its default).
   h5::Handle stored_type =
       h5::type_handle(H5Dget_type(table.get()), "reading the metrics type", context);
-  std::vector<std::byte> stored(static_cast<std::size_t>(count) * H5Tget_size(stored_type.get()));
+  refuse_variable_length(stored_type.get(), context);  // numbers only, in every version
+  const std::size_t row_size = H5Tget_size(stored_type.get());
+  if (row_size == 0 || static_cast<std::uint64_t>(count) > file_size(file) / row_size) {
+    throw FormatError(context + ": damaged: more rows than the file's size allows");
+  }
+  std::vector<std::byte> stored_bytes(static_cast<std::size_t>(count) * row_size);
   std::vector<MetricsRow> rows(static_cast<std::size_t>(count));
   h5::Handle type = metrics_row_type();
   if (!rows.empty()) {
     h5::check<FormatError>(
-        H5Dread(table.get(), stored_type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, stored.data()),
+        H5Dread(table.get(), stored_type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, stored_bytes.data()),
         "reading the metrics", context);
     h5::check<FormatError>(
         H5Dread(table.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()),
         "reading the metrics", context);
   }
-  if (xxh64(stored.data(), stored.size()) !=
+  if (hash_bytes(hash, stored_bytes.data(), stored_bytes.size()) !=
       h5::read_u64_attribute(table.get(), schema::kMetricsChecksumAttr, name, where)) {
-    throw FormatError(context +
-                      ": damaged: its XXH64 checksum does not match the metrics (a damaged disk, "
-                      "or the file was edited in place)");
+    throw FormatError(context + ": damaged: its " + hash_name(hash) +
+                      " checksum does not match the metrics (a damaged disk, or the file was "
+                      "edited in place)");
   }
   std::vector<StoredMetrics> metrics;
   metrics.reserve(rows.size());
@@ -193,8 +214,11 @@ struct TensorStream::State {
     std::uint32_t filter_mask = 0;
   };
   std::optional<Located> located;
-  // Format >= 1.2, per chunk: XXH64 of a chunk stored as it is, 0 for a compressed one.
+  // Format >= 1.2, per chunk: XXH64 of a chunk stored as it is, 0 for a compressed one; format
+  // 2.0: XXH3-64 of every chunk (`every_chunk`).
   std::vector<std::uint64_t> chunk_hashes;
+  HashAlgorithm hash = HashAlgorithm::kXxh64;
+  bool every_chunk = false;  // format 2.0: no unverified bytes, no stale offsets
 };
 
 namespace {
@@ -202,7 +226,8 @@ namespace {
 std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file,
                                                 const std::string& dataset_name,
                                                 const std::string& file_name,
-                                                std::optional<DType> expected_dtype);
+                                                std::optional<DType> expected_dtype,
+                                                bool format2 = false);
 
 // Reads the dataset whole through HDF5's own filter pipeline.
 void read_whole(const TensorStream::State& s, RawChunk& raw) {
@@ -224,10 +249,10 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
   raw.bytes.resize(at.size);
   raw.filter_mask = at.filter_mask;
   if (h5::read_at(at.fd, raw.bytes.data(), at.size, at.offset) &&
-      xxh64(raw.bytes.data(), raw.bytes.size()) == at.hash) {
+      hash_bytes(s.hash, raw.bytes.data(), raw.bytes.size()) == at.hash) {
     return;
   }
-  const auto dataset = open_state(s.file, at.dataset, at.file_name, s.dtype);
+  const auto dataset = open_state(s.file, at.dataset, at.file_name, s.dtype, s.every_chunk);
   if (dataset->shape != s.shape) {
     throw FormatError(s.where + ": the index says shape " + shape_string(s.shape) +
                       ", but the dataset has shape " + shape_string(dataset->shape));
@@ -239,9 +264,16 @@ void fetch_located(const TensorStream::State& s, RawChunk& raw) {
     return h5::first_chunk_location(dataset->dataset.get(), dataset->shape.size());
   }();
   if (chunk && chunk->offset == at.offset && chunk->size == at.size) {
+    throw FormatError(s.where + ": chunk 0 is corrupt: its stored bytes do not match their " +
+                      hash_name(s.hash) +
+                      " in /index (a damaged disk, or the file was edited in place)");
+  }
+  if (s.every_chunk) {  // format 2.0: only the bytes dynaprobe wrote, checked, are read
     throw FormatError(s.where +
-                      ": chunk 0 is corrupt: its stored bytes do not match their XXH64 in "
-                      "/index (a damaged disk, or the file was edited in place)");
+                      ": the file was rewritten by another tool (its chunk is not where the index "
+                      "puts it, e.g. by h5repack) or is damaged: format 2.0 files are read as "
+                      "dynaprobe wrote them, every chunk checked against its XXH3; read the "
+                      "original file");
   }
   read_whole(*dataset, raw);
 }
@@ -293,7 +325,13 @@ const std::byte* TensorStream::decode(std::size_t chunk, RawChunk& raw, std::vec
   };
   // Checked before any byte is used. A chunk stored as it is has no zstd checksum: /chunk_hashes
   // has its XXH64. One stored compressed must still be (else its frame would be read as values).
-  if (!s.chunk_hashes.empty() && s.zstd_bit >= 0) {
+  if (s.every_chunk && !s.located) {  // (a located chunk was checked when fetched)
+    if (chunk >= s.chunk_hashes.size() || xxh3(data, size) != s.chunk_hashes[chunk]) {
+      throw corrupt(
+          "its stored bytes do not match their XXH3 in /chunk_hashes (a damaged disk, or the "
+          "file was edited in place)");
+    }
+  } else if (!s.chunk_hashes.empty() && s.zstd_bit >= 0) {
     const bool stored_as_is = !applied(s.zstd_bit) && !applied(s.shuffle_bit);
     const std::uint64_t expected = s.chunk_hashes[chunk];
     if (stored_as_is && expected == 0) {
@@ -450,7 +488,7 @@ namespace {
 std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file,
                                                 const std::string& dataset_name,
                                                 const std::string& file_name,
-                                                std::optional<DType> expected_dtype) {
+                                                std::optional<DType> expected_dtype, bool format2) {
   auto state = std::make_shared<TensorStream::State>();
   state->file = std::move(file);
   state->where = file_name + " " + dataset_name;
@@ -474,7 +512,8 @@ std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file
   const DType stored = dtype_of_hdf5_type(type.get(), where);
   DType dtype = stored;
   if (h5::has_attribute(dataset, schema::kDtypeAttr)) {
-    const std::string name = h5::read_string_attribute(dataset, schema::kDtypeAttr, where);
+    const std::string name =
+        h5::read_string_attribute(dataset, schema::kDtypeAttr, where, !format2);
     const auto parsed = parse_dtype(name);
     if (!parsed) {
       throw FormatError(where + ": unknown dtype attribute '" + name +
@@ -526,7 +565,7 @@ std::shared_ptr<TensorStream::State> open_state(std::shared_ptr<h5::Handle> file
 
 // A stream over a record whose only chunk /index locates; nothing is read until fetch().
 TensorStream located_stream(std::shared_ptr<h5::Handle> file, int fd, const RecordInfo& record,
-                            const std::string& file_name) {
+                            const std::string& file_name, bool format2) {
   auto state = std::make_shared<TensorStream::State>();
   state->file = std::move(file);
   state->located = TensorStream::State::Located{fd,
@@ -544,6 +583,8 @@ TensorStream located_stream(std::shared_ptr<h5::Handle> file, int fd, const Reco
       record.shape, std::vector<hsize_t>(record.shape.begin(), record.shape.end()));
   state->shuffle_bit = 0;  // the filter pipeline of dynaprobe's writer: shuffle, then zstd
   state->zstd_bit = 1;
+  state->hash = format2 ? HashAlgorithm::kXxh3 : HashAlgorithm::kXxh64;
+  state->every_chunk = format2;
   return TensorStream(std::move(state));
 }
 
@@ -557,7 +598,8 @@ bool is_located(int fd, const RecordInfo& record) {
 struct StepReader::Impl {
   fs::path path;
   std::shared_ptr<h5::Handle> file;
-  int fd = -1;  // the file's descriptor, for reading single-chunk records by their offset
+  int fd = -1;           // the file's descriptor, for reading single-chunk records by their offset
+  bool format2 = false;  // format >= 2.0: nothing variable-length, every chunk hashed (XXH3)
   std::int64_t step = 0;
   std::string format_version;
   Provenance provenance;
@@ -653,17 +695,33 @@ FormatVersion read_format_version(hid_t file, const std::string& where) {
     throw FormatError(where + ": not a dynaprobe step file (no '" +
                       std::string(schema::kFormatVersionAttr) + "' attribute on /)");
   }
-  return parse_format_version(h5::read_string_attribute(file, schema::kFormatVersionAttr, where),
-                              where);
+  // Format 1 wrote it variable-length, 2.0 fixed-length: which one tells the versions apart before
+  // any variable-length read of a 2.0 file.
+  bool variable = false;
+  {
+    h5::Handle attribute = h5::attribute_handle(
+        H5Aopen(file, std::string(schema::kFormatVersionAttr).c_str(), H5P_DEFAULT),
+        "opening the format version", where);
+    h5::Handle type =
+        h5::type_handle(H5Aget_type(attribute.get()), "reading the format version", where);
+    variable = H5Tget_class(type.get()) == H5T_STRING && H5Tis_variable_str(type.get()) > 0;
+  }
+  FormatVersion version = parse_format_version(
+      h5::read_string_attribute(file, schema::kFormatVersionAttr, where), where);
+  if (variable && version.major >= 2) {
+    throw FormatError(where + ": damaged: its format version attribute says " + version.text +
+                      ", but is stored as format 1 stores it");
+  }
+  return version;
 }
 
 // Provenance: every other string attribute of the root group.
-Provenance read_provenance(hid_t file, const std::string& where) {
+Provenance read_provenance(hid_t file, bool format2, const std::string& where) {
   Provenance provenance;
   for (const std::string& key : h5::attribute_names(file, where)) {
     if (key == schema::kFormatVersionAttr || key == schema::kStepAttr) continue;
     try {
-      provenance[key] = h5::read_string_attribute(file, key, where);
+      provenance[key] = h5::read_string_attribute(file, key, where, !format2);
     } catch (const FormatError&) {  // not a string: not provenance written by dynaprobe
     }
   }
@@ -680,7 +738,7 @@ class IndexTable {
   // hashes, `step` and `provenance`. Call before trusting any offset, hash or name of a row.
   void verify(std::int64_t step, const Provenance& provenance, const std::string& where) const;
 
-  const std::vector<IndexRow>& rows() const { return rows_.rows; }
+  const std::vector<IndexRow>& rows() const { return unpacked_ ? unpacked_->rows() : rows_.rows; }
   const std::vector<std::uint64_t>& chunk_hashes() const { return chunk_hashes_; }
 
  private:
@@ -699,7 +757,10 @@ class IndexTable {
 
   h5::Handle table_, type_, space_;
   bool hashed_ = false;
-  Rows rows_;
+  Rows rows_;  // format 1
+  // Format 2.0: the index's bytes as stored (its checksum covers them) and the rows read from them.
+  std::vector<std::byte> bytes_;
+  std::optional<UnpackedIndex> unpacked_;
   std::vector<std::uint64_t> chunk_hashes_;
 };
 
@@ -711,6 +772,28 @@ IndexTable::IndexTable(hid_t file, const FormatVersion& version, const std::stri
   }
   table_ = h5::dataset_handle(H5Dopen2(file, index_name.c_str(), H5P_DEFAULT), "opening the index",
                               where);
+  if (version.major >= 2) {
+    // Fixed-size rows only (nothing variable-length: refused before any read), read as stored.
+    h5::Handle stored = h5::type_handle(H5Dget_type(table_.get()), "reading the index", where);
+    refuse_variable_length(stored.get(), where + " /index");
+    h5::Handle space = h5::space_handle(H5Dget_space(table_.get()), "reading the index", where);
+    const hssize_t count = H5Sget_simple_extent_npoints(space.get());
+    const std::size_t row_size = H5Tget_size(stored.get());
+    if (count < 0 || H5Sget_simple_extent_ndims(space.get()) != 1 || row_size == 0 ||
+        static_cast<std::uint64_t>(count) > file_size(file) / row_size) {
+      throw FormatError(where + ": damaged /index: expected a 1-D table no larger than the file");
+    }
+    bytes_.resize(static_cast<std::size_t>(count) * row_size);
+    if (!bytes_.empty()) {
+      h5::check<FormatError>(
+          H5Dread(table_.get(), stored.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes_.data()),
+          "reading the index", where);
+    }
+    unpacked_.emplace(stored.get(), bytes_, where);
+    hashed_ = true;
+    chunk_hashes_ = read_chunk_hashes(file, where);
+    return;
+  }
   const auto has_field = [&](std::string_view field) {
     h5::Handle stored = h5::type_handle(H5Dget_type(table_.get()), "reading the index", where);
     return H5Tget_member_index(stored.get(), std::string(field).c_str()) >= 0;
@@ -741,11 +824,13 @@ void IndexTable::verify(std::int64_t step, const Provenance& provenance,
   if (!hashed_) return;
   const std::uint64_t stored = h5::read_u64_attribute(
       table_.get(), schema::kIndexChecksumAttr, "/" + std::string(schema::kIndexDataset), where);
-  if (index_checksum(rows_.rows, chunk_hashes_, step, provenance) != stored) {
-    throw FormatError(where +
-                      ": damaged /index: its XXH64 checksum does not match the index, the chunk "
-                      "hashes, the step or the provenance (a damaged disk, or the file was "
-                      "edited in place)");
+  const std::uint64_t computed = unpacked_
+                                     ? index_checksum_v2(bytes_, chunk_hashes_, step, provenance)
+                                     : index_checksum(rows_.rows, chunk_hashes_, step, provenance);
+  if (computed != stored) {
+    throw FormatError(where + ": damaged /index: its " + (unpacked_ ? "XXH3" : "XXH64") +
+                      " checksum does not match the index, the chunk hashes, the step or the "
+                      "provenance (a damaged disk, or the file was edited in place)");
   }
 }
 
@@ -761,8 +846,10 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   const hid_t file = impl.file->get();
   const FormatVersion version = read_format_version(file, where);
   impl.format_version = version.text;
-  impl.step = parse_step(h5::read_string_attribute(file, schema::kStepAttr, where), where);
-  impl.provenance = read_provenance(file, where);
+  impl.format2 = version.major >= 2;
+  impl.step =
+      parse_step(h5::read_string_attribute(file, schema::kStepAttr, where, !impl.format2), where);
+  impl.provenance = read_provenance(file, impl.format2, where);
   const IndexTable index(file, version, where);
   index.verify(impl.step, impl.provenance, where);
   impl.records.reserve(index.rows().size());
@@ -787,13 +874,15 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     }
     // Format 1.3: a record with elements but no stored bytes was judged at capture and not
     // stored (older writers stored every record).
-    info->stored =
-        !(version.major == 1 && version.minor >= 3 && info->numel() > 0 && info->stored_bytes == 0);
+    info->stored = !((version.major >= 2 || version.minor >= 3) && info->numel() > 0 &&
+                     info->stored_bytes == 0);
     record_of_index_row[i] = static_cast<std::int64_t>(impl.records.size());
     impl.by_key.emplace(info->key, impl.records.size());
     impl.records.push_back(std::move(*info));
   }
-  impl.metrics = read_stored_metrics(file, impl.records, record_of_index_row, where);
+  impl.metrics =
+      read_stored_metrics(file, impl.records, record_of_index_row,
+                          impl.format2 ? HashAlgorithm::kXxh3 : HashAlgorithm::kXxh64, where);
   for (std::size_t i = 0; i < impl.metrics.size(); ++i) {
     impl.metrics_by_key.emplace(impl.metrics[i].key, i);
   }
@@ -821,27 +910,82 @@ const RecordInfo* StepReader::find(const RecordKey& key) const {
   return found == impl_->by_key.end() ? nullptr : &impl_->records[found->second];
 }
 
+namespace {
+
+// A graph's source: a variable-length string (format 1) or, in format 2.0, a fixed-length one
+// (nothing read from HDF5's global heap).
+std::string read_graph_text(hid_t dataset, bool format2, const std::string& context) {
+  h5::Handle type = h5::type_handle(H5Dget_type(dataset), "reading graph type", context);
+  h5::Handle space = h5::space_handle(H5Dget_space(dataset), "reading graph", context);
+  if (H5Tget_class(type.get()) != H5T_STRING || H5Sget_simple_extent_npoints(space.get()) != 1) {
+    throw FormatError(context + ": damaged: expected one string (the graph's source)");
+  }
+  if (H5Tis_variable_str(type.get()) > 0) {
+    if (format2) {
+      throw FormatError(context +
+                        ": damaged: a variable-length string, which format 2.0 never has");
+    }
+    char* text = nullptr;
+    h5::check<FormatError>(
+        H5Dread(dataset, h5::string_type(context), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
+        "reading graph text", context);
+    std::string value = text ? text : "";
+    H5free_memory(text);
+    return value;
+  }
+  const std::size_t size = H5Tget_size(type.get());
+  hsize_t stored = 0;
+  const hid_t file = H5Iget_file_id(dataset);
+  if (file >= 0) {
+    H5Fget_filesize(file, &stored);
+    H5Fclose(file);
+  }
+  if (size == 0 || size > stored) {
+    throw FormatError(context + ": damaged: a graph of " + std::to_string(size) +
+                      " bytes in a file of " + std::to_string(stored));
+  }
+  std::string value(size, '\0');
+  h5::check<FormatError>(H5Dread(dataset, type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()),
+                         "reading graph text", context);
+  return h5::fixed_string(value.data(), size);
+}
+
+// Format 2.0: the checksum attribute of /modules or /graphs against what the reader read.
+void verify_group(hid_t group, const std::vector<NamedAttributes>& entries, bool with_text,
+                  const std::string& name, const std::string& where) {
+  if (group_checksum(entries, with_text) !=
+      h5::read_u64_attribute(group, schema::kGroupChecksumAttr, name, where)) {
+    throw FormatError(where + ": damaged " + name +
+                      ": its XXH3 checksum does not match what it holds (a damaged disk, or the "
+                      "file was edited in place)");
+  }
+}
+
+}  // namespace
+
 std::vector<Graph> StepReader::graphs() const {
   const std::string where = impl_->path.string();
+  const bool format2 = impl_->format2;
   h5::Lock lock(h5::hdf5_mutex());
   const hid_t file = impl_->file->get();
   std::vector<Graph> graphs;
-  const auto group =
-      h5::open_group_if_present(file, "/" + std::string(schema::kGraphsGroup), where);
-  if (!group) return graphs;
+  const std::string group_name = "/" + std::string(schema::kGraphsGroup);
+  const auto group = h5::open_group_if_present(file, group_name, where);
+  if (!group) {
+    if (format2) throw FormatError(where + ": damaged: no " + group_name + " group");
+    return graphs;
+  }
+  std::vector<NamedAttributes> entries;
   const auto names = h5::link_names(group->get(), false, where);
   for (const std::string& name : names) {
     const std::string context = where + " /graphs/" + name;
     h5::Handle dataset = h5::dataset_handle(H5Dopen2(group->get(), name.c_str(), H5P_DEFAULT),
                                             "opening graph", context);
-    char* text = nullptr;
-    h5::check<FormatError>(
-        H5Dread(dataset.get(), h5::string_type(context), H5S_ALL, H5S_ALL, H5P_DEFAULT, &text),
-        "reading graph text", context);
-    Graph graph{name, "", text ? text : "", {}};
-    H5free_memory(text);
+    Graph graph{name, "", read_graph_text(dataset.get(), format2, context), {}};
+    NamedAttributes entry{name, graph.text, {}};
     for (const std::string& key : h5::attribute_names(dataset.get(), context)) {
-      std::string value = h5::read_string_attribute(dataset.get(), key, context);
+      std::string value = h5::read_string_attribute(dataset.get(), key, context, !format2);
+      entry.attributes[key] = value;
       if (key == schema::kGraphKindAttr) {
         graph.kind = std::move(value);
       } else {
@@ -849,18 +993,29 @@ std::vector<Graph> StepReader::graphs() const {
       }
     }
     graphs.push_back(std::move(graph));
+    entries.push_back(std::move(entry));
+  }
+  if (format2) {
+    std::sort(entries.begin(), entries.end(),
+              [](const NamedAttributes& a, const NamedAttributes& b) { return a.name < b.name; });
+    verify_group(group->get(), entries, true, group_name, where);
   }
   return graphs;
 }
 
 std::vector<ModuleInfo> StepReader::modules() const {
   const std::string where = impl_->path.string();
+  const bool format2 = impl_->format2;
   h5::Lock lock(h5::hdf5_mutex());
   const hid_t file = impl_->file->get();
   std::vector<ModuleInfo> modules;
-  const auto group =
-      h5::open_group_if_present(file, "/" + std::string(schema::kModulesGroup), where);
-  if (!group) return modules;
+  const std::string group_name = "/" + std::string(schema::kModulesGroup);
+  const auto group = h5::open_group_if_present(file, group_name, where);
+  if (!group) {
+    if (format2) throw FormatError(where + ": damaged: no " + group_name + " group");
+    return modules;
+  }
+  std::vector<NamedAttributes> entries;
   const auto names = h5::link_names(group->get(), true, where);
   for (const std::string& name : names) {
     const std::string context = where + " /modules/" + name;
@@ -868,10 +1023,15 @@ std::vector<ModuleInfo> StepReader::modules() const {
                                          "opening module", context);
     ModuleInfo info{name, {}};
     for (const std::string& key : h5::attribute_names(module.get(), context)) {
-      info.attributes[key] = h5::read_string_attribute(module.get(), key, context);
+      info.attributes[key] = h5::read_string_attribute(module.get(), key, context, !format2);
+    }
+    if (format2) {
+      entries.push_back(
+          NamedAttributes{name, "", {info.attributes.begin(), info.attributes.end()}});
     }
     modules.push_back(std::move(info));
   }
+  if (format2) verify_group(group->get(), entries, false, group_name, where);
   return modules;
 }
 
@@ -885,12 +1045,12 @@ TensorStream StepReader::open(const RecordInfo& record) const {
   // Most records of a step are small, and opening a dataset costs more than reading and checking
   // its bytes: a single-chunk record is read at the offset /index gives, checked by its hash.
   if (is_located(impl_->fd, record)) {
-    return located_stream(impl_->file, impl_->fd, record, impl_->path.string());
+    return located_stream(impl_->file, impl_->fd, record, impl_->path.string(), impl_->format2);
   }
   const std::string name = dataset_path(record.key);
   const auto state = [&] {
     try {
-      return open_state(impl_->file, name, impl_->path.string(), record.dtype);
+      return open_state(impl_->file, name, impl_->path.string(), record.dtype, impl_->format2);
     } catch (const FormatError& error) {
       throw FormatError("record " + to_string(record.key) + ": " + error.what());
     }
@@ -900,9 +1060,19 @@ TensorStream StepReader::open(const RecordInfo& record) const {
                       shape_string(record.shape) + ", but the dataset has shape " +
                       shape_string(state->shape));
   }
-  // A file rewritten by a tool (h5repack) may have other chunks: then there is nothing to check
-  // them against, as for files older than 1.2.
-  if (state->layout && state->layout->chunk_count() == record.chunk_hashes.size()) {
+  if (impl_->format2 && state->numel > 0 && !state->shape.empty()) {
+    // Format 2.0: every chunk is checked against its XXH3; a dataset that is not dynaprobe's
+    // chunk layout, or has other chunks than the index says, is damage.
+    if (!state->layout || state->layout->chunk_count() != record.chunk_hashes.size()) {
+      throw FormatError(impl_->path.string() + " " + name + ": damaged: its chunks are not the " +
+                        std::to_string(record.chunk_hashes.size()) + " the index hashes");
+    }
+    state->chunk_hashes = record.chunk_hashes;
+    state->hash = HashAlgorithm::kXxh3;
+    state->every_chunk = true;
+  } else if (state->layout && state->layout->chunk_count() == record.chunk_hashes.size()) {
+    // A file rewritten by a tool (h5repack) may have other chunks: then there is nothing to
+    // check them against, as for files older than 1.2.
     state->chunk_hashes = record.chunk_hashes;
   }
   return TensorStream(state);

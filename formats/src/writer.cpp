@@ -76,9 +76,9 @@ bool shrinks_enough(ZSTD_CCtx* compressor, const std::byte* raw, std::size_t siz
 std::uint64_t fingerprint(const TensorView& tensor) {
   const auto* data = static_cast<const std::byte*>(tensor.data);
   const std::size_t size = tensor.nbytes(), window = std::min<std::size_t>(size, 64);
-  std::uint64_t h = xxh64(data, window);
-  h = h * 31 + xxh64(data + (size - window) / 2, window);
-  return h * 31 + xxh64(data + size - window, window);
+  std::uint64_t h = xxh3(data, window);
+  h = h * 31 + xxh3(data + (size - window) / 2, window);
+  return h * 31 + xxh3(data + size - window, window);
 }
 
 // For each record, the position of the first record of `records` with the same dtype, shape and
@@ -248,9 +248,7 @@ void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_rati
     item.payload = work.compressed.data();
     item.payload_size = size;
   }
-  if (layout.chunk_count() == 1 || item.filter_mask == schema::kAllFiltersSkipped) {
-    item.payload_hash = xxh64(item.payload, item.payload_size);
-  }
+  item.payload_hash = xxh3(item.payload, item.payload_size);  // format 2.0: every chunk
 }
 
 struct StepWriter::Impl {
@@ -268,6 +266,9 @@ struct StepWriter::Impl {
   std::vector<RecordInfo> index;
   std::set<std::string> graph_names;
   std::set<std::string> module_names;
+  // What /modules and /graphs hold, for their checksums (written by commit()).
+  std::vector<NamedAttributes> module_entries;
+  std::vector<NamedAttributes> graph_entries;
   bool broken = false;
   bool committed = false;
   tbb::task_arena arena;
@@ -480,12 +481,8 @@ void StepWriter::Impl::write_chunk(const ChunkItem& item) {
             "writing chunk " + std::to_string(item.chunk),
             partial_path.string() + " " + dataset_path(item.plan->record->key));
   dataset_info.stored_bytes += item.payload_size;
-  if (layout.chunk_count() == 1) {
-    locate_only_chunk(item.payload_hash);
-  } else {  // compressed chunks: zstd's content checksum
-    dataset_info.chunk_hashes.push_back(
-        item.filter_mask == schema::kAllFiltersSkipped ? item.payload_hash : 0);
-  }
+  if (layout.chunk_count() == 1) locate_only_chunk(item.payload_hash);
+  dataset_info.chunk_hashes.push_back(item.payload_hash);
   unsynced_bytes += item.payload_size;
   if (unsynced_bytes >= kWritebackBytes) {
     start_writeback(*fd);
@@ -506,13 +503,21 @@ void StepWriter::Impl::write_index() {
                             info.chunk_hash, chunk_hashes.size(), info.chunk_hashes.size()});
     chunk_hashes.insert(chunk_hashes.end(), info.chunk_hashes.begin(), info.chunk_hashes.end());
   }
-  const std::uint64_t checksum = index_checksum(rows, chunk_hashes, step, provenance);
+  const PackedIndex packed = pack_index(rows);
+  const std::uint64_t checksum = index_checksum_v2(packed.bytes, chunk_hashes, step, provenance);
   h5::Lock lock(h5::hdf5_mutex());
   write_table(schema::kChunkHashesDataset, H5T_STD_U64LE, H5T_NATIVE_UINT64, chunk_hashes.data(),
               chunk_hashes.size(), "", 0);
-  const h5::Handle type = index_row_type();
-  write_table(schema::kIndexDataset, type.get(), type.get(), rows.data(), rows.size(),
-              schema::kIndexChecksumAttr, checksum);
+  write_table(schema::kIndexDataset, packed.type.get(), packed.type.get(), packed.bytes.data(),
+              rows.size(), schema::kIndexChecksumAttr, checksum);
+  // /modules and /graphs: a checksum each, over what their objects hold (format 2.0).
+  const std::string where = partial_path.string();
+  h5::write_u64_attribute(modules.get(), schema::kGroupChecksumAttr,
+                          group_checksum(module_entries, false), where + " /modules");
+  std::sort(graph_entries.begin(), graph_entries.end(),
+            [](const NamedAttributes& a, const NamedAttributes& b) { return a.name < b.name; });
+  h5::write_u64_attribute(graphs.get(), schema::kGroupChecksumAttr,
+                          group_checksum(graph_entries, true), where + " /graphs");
 }
 
 // Creates the 1-D dataset `name` under the root of `count` rows and writes them; a non-empty
@@ -566,7 +571,7 @@ void StepWriter::Impl::write_metrics_table() {
   }
   bytes.resize(rows.size() * H5Tget_size(packed.get()));
   write_table(schema::kMetricsDataset, packed.get(), packed.get(), bytes.data(), rows.size(),
-              schema::kMetricsChecksumAttr, xxh64(bytes.data(), bytes.size()));
+              schema::kMetricsChecksumAttr, xxh3(bytes.data(), bytes.size()));
 }
 
 StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance provenance,
@@ -778,19 +783,24 @@ void StepWriter::write_graph(const Graph& graph) {
   const std::string where = impl.partial_path.string() + " /graphs/" + graph.name;
   h5::Lock lock(h5::hdf5_mutex());
   try {
-    const hid_t type = h5::string_type(where);
+    // A fixed-length string (format 2.0): its bytes are the dataset's, nothing in the global heap.
+    h5::Handle type = h5::fixed_string_type(graph.text.size(), where);
     h5::Handle space = h5::space_handle(H5Screate(H5S_SCALAR), "creating dataspace", where);
     h5::Handle dataset =
-        h5::dataset_handle(H5Dcreate2(impl.graphs.get(), graph.name.c_str(), type, space.get(),
-                                      H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+        h5::dataset_handle(H5Dcreate2(impl.graphs.get(), graph.name.c_str(), type.get(),
+                                      space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                            "creating graph dataset", where);
-    const char* text = graph.text.c_str();
-    h5::check(H5Dwrite(dataset.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, &text), "writing graph",
-              where);
+    std::string text = graph.text;
+    text.resize(std::max<std::size_t>(text.size(), 1), '\0');
+    h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
+              "writing graph", where);
     h5::write_string_attribute(dataset.get(), schema::kGraphKindAttr, graph.kind, where);
     for (const auto& [key, value] : graph.attributes) {
       h5::write_string_attribute(dataset.get(), key, value, where);
     }
+    NamedAttributes entry{graph.name, graph.text, graph.attributes};
+    entry.attributes[std::string(schema::kGraphKindAttr)] = graph.kind;
+    impl.graph_entries.push_back(std::move(entry));
   } catch (const IoError&) {
     impl.broken = true;
     throw;
@@ -814,6 +824,8 @@ void StepWriter::write_module(const ModuleInfo& module) {
     for (const auto& [key, value] : module.attributes) {
       h5::write_string_attribute(group.get(), key, value, where);
     }
+    impl.module_entries.push_back(
+        NamedAttributes{module.module, "", {module.attributes.begin(), module.attributes.end()}});
   } catch (const IoError&) {
     impl.broken = true;
     throw;

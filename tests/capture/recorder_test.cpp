@@ -8,9 +8,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/imag.h>
+#include <ATen/ops/quantize_per_tensor.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/view_as_real.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -42,17 +42,16 @@ RecordKey key(std::string module, std::uint32_t index = 0, Kind kind = Kind::kFw
   return RecordKey{0, std::move(module), 0, kind, index, side};
 }
 
-// The bytes a reader must see for `tensor`: its values in C order (complex as real pairs).
+// The bytes a reader must see for `tensor`: its values in C order (complex as complex: real and
+// imaginary parts interleaved, format 2.0).
 std::vector<std::byte> contiguous_bytes(const at::Tensor& tensor) {
-  at::Tensor t = tensor.resolve_conj().resolve_neg().contiguous();
-  if (t.is_complex()) t = at::view_as_real(t).contiguous();
+  const at::Tensor t = tensor.resolve_conj().resolve_neg().contiguous();
   const auto* data = static_cast<const std::byte*>(t.const_data_ptr());
   return std::vector<std::byte>(data, data + t.numel() * t.element_size());
 }
 
 std::vector<std::int64_t> shape_of(const at::Tensor& tensor) {
-  at::Tensor t = tensor.is_complex() ? at::view_as_real(tensor.resolve_conj()) : tensor;
-  return std::vector<std::int64_t>(t.sizes().begin(), t.sizes().end());
+  return std::vector<std::int64_t>(tensor.sizes().begin(), tensor.sizes().end());
 }
 
 struct Expected {
@@ -92,8 +91,8 @@ TEST(Recorder, DtypesRoundTripAsTheirOwnBytes) {
       {key("m", 7), base.to(at::kFloat8_e5m2), DType::kFloat8E5M2, "e5m2"},
       {key("m", 8), base.mul(50).to(at::kChar), DType::kInt8, "int8"},
       {key("m", 9), base.abs().mul(50).to(at::kByte), DType::kUInt8, "uint8"},
-      {key("m", 10), complex, DType::kFloat32, "complex64 as real pairs"},
-      {key("m", 11), complex.to(at::kComplexDouble), DType::kFloat64, "complex128"},
+      {key("m", 10), complex, DType::kComplex64, "complex64"},
+      {key("m", 11), complex.to(at::kComplexDouble), DType::kComplex128, "complex128"},
       {key("m", 12), at::scalar_tensor(2.5), DType::kFloat32, "0-d"},
       {key("m", 13), at::empty({0, 3}), DType::kFloat32, "empty"},
   };
@@ -116,9 +115,9 @@ TEST(Recorder, ViewsAreStoredAsTheirValuesInCOrder) {
       {key("v", 2), at::arange(4, at::kLong).expand({3, 4}), DType::kInt64, "expand"},
       {key("v", 3), base.permute({3, 0, 2, 1}).to(at::kBFloat16), DType::kBFloat16, "permute"},
       {key("v", 4), base.select(2, 1).diagonal(0, 1, 2), DType::kFloat32, "diagonal"},
-      {key("v", 5), complex.conj(), DType::kFloat32, "lazy conjugate"},
+      {key("v", 5), complex.conj(), DType::kComplex64, "lazy conjugate"},
       {key("v", 6), at::imag(complex.conj()), DType::kFloat32, "lazy negation"},
-      {key("v", 7), complex.t(), DType::kFloat32, "complex transpose"},
+      {key("v", 7), complex.t(), DType::kComplex64, "complex transpose"},
   };
   ASSERT_TRUE(expected[5].tensor.is_conj());
   ASSERT_TRUE(expected[6].tensor.is_neg());
@@ -405,11 +404,12 @@ TEST(Recorder, RejectsMisuseWithUsageErrors) {
 TEST(Recorder, UnsupportedDtypeIsNamed) {
   TempDir dir;
   try {
-    dtype_of(at::empty({2}, at::kComplexFloat));
-    FAIL() << "complex has no dump dtype of its own";
+    dtype_of(at::quantize_per_tensor(at::full({2}, 1.0), 0.1, 0, at::kQInt8));
+    FAIL() << "a quantized tensor has no dump dtype";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("ComplexFloat"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("QInt8"), std::string::npos) << e.what();
   }
+  EXPECT_EQ(dtype_of(at::empty({1}, at::kComplexHalf)), DType::kComplex32);
   EXPECT_EQ(dtype_of(at::empty({1}, at::kFloat8_e8m0fnu)), DType::kFloat8E8M0FNU);
   EXPECT_EQ(dtype_of(at::empty({1}, at::kUInt16)), DType::kUInt16);
   Recorder recorder(dir.path(), {});

@@ -117,7 +117,10 @@ TEST(BadInput, WrongDtypeAttributeIsFormatErrorNamingTheDataset) {
   for (const Case& c : {Case{"float16",
                              "dtype attribute says 'float16', but the dataset stores "
                              "float32 values"},
-                        Case{"complex32", "unknown dtype attribute 'complex32'"}}) {
+                        Case{"complex64",
+                             "dtype attribute says 'complex64', but the dataset stores "
+                             "float32 values"},
+                        Case{"float128", "unknown dtype attribute 'float128'"}}) {
     SCOPED_TRACE("dtype attribute " + c.attribute);
     set_string_attribute(file, dataset, schema::kDtypeAttr, c.attribute);
     const StepReader reader(file);  // the index alone is intact
@@ -158,13 +161,76 @@ TEST(BadInput, NonStringDtypeAttributeIsFormatError) {
   EXPECT_CONTAINS(message, "expected a string");
 }
 
+// Format 2.0 has nothing variable-length: a variable-length string (whose bytes would live in
+// HDF5's global heap, which has no checksum) is damage, refused before it is read.
+TEST(BadInput, Format2RefusesAVariableLengthStringBeforeReadingIt) {
+  const testing::TempDir tmp;
+  const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
+  const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
+  const std::string dataset = dataset_path(content.records[0].key);
+  {
+    h5::Handle handle = open_for_tampering(file);
+    const hid_t target = H5Dopen2(handle.get(), dataset.c_str(), H5P_DEFAULT);
+    ASSERT_GE(target, 0);
+    ASSERT_GE(H5Adelete(target, std::string(schema::kDtypeAttr).c_str()), 0);
+    const hid_t space = H5Screate(H5S_SCALAR);
+    const hid_t type = h5::string_type(dataset);
+    const hid_t attribute = H5Acreate2(target, std::string(schema::kDtypeAttr).c_str(), type, space,
+                                       H5P_DEFAULT, H5P_DEFAULT);
+    const char* value = "float32";
+    ASSERT_GE(H5Awrite(attribute, type, &value), 0);
+    H5Aclose(attribute);
+    H5Sclose(space);
+    H5Dclose(target);
+  }
+  const StepReader reader(file);
+  const std::string message =
+      error_of<FormatError>([&] { reader.open(*reader.find(content.records[0].key)); });
+  EXPECT_CONTAINS(message, dataset);
+  EXPECT_CONTAINS(message, "variable-length");
+}
+
+// Format 2.0 checksums /modules and /graphs: an attribute changed in place is damage, named.
+TEST(BadInput, Format2ModulesAndGraphsAreChecksummed) {
+  const testing::TempDir tmp;
+  const auto written = [&](const fs::path& dir) {
+    StepWriter writer(dir, 0, {{"mode", "single_pass"}});
+    writer.write_module({"layers.0", {{"role", "wrapped"}, {"calls", "1"}}});
+    writer.write_graph({"__compiled_fn_1.Forward_Graph.0", "forward", "def forward(x):\n", {}});
+    return writer.commit();
+  };
+  for (const std::string object :
+       {"/modules/layers.0", "/graphs/__compiled_fn_1.Forward_Graph.0"}) {
+    SCOPED_TRACE(object);
+    const fs::path file = written(tmp.path() / object.substr(1, 7));
+    {
+      const StepReader reader(file);
+      EXPECT_EQ(reader.modules().size(), 1u);
+      EXPECT_EQ(reader.graphs().size(), 1u);
+    }
+    set_string_attribute(file, object, object.starts_with("/modules") ? "role" : "kind", "ignored");
+    const StepReader reader(file);  // the index does not cover them: it still opens
+    const bool module = object.starts_with("/modules");
+    const std::string message = error_of<FormatError>([&] {
+      if (module) {
+        reader.modules();
+      } else {
+        reader.graphs();
+      }
+    });
+    EXPECT_CONTAINS(message, file.string());
+    EXPECT_CONTAINS(message, module ? "damaged /modules" : "damaged /graphs");
+    EXPECT_CONTAINS(message, "XXH3");
+  }
+}
+
 TEST(BadInput, NewerFormatVersionTellsTheUserToUpgrade) {
   const testing::TempDir tmp;
   const fs::path file = write_step(tmp.path(), testing::fixture_step(0, 4096));
-  set_string_attribute(file, "/", schema::kFormatVersionAttr, "2.0");
+  set_string_attribute(file, "/", schema::kFormatVersionAttr, "3.0");
   const std::string message = error_of<FormatError>([&] { StepReader reader(file); });
   EXPECT_CONTAINS(message, file.string());
-  EXPECT_CONTAINS(message, "format 2.0");
+  EXPECT_CONTAINS(message, "format 3.0");
   EXPECT_CONTAINS(message, "upgrade dynaprobe");
 }
 

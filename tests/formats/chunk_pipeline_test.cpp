@@ -78,7 +78,7 @@ TEST(CompressChunk, CompressibleChunkIsShuffledAndCompressed) {
   EXPECT_EQ(item.filter_mask, 0u);
   EXPECT_LT(item.payload_size, values.size() * 4 / 2);
   EXPECT_EQ(item.payload, buffers.compressed.data());
-  EXPECT_EQ(item.payload_hash, xxh64(item.payload, item.payload_size));  // the only chunk
+  EXPECT_EQ(item.payload_hash, xxh3(item.payload, item.payload_size));
   std::vector<std::byte> shuffled(values.size() * 4), decoded(values.size() * 4);
   ASSERT_EQ(ZSTD_decompress(shuffled.data(), shuffled.size(), item.payload, item.payload_size),
             shuffled.size());
@@ -104,11 +104,12 @@ TEST(CompressChunk, IncompressibleEdgeChunkIsStoredAsItIsZeroPadded) {
   EXPECT_EQ(std::memcmp(edge.payload, random.data() + 4 * 1000, 4 * 900), 0);
   const std::vector<std::byte> zeros(4 * 100);
   EXPECT_EQ(std::memcmp(edge.payload + 4 * 900, zeros.data(), zeros.size()), 0);
-  EXPECT_EQ(edge.payload_hash, xxh64(edge.payload, edge.payload_size));
+  EXPECT_EQ(edge.payload_hash, xxh3(edge.payload, edge.payload_size));
 }
 
-// A compressed chunk of several is covered by zstd's content checksum: no hash of its own.
-TEST(CompressChunk, CompressedChunkOfSeveralHasNoHash) {
+// Format 2.0: a compressed chunk of several has its hash too (zstd's content checksum covers the
+// decompressed bytes only after decompressing them).
+TEST(CompressChunk, CompressedChunkOfSeveralIsHashedToo) {
   const std::vector<float> zeros(2000, 0.0f);
   const Record record = float_record({2000}, zeros.data());
   const std::vector<WritePlan> plans = {chunked(record, 4 * 1000)};
@@ -116,7 +117,7 @@ TEST(CompressChunk, CompressedChunkOfSeveralHasNoHash) {
   ChunkItem item = first_item(plans, buffers);
   compress_chunk(item, 1, 1.25);
   EXPECT_EQ(item.filter_mask, 0u);
-  EXPECT_EQ(item.payload_hash, 0u);
+  EXPECT_EQ(item.payload_hash, xxh3(item.payload, item.payload_size));
 }
 
 TEST(CompressChunk, ItemWithoutAChunkIsLeftAsItIs) {

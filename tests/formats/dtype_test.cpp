@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace dynaprobe::formats {
 namespace {
@@ -91,6 +92,22 @@ TEST(DType, IntegersAndBoolsConvertToTheirValue) {
   convert_to_float32(DType::kBool, bools, 3, out);
   EXPECT_EQ(out[0], 0.0f);
   EXPECT_EQ(out[1], 1.0f);
+}
+
+// A complex element is two values, real then imaginary, of its part's dtype.
+TEST(DType, ComplexConvertsToItsRealAndImaginaryParts) {
+  EXPECT_EQ(dtype_size(DType::kComplex64), 8u);
+  EXPECT_EQ(complex_part(DType::kComplex128), DType::kFloat64);
+  EXPECT_EQ(value_count(DType::kComplex32), 2u);
+  EXPECT_EQ(value_count(DType::kFloat32), 1u);
+  const double values[] = {1.5, -2.0, 0.25, 8.0};  // two complex128 elements
+  float out[4];
+  convert_to_float32(DType::kComplex128, values, 2, out);
+  EXPECT_EQ(std::vector<float>(out, out + 4), (std::vector<float>{1.5f, -2.0f, 0.25f, 8.0f}));
+  const std::uint16_t halves[] = {0x3c00, 0xc000};  // complex32: 1 - 2i
+  convert_to_float32(DType::kComplex32, halves, 1, out);
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], -2.0f);
 }
 
 }  // namespace

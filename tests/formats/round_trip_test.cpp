@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <set>
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
@@ -145,7 +146,8 @@ TEST(RoundTrip, SingleChunkRecordsAreLocatedInTheIndex) {
     file.seekg(static_cast<std::streamoff>(info.chunk_offset));
     file.read(reinterpret_cast<char*>(stored.data()), static_cast<std::streamsize>(stored.size()));
     ASSERT_TRUE(file.good());
-    EXPECT_EQ(xxh64(stored.data(), stored.size()), info.chunk_hash);
+    EXPECT_EQ(xxh3(stored.data(), stored.size()), info.chunk_hash);
+    EXPECT_EQ(info.chunk_hashes, std::vector<std::uint64_t>{info.chunk_hash});
     // Incompressible bytes are stored as they are: both filters skipped.
     if (t.record.key.module == "noise") {
       EXPECT_EQ(info.chunk_filter_mask, 0b11u);
@@ -255,6 +257,28 @@ TEST(RoundTrip, Xxh64AgreesWithZstdContentChecksums) {
   ZSTD_freeCCtx(context);
 }
 
+// Files of format 1, written by dynaprobe's writer before 2.0 (tests/data/format_1.4 holds one of
+// 1.4, tests/data/format_1.2 three of 1.2), still read: every record, checked by its XXH64 where
+// the file has one, the modules and the graphs.
+TEST(RoundTrip, FilesOfFormat1StillRead) {
+  std::set<std::string> versions;
+  for (const char* folder : {"format_1.2", "format_1.4"}) {
+    for (const auto& entry : std::filesystem::directory_iterator(
+             std::filesystem::path(DYNAPROBE_TEST_DATA_DIR) / folder)) {
+      const StepReader reader(entry.path());
+      SCOPED_TRACE(entry.path().string());
+      versions.insert(reader.format_version());
+      ASSERT_FALSE(reader.records().empty());
+      for (const RecordInfo& record : reader.records()) {
+        if (record.stored) EXPECT_EQ(reader.read(record).size(), record.nbytes());
+      }
+      (void)reader.modules();
+      (void)reader.graphs();
+    }
+  }
+  EXPECT_EQ(versions, (std::set<std::string>{"1.2", "1.4"}));
+}
+
 TEST(RoundTrip, NegativeAndHighZstdLevels) {
   for (int level : {-5, 1, 19}) {
     WriterOptions options;
@@ -306,7 +330,7 @@ TEST(RoundTrip, KeysLabelsGraphsAndProvenance) {
 
   StepReader reader(path);
   EXPECT_EQ(reader.step(), 4);
-  EXPECT_EQ(reader.format_version(), "1.4");
+  EXPECT_EQ(reader.format_version(), "2.0");
   EXPECT_EQ(reader.provenance(), (Provenance{{"backend", "aot_eager"}, {"rank", "1"}}));
   EXPECT_EQ(reader.records().size(), 5u);
   for (const Record& r : records) {

@@ -4,15 +4,20 @@
 // crash, a hang or an escaped exception of another kind.
 //
 // Two ways to run it:
-//   - libFuzzer (clang, -DDYNAPROBE_FUZZ_LIBFUZZER=ON): LLVMFuzzerTestOneInput below, e.g.
-//       build-fuzz/tests/dump_fuzz tests/data/fuzz_seeds -max_total_time=600
+//   - libFuzzer (clang, -DDYNAPROBE_FUZZ_LIBFUZZER=ON: ASan + UBSan, see tests/python/test_fuzz.py
+//     which builds it): LLVMFuzzerTestOneInput below, e.g.
+//       ASAN_OPTIONS=detect_leaks=0 build-fuzz/tests/dump_fuzz NEW_CORPUS tests/data/fuzz_seeds \
+//         -max_total_time=600
+//     The seeds are format 2.0 files (tests/fuzz/make_seeds.py writes them). Files of format 1
+//     (tests/data/format_1.*) hold variable-length strings, whose reads crash libhdf5 1.10
+//     in-process on a damaged global heap: fuzz those with the driver below.
 //   - the driver of this file (any compiler; built by default with the tests):
 //       build/tests/dump_fuzz [--mutations N] [--seed S] [--timeout S] FILE_OR_FOLDER...
 //     runs every seed, then N mutants of each (bit flips, zeroed blocks, truncation, appended
 //     bytes), each in a child process with a timeout, and reports every input that killed or hung
 //     its child (saved next to the working folder as crash-<n>.h5). HDF5 1.10 itself still
-//     crashes or loops on some crafted files (the CLI contains that: docs/cli.md); what this finds
-//     beyond those is a bug of ours.
+//     crashes or loops on some crafted files of format 1 (the CLI contains that: docs/cli.md);
+//     what this finds beyond those is a bug of ours.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>

@@ -19,6 +19,8 @@ import torch
 
 from dynaprobe import _C
 
+from dump_checksum import group_checksum, set_text_attribute
+
 ATOL, RTOL = 1e-4, 1e-3
 RULE = "=" * 72
 SECTION_RULE = "  " + "-" * 68
@@ -1057,8 +1059,10 @@ def test_graphs_are_written_as_py_files_named_after_the_graph(tmp_path, dynaprob
 def test_hostile_graph_names_cannot_escape_the_output_folder(tmp_path, dynaprobe_cli):
     path = write_dump(tmp_path / "run" / "dump", [Rec("m", "fwd_output", **same(randn(2)))],
                       graphs=[(name, "forward", GRAPH_TEXT, {}) for name in ["x..y", "...", "..\\evil", "a b"]])
-    with h5py.File(path, "r+") as f:  # names our writer refuses, written by another tool
-        f["graphs"][".."] = GRAPH_TEXT
+    with h5py.File(path, "r+") as f:  # names our writer refuses, in a crafted file (resealed)
+        f["graphs"][".."] = np.bytes_(GRAPH_TEXT.encode())
+        set_text_attribute(f["graphs"][".."], "kind", "forward")
+        f["graphs"].attrs.create("checksum", group_checksum(f["graphs"], with_text=True), dtype="<u8")
     before = set(p for p in tmp_path.rglob("*"))
     out = tmp_path / "run" / "out" / "graphs"
     proc = run_cli(dynaprobe_cli, "graphs", tmp_path / "run" / "dump", "-o", out)
@@ -1132,7 +1136,7 @@ def broken_dumps(tmp_path):
 
     path = write_dump(tmp_path / "newer", [Rec("m", "fwd_output", **same(randn(3)))])
     with h5py.File(path, "r+") as f:
-        f.attrs["dynaprobe_format_version"] = "2.0"
+        f.attrs.create("dynaprobe_format_version", np.bytes_(b"3.0"))  # fixed-length, as 2.0 has it
     dumps["newer-format"] = tmp_path / "newer"
     return dumps
 
@@ -1145,7 +1149,7 @@ def test_invalid_dumps_exit_with_3_naming_the_file(tmp_path, dynaprobe_cli, kind
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert str(dump / "step_00000000.h5") in proc.stderr
     if kind == "newer-format":
-        assert "2.0" in proc.stderr
+        assert "3.0" in proc.stderr and "upgrade" in proc.stderr
 
 
 def test_folder_without_step_files_exits_with_3(tmp_path, dynaprobe_cli):

@@ -1,5 +1,6 @@
 """Dumps written by dynaprobe read back with independent tools (h5py + hdf5plugin, h5dump), and
-files written by h5py read by dynaprobe."""
+files written by h5py read by dynaprobe. Format 2.0 stores strings fixed-length (nothing in
+HDF5's global heap): h5py reads them as bytes."""
 
 import os
 import shutil
@@ -13,7 +14,9 @@ import pytest
 import dynaprobe
 from dynaprobe import _C
 
-from dump_checksum import index_checksum
+from dump_checksum import group_checksum, index_checksum, rewrite_index, set_text_attribute, widened
+
+FORMAT_1_4 = os.path.join(os.path.dirname(__file__), "..", "data", "format_1.4", "step_00000000.h5")
 
 RNG = np.random.default_rng(1234)
 
@@ -47,6 +50,8 @@ def sample_tensors():
         ("scalar", "float32", np.array(0.333408, dtype=np.float32)),
         ("empty", "float32", np.zeros((4, 0), dtype=np.float32)),
         ("odd", "float32", RNG.standard_normal((3, 1001, 7)).astype(np.float32)),
+        ("c64", "complex64", (floats + 1j * floats[::-1]).astype(np.complex64)),
+        ("c128", "complex128", (floats[:5] - 2j * floats[:5]).astype(np.complex128)),
     ]
     for name in ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"]:
         tensors.append((name.replace("float8_", "fp8_"), name, fp8_bytes))
@@ -87,11 +92,11 @@ def assert_same_values(got, want, what):
 def test_h5py_reads_every_value_bit_for_bit(written):
     path, tensors = written
     with h5py.File(path, "r") as f:
-        assert f.attrs["dynaprobe_format_version"] == "1.4"
-        assert f.attrs["backend"] == "aot_eager"
+        assert f.attrs["dynaprobe_format_version"] == b"2.0"
+        assert f.attrs["backend"] == b"aot_eager"
         for module, dtype, array in tensors:
             dataset = f[dataset_name(module)]
-            assert dataset.attrs["dtype"] == dtype
+            assert dataset.attrs["dtype"] == dtype.encode()
             got = dataset[()]
             want = expected_as_h5py_reads_it(dtype, array)
             assert got.shape == want.shape, module
@@ -121,13 +126,13 @@ def test_h5py_reads_the_index_and_graphs(written):
         assert odd["dtype"] == b"float32" and odd["kind"] == b"fwd_output" and odd["side"] == b"eager"
         graph = f["graphs/__compiled_fn_0.Captured_Graph.1a2b3c4d"]
         assert graph[()].decode() == "def forward(x):\n    return (x,)\n"
-        assert graph.attrs["kind"] == "captured"
+        assert graph.attrs["kind"] == b"captured"
 
 
 def test_dynaprobe_reads_back_what_it_wrote(written):
     path, tensors = written
     info = _C.read_step(path)
-    assert info["step"] == 0 and info["format_version"] == "1.4"
+    assert info["step"] == 0 and info["format_version"] == "2.0"
     assert info["provenance"]["torch_version"] == "2.13.0"
     assert_every_record_reads_back(path, tensors)
 
@@ -163,17 +168,42 @@ def test_index_locates_single_chunk_records_where_hdf5_has_them(written):
     assert {"i8", "u64", "flags"} <= located.keys() and "odd" not in located
 
 
-def test_files_rewritten_by_h5repack_read_through_their_datasets(written, tmp_path):
-    """h5repack moves every chunk and copies /index as it is: the offsets it keeps are stale, and
-    dynaprobe must notice (the bytes there no longer match their hash) and read the datasets."""
-    path, tensors = written
-    repacked = str(tmp_path / "step_00000000.h5")
+def records_of(path):
+    """{record key: (dtype, shape, bytes)} of every stored record of a step file, read by dynaprobe."""
+    out = {}
+    for r in _C.read_step(path)["records"]:
+        key = (r["module"], r["call"], r["kind"], r["tensor_index"], r["side"])
+        out[key] = _C.read_record(path, *key)
+    return out
+
+
+def repack(path, tmp_path):
+    repacked = str(tmp_path / "repacked" / "step_00000000.h5")
+    os.makedirs(os.path.dirname(repacked))
     env = dict(os.environ, HDF5_PLUGIN_PATH=dynaprobe.hdf5_plugin_dir())
     subprocess.run([shutil.which("h5repack"), path, repacked], env=env, check=True)
     assert located_records(repacked) == located_records(path)  # the index came along unchanged
+    return repacked
+
+
+def test_files_of_format_1_rewritten_by_h5repack_read_through_their_datasets(tmp_path):
+    """h5repack moves every chunk and copies /index as it is: the offsets it keeps are stale, and
+    dynaprobe must notice (the bytes there no longer match their hash) and read the datasets."""
+    repacked = repack(FORMAT_1_4, tmp_path)
+    module, (offset, _, _) = next(iter(located_records(FORMAT_1_4).items()))
     with h5py.File(repacked, "r") as f:
-        assert f[dataset_name("i8")].id.get_chunk_info(0).byte_offset != located_records(path)["i8"][0]
-    assert_every_record_reads_back(repacked, tensors)
+        dataset = next(f[f"tensors/{module}"][name] for name in f[f"tensors/{module}"])
+        assert dataset.id.get_chunk_info(0).byte_offset != offset
+    assert records_of(repacked) == records_of(FORMAT_1_4)
+
+
+def test_files_of_format_2_rewritten_by_h5repack_are_refused_as_rewritten(written, tmp_path):
+    """Format 2.0 checks every chunk against the hash written with it: a file another tool
+    rewrote is not what dynaprobe wrote, and reading it says so instead of trusting other bytes."""
+    path, tensors = written
+    repacked = repack(path, tmp_path)
+    with pytest.raises(dynaprobe.FormatError, match="rewritten by another tool"):
+        _C.read_record(repacked, "i8", 0, "fwd_output", 0, "eager")
 
 
 def test_records_with_the_same_bytes_are_one_dataset_under_two_names(tmp_path):
@@ -191,18 +221,72 @@ def test_records_with_the_same_bytes_are_one_dataset_under_two_names(tmp_path):
         assert _C.read_record(path, "a", 0, "fwd_output", 0, side)[2] == want.tobytes()
 
 
-def test_format_1_0_files_without_chunk_locations_still_read(written, tmp_path):
-    path, tensors = written
+def test_format_1_0_files_without_chunk_locations_still_read(tmp_path):
+    """A file of format 1.0 (no chunk locations, hashes or index checksum), made from the 1.4
+    file of tests/data (written by dynaprobe before format 2.0) by dropping those fields."""
     old = str(tmp_path / "step_00000000.h5")
-    shutil.copy(path, old)
+    shutil.copy(FORMAT_1_4, old)
     with h5py.File(old, "r+") as f:
         index = f["index"][()]
         fields = [name for name in index.dtype.names if not name.startswith("chunk_")]
         del f["index"]
         f.create_dataset("index", data=np.array(index[fields].tolist(), dtype=[(n, index.dtype[n]) for n in fields]))
+        del f["chunk_hashes"]
         f.attrs["dynaprobe_format_version"] = "1.0"
     assert _C.read_step(old)["format_version"] == "1.0"
-    assert_every_record_reads_back(old, tensors)
+    assert records_of(old) == records_of(FORMAT_1_4)
+
+
+def test_format_1_4_files_read_as_before(tmp_path, dynaprobe_cli):
+    info = _C.read_step(FORMAT_1_4)
+    assert info["format_version"] == "1.4" and len(info["records"]) == 10
+    with h5py.File(FORMAT_1_4) as f:  # the documented 1.2 checksum still holds
+        assert int(f["index"].attrs["checksum"]) == index_checksum(f)
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    shutil.copy(FORMAT_1_4, folder / "step_00000000.h5")
+    out = subprocess.run([dynaprobe_cli, "compare", str(folder)], capture_output=True, text=True)
+    assert out.returncode == 0 and "RESULT: ALL PASS" in out.stdout, out.stderr
+
+
+def test_format_2_files_hold_nothing_variable_length(written):
+    """No variable-length string or sequence anywhere (h5dump prints every type of the file):
+    nothing of a step lives in HDF5's global heap, which carries no checksum."""
+    path, _ = written
+    env = dict(os.environ, HDF5_PLUGIN_PATH=dynaprobe.hdf5_plugin_dir())
+    header = subprocess.run([shutil.which("h5dump"), "-H", "-A", path], env=env, capture_output=True,
+                            text=True, check=True).stdout
+    assert "H5T_VARIABLE" not in header and "H5T_VLEN" not in header
+    assert "H5T_STRING" in header and 'DATASET "index"' in header
+    assert b"GCOL" not in open(path, "rb").read()  # no global heap collection at all
+
+
+def test_format_2_checksums_are_the_documented_ones(written):
+    path, _ = written
+    with h5py.File(path, "r") as f:
+        assert int(f["index"].attrs["checksum"]) == index_checksum(f)
+        assert int(f["modules"].attrs["checksum"]) == group_checksum(f["modules"], with_text=False)
+        assert int(f["graphs"].attrs["checksum"]) == group_checksum(f["graphs"], with_text=True)
+        rows = f["index"][()]
+        assert list(rows.dtype.names)[:9] == ["module", "call", "kind", "tensor_index", "side", "label",
+                                              "dtype", "rank", "shape"]
+        # Every chunk of every chunked record has its hash: /chunk_hashes, rows point into it.
+        hashes = f["chunk_hashes"][()]
+        for row in rows:
+            if row["rank"] > 0 and row["stored_bytes"] > 0:
+                name = dataset_name(row["module"].decode())
+                assert row["chunk_count"] == f[name].id.get_num_chunks() > 0
+                assert row["chunk_hashes_first"] + row["chunk_count"] <= len(hashes)
+
+
+def test_h5py_reads_complex_records_as_complex(written):
+    path, tensors = written
+    with h5py.File(path, "r") as f:
+        for module in ("c64", "c128"):
+            want = next(a for m, _, a in tensors if m == module)
+            got = f[dataset_name(module)][()]
+            assert got.dtype == want.dtype and got.shape == want.shape, module
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("plugin_dir", ["dynaprobe", "hdf5plugin"])
@@ -264,19 +348,17 @@ def test_rows_of_a_kind_from_a_newer_minor_version_are_skipped_not_fatal(tmp_pat
         ("a", 0, "fwd_output", 0, "compiled", "", "float32", data),
         ("b", 0, "fwd_output", 0, "eager", "", "float32", data)])
     with h5py.File(path, "r+") as f:
-        index = f["index"][()]
+        index = widened(f["index"][()], kind=32)
         index[2]["kind"] = b"buffer_after_step"  # a kind this reader does not know
-        f["index"][...] = index
-        f.attrs["dynaprobe_format_version"] = "1.9"  # written by a newer minor version
-        f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
+        set_text_attribute(f, "dynaprobe_format_version", "2.9")  # written by a newer minor version
+        rewrite_index(f, index)
     info = _C.read_step(path)
     assert [r["module"] for r in info["records"]] == ["a", "a"]
     out = subprocess.run([dynaprobe_cli, "compare", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "unknown kind 'buffer_after_step', written by a newer dynaprobe (format 1.9); skipped" in out.stderr
+    assert "unknown kind 'buffer_after_step', written by a newer dynaprobe (format 2.9); skipped" in out.stderr
     # The same row in a file of this reader's own version can only be damage.
     with h5py.File(path, "r+") as f:
-        f.attrs["dynaprobe_format_version"] = "1.4"
-        f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
+        set_text_attribute(f, "dynaprobe_format_version", "2.0")
     with pytest.raises(dynaprobe.FormatError, match="damaged /index: index row 2 .*unknown kind 'buffer_after_step'"):
         _C.read_step(path)

@@ -194,7 +194,7 @@ def test_graphs_inside_the_dump_extracted_by_the_cli(dynaprobe_cli):
     # And each stored graph says which function and which wrapped module it belongs to.
     with h5py.File(result.dump_file) as f:
         for name in written:
-            attrs = f["graphs"][name[:-3]].attrs
+            attrs = {k: v.decode() for k, v in f["graphs"][name[:-3]].attrs.items()}  # fixed-length
             module = attrs["module"]
             assert attrs["function"] == name.split(".")[0]
             assert attrs["function"] in functions_of(result, module)
@@ -215,7 +215,7 @@ def test_report_json_says_which_functions_each_module_became(dynaprobe_cli):
     stored = collections.defaultdict(set)
     with h5py.File(result.dump_file) as f:
         for name, dataset in f["graphs"].items():
-            stored[dataset.attrs["module"]].add(dataset.attrs["function"])
+            stored[dataset.attrs["module"].decode()].add(dataset.attrs["function"].decode())
     for module in ("0", "1"):
         attrs = step["modules"][module]
         assert attrs["role"] == "wrapped" and attrs["graph_breaks"] == "0" and attrs["calls"] == "1"

@@ -230,8 +230,8 @@ def test_a_one_sided_capture_keeps_full_tensors(tmp_path):
 
 def _rewrite_metrics(step_file, change):
     """Rewrites /metrics as another writer version would: `change` maps the structured array read
-    by h5py to the new one; the checksum covers the new bytes as stored."""
-    from dump_checksum import xxh64
+    by h5py to the new one; the checksum (XXH3, format 2.0) covers the new bytes as stored."""
+    from dump_checksum import xxh3
     import numpy as np
 
     with h5py.File(step_file, "r+") as f:
@@ -239,7 +239,7 @@ def _rewrite_metrics(step_file, change):
         new = change(old, np)
         del f["metrics"]
         f.create_dataset("metrics", data=new)
-        f["metrics"].attrs.create("checksum", xxh64(new.tobytes()), dtype="<u8")
+        f["metrics"].attrs.create("checksum", xxh3(new.tobytes()), dtype="<u8")
 
 
 def test_metrics_of_a_newer_or_older_writer_are_read_by_column(tmp_path, dynaprobe_cli):

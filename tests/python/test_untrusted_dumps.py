@@ -1,9 +1,12 @@
 """Dumps are untrusted input (issue 17): the `dynaprobe` CLI never crashes, hangs or passes by
 accident on a damaged or crafted dump, and never writes outside the folders it was given.
 
-The mutation test damages real step files as a bad disk or an attacker would (bit flips in data
-and metadata, zeroed blocks, truncation, appended garbage) and asserts, for each mutant: exit
-code 1 or 3, or a report identical to the undamaged file's; never a signal, never a timeout.
+The mutation test damages real step files of format 2.0 as a bad disk or an attacker would (bit
+flips in data and metadata, zeroed blocks, truncation, appended garbage) and asserts, for each
+mutant: exit code 1 or 3, or a report identical to the undamaged file's; never a signal, never a
+timeout. Format 2.0 holds nothing in HDF5's global heap, so the damage that crashed libhdf5 in
+format 1 (variable-length strings of /index, attributes, graphs) is read in-process, in Python,
+as a clean FormatError (test_damaged_format_2_files_read_in_process_raise_clean_errors).
 
 Under ASan + UBSan (a -DDYNAPROBE_SANITIZE=ON build; DYNAPROBE_CLI=<its dynaprobe>,
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1) the mutation test passes too: what ASan reports is
@@ -23,9 +26,9 @@ import pytest
 
 from dynaprobe import _C
 
-from dump_checksum import index_checksum, xxh64
+from dump_checksum import index_checksum, set_text_attribute, widened, xxh3, xxh64
 
-MUTANTS = 300  # about 20 s on 2 cores
+MUTANTS = 300  # about 30 s on 2 cores
 RNG = np.random.default_rng(17)
 
 
@@ -82,6 +85,8 @@ def mutate(data, rng):
 
 def test_mutated_step_files_exit_1_or_3_or_report_as_before(tmp_path, dynaprobe_cli):
     original = real_step(tmp_path / "original")
+    with h5py.File(original) as f:
+        assert f.attrs["dynaprobe_format_version"] == b"2.0"
     data = original.read_bytes()
     before = run_cli(dynaprobe_cli, "compare", original)
     # It passes, so a mutant that exits 0 must print exactly its report: damage never passes
@@ -190,7 +195,7 @@ def test_names_with_control_characters_or_invalid_utf8_are_escaped(tmp_path, dyn
 
 
 def test_the_index_checksum_is_the_documented_one(tmp_path):
-    assert xxh64(b"") == 0xEF46DB3751D8E999 and xxh64(b"a" * 40) == xxh64(bytes(b"a" * 40))
+    assert xxh64(b"") == 0xEF46DB3751D8E999 and xxh3(b"") == 0x2D06800538D394C2
     step = real_step(tmp_path / "dump")
     with h5py.File(step) as f:
         assert int(f["index"].attrs["checksum"]) == index_checksum(f)
@@ -200,12 +205,12 @@ def test_the_index_checksum_is_the_documented_one(tmp_path):
 def rewrite_index(step, change, version=None, reseal=True):
     """Changes /index with h5py; `reseal` recomputes its checksum, as a crafted file would."""
     with h5py.File(step, "r+") as f:
-        index = f["index"][()]
+        index = widened(f["index"][()], module=32, kind=32)
         change(index)
         del f["index"]
         f.create_dataset("index", data=index)
         if version:
-            f.attrs["dynaprobe_format_version"] = version
+            set_text_attribute(f, "dynaprobe_format_version", version)
         if reseal:
             f["index"].attrs.create("checksum", index_checksum(f), dtype="<u8")
 
@@ -230,7 +235,7 @@ def test_damage_to_a_chunk_stored_as_it_is_or_to_the_index_is_found(tmp_path, dy
     with h5py.File(step, "r+") as f:
         f.attrs["atol"] = "1.0"
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "provenance")
-    assert proc.returncode == 3 and b"damaged /index: its XXH64 checksum does not match" in proc.stderr
+    assert proc.returncode == 3 and b"damaged /index: its XXH3 checksum does not match" in proc.stderr
     # A row changed without resealing.
     step = real_step(tmp_path / "row")
     def shrink(index):
@@ -256,9 +261,9 @@ def test_damaged_index_is_reported_as_damage_not_as_a_newer_version(tmp_path, dy
         index[0]["kind"] = b"activation"
 
     step = real_step(tmp_path / "newer")
-    rewrite_index(step, new_kind, version="1.9")
+    rewrite_index(step, new_kind, version="2.9")
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "newer")
-    assert b"unknown kind 'activation', written by a newer dynaprobe (format 1.9)" in proc.stderr
+    assert b"unknown kind 'activation', written by a newer dynaprobe (format 2.9)" in proc.stderr
     assert proc.returncode == 1  # the rest is compared
 
 
@@ -283,3 +288,55 @@ def test_graphs_never_write_through_a_link_and_long_names_fit(tmp_path, dynaprob
     written = sorted(p.name for p in out.iterdir())
     assert f"{name}.py" in written and len(written) == 2
     assert all(len(p) <= 255 for p in written) and any(p.startswith("__compiled_fn_2.Forward_Graph.xxx") for p in written)
+
+
+IN_PROCESS = r"""
+import random, shutil, sys
+from pathlib import Path
+import dynaprobe
+from dynaprobe import _C
+
+original, folder, regions = Path(sys.argv[1]), Path(sys.argv[2]), eval(sys.argv[3])
+data = original.read_bytes()
+rng = random.Random(17)
+outcomes = {"read": 0, "error": 0}
+for i in range(300):
+    start, size = regions[i % len(regions)]
+    damaged = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        damaged[start + rng.randrange(size)] ^= 1 << rng.randrange(8)
+    (folder / "step_00000000.h5").write_bytes(bytes(damaged))
+    path = str(folder / "step_00000000.h5")
+    try:
+        info = _C.read_step(path)
+        for r in info["records"]:
+            if r["stored"]:
+                _C.read_record(path, r["module"], r["call"], r["kind"], r["tensor_index"], r["side"])
+        _C.compare(str(folder), str(folder))
+        outcomes["read"] += 1
+    except (dynaprobe.FormatError, dynaprobe.DumpIOError):
+        outcomes["error"] += 1
+print(outcomes)
+"""
+
+
+def test_damaged_format_2_files_read_in_process_raise_clean_errors(tmp_path):
+    """The damage that crashed libhdf5 1.10 in-process in format 1 (flipped bytes in /index's
+    strings, attribute values, graph text: variable-length data in the unchecksummed global heap)
+    is, in format 2.0, a FormatError raised to Python: no crash, no other exception. Run in a
+    child Python so that a crash fails this test instead of killing the test session."""
+    step = real_step(tmp_path / "original")
+    with h5py.File(step) as f:
+        regions = [(f[name].id.get_offset(), f[name].id.get_storage_size())
+                   for name in ("index", "chunk_hashes", "graphs/__compiled_fn_1.Forward_Graph.abcd")]
+        assert all(offset and size for offset, size in regions)
+    data = step.read_bytes()
+    assert b"GCOL" not in data  # no global heap collection: nothing variable-length at all
+    regions.append((0, len(data)))  # and anywhere: object headers, B-trees, chunks
+    folder = tmp_path / "mutant"
+    folder.mkdir()
+    proc = subprocess.run([os.sys.executable, "-c", IN_PROCESS, str(step), str(folder), repr(regions)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a signal is a negative return code
+    outcomes = eval(proc.stdout.strip().splitlines()[-1])
+    assert outcomes["error"] > 200, outcomes  # damage to checksummed bytes is found

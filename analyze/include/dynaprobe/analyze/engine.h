@@ -63,7 +63,12 @@ struct Row {
   // order in which the step ran; root_cause.h uses it.
   std::uint64_t sequence = 0;
 
-  bool shape_mismatch() const { return eager && compiled && eager->shape != compiled->shape; }
+  // Shapes differ, or one side is complex and the other not (complex values compare as pairs).
+  bool shape_mismatch() const {
+    return eager && compiled &&
+           (eager->shape != compiled->shape ||
+            formats::is_complex(eager->dtype) != formats::is_complex(compiled->dtype));
+  }
 };
 
 // The fp64 reference rule, as torch._dynamo.utils.same(fp64_ref=...) draws it for whole graphs:

@@ -71,7 +71,7 @@ class Recorder {
   // Starts a step; records until end_step() go into its file. Throws UsageError while a step is
   // open (end_step() closes a step even when it throws).
   void begin_step(std::int64_t step);
-  // Snapshots `tensor` (any dtype, device, layout, view; complex as view_as_real) into
+  // Snapshots `tensor` (any dtype, device, layout, view; complex as complex) into
   // contiguous host memory and queues it; `tensor` may change as soon as record() returns.
   // key.step is set to the current step. Waits while the queued snapshots plus this one would
   // exceed memory_budget_bytes. Throws an error the background thread met earlier (disk full,

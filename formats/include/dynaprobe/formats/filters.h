@@ -25,4 +25,12 @@ void unshuffle_bytes(const std::byte* src, std::byte* dst, std::size_t size,
 // fetches such a chunk by its file offset can tell the right bytes from stale ones.
 std::uint64_t xxh64(const std::byte* data, std::size_t size);
 
+// XXH3-64 with seed 0 (libxxhash's XXH3_64bits): the checksums of format 2.0, about three times
+// as fast as XXH64 on long inputs.
+std::uint64_t xxh3(const std::byte* data, std::size_t size);
+
+// The hash of a dump's checksums: XXH64 in formats 1.x, XXH3-64 since 2.0.
+enum class HashAlgorithm : std::uint8_t { kXxh64, kXxh3 };
+std::uint64_t hash_bytes(HashAlgorithm algorithm, const std::byte* data, std::size_t size);
+
 }  // namespace dynaprobe::formats

@@ -22,15 +22,17 @@ struct RecordInfo {
   std::vector<std::int64_t> shape;
   std::uint64_t stored_bytes = 0;  // bytes on disk after compression
   // A tensor stored as one chunk: where that chunk lies in the step file, its HDF5 filter mask
-  // and the XXH64 of its stored bytes, so that reading it takes one pread instead of opening its
-  // dataset (the cost that dominates small records). chunk_offset 0: not known (several chunks,
-  // 0-d or empty tensors, files of format 1.0); the dataset is read through HDF5.
+  // and the hash (XXH64 in format 1.x, XXH3-64 since 2.0) of its stored bytes, so that reading it
+  // takes one pread instead of opening its dataset (the cost that dominates small records).
+  // chunk_offset 0: not known (several chunks, 0-d or empty tensors, files of format 1.0); the
+  // dataset is read through HDF5.
   std::uint64_t chunk_offset = 0;
   std::uint32_t chunk_filter_mask = 0;
   std::uint64_t chunk_hash = 0;
-  // A tensor stored as several chunks (format >= 1.2): per chunk in chunk order, the XXH64 of its
-  // stored bytes when it is stored as it is (filter mask 0b11), 0 when compressed (zstd's content
-  // checksum covers it). Empty: not known (older files); chunks are then not checked.
+  // Per chunk in chunk order, the hash of its stored bytes: since format 2.0 of every chunk of
+  // every chunked record (XXH3-64); in 1.2 to 1.4 of the chunks of a tensor stored as several,
+  // XXH64 when stored as it is (filter mask 0b11), 0 when compressed (zstd's content checksum
+  // covers it). Empty: not known (older files); chunks are then not checked.
   std::vector<std::uint64_t> chunk_hashes;
 
   // False for a record whose tensor the capture judged in memory and did not store (format

@@ -11,6 +11,9 @@
 //                          attr checksum (since 1.2)
 //   /chunk_hashes          uint64 per chunk of multi-chunk records (since 1.2)
 //   /metrics               compound table of the pairs judged at capture, attr checksum (1.3)
+// Format 2.0 keeps this layout with nothing variable-length (fixed-length strings, the shape as
+// rank + a fixed array), XXH3-64 checksums over every chunk and table, and checksums of /modules
+// and /graphs (attributes of those groups).
 #pragma once
 
 #include <cstdint>
@@ -18,14 +21,19 @@
 
 namespace dynaprobe::formats::schema {
 
-// A reader refuses files whose major version is newer than kFormatMajor.
-inline constexpr int kFormatMajor = 1;
+// A reader refuses files whose major version is newer than kFormatMajor, and reads every older
+// one.
+inline constexpr int kFormatMajor = 2;
 // 1.1: /index locates single-chunk records. 1.2: /chunk_hashes checks every chunk stored as it
 // is, and the index carries a checksum of itself and of the provenance. 1.3: /metrics holds the
 // metrics the capture computed in memory, and an index row with elements and stored_bytes 0 is a
 // record whose tensor was not stored (PrecisionChecker(dump="failing" or "stats")). 1.4: records
 // of kind "replay" keep what a replay of a failing call needs (never compared).
-inline constexpr int kFormatMinor = 4;
+// 2.0: no variable-length data (nothing in HDF5's global heap), XXH3 checksums over every chunk
+// of every record, the index, /metrics, /modules and /graphs; complex dtypes.
+inline constexpr int kFormatMinor = 0;
+// The last minor version of format 1, which this reader still reads.
+inline constexpr int kFormat1LastMinor = 4;
 
 inline constexpr std::string_view kFormatVersionAttr = "dynaprobe_format_version";
 inline constexpr std::string_view kStepAttr = "step";
@@ -45,6 +53,7 @@ inline constexpr std::string_view kIndexSide = "side";
 inline constexpr std::string_view kIndexLabel = "label";
 inline constexpr std::string_view kIndexDtype = "dtype";
 inline constexpr std::string_view kIndexShape = "shape";
+inline constexpr std::string_view kIndexRank = "rank";  // since 2.0: shape is int64[max rank]
 inline constexpr std::string_view kIndexStoredBytes = "stored_bytes";
 inline constexpr std::string_view kIndexChunkOffset = "chunk_offset";  // since 1.1
 inline constexpr std::string_view kIndexChunkFilterMask = "chunk_filter_mask";
@@ -59,6 +68,8 @@ inline constexpr std::string_view kIndexChecksumAttr = "checksum";
 // Since 1.3: the metrics of pairs judged at capture, and their checksum (an attribute of it).
 inline constexpr std::string_view kMetricsDataset = "metrics";
 inline constexpr std::string_view kMetricsChecksumAttr = "checksum";
+// Since 2.0: the checksums of /modules and of /graphs, attributes of those groups.
+inline constexpr std::string_view kGroupChecksumAttr = "checksum";
 
 inline constexpr std::string_view kRankDirPrefix = "rank";
 inline constexpr std::string_view kStepFilePrefix = "step_";
