@@ -419,6 +419,7 @@ class PrecisionChecker:
         targets = self._single_pass.targets
         self._compiler.summarize(step, targets)
         step.record_param_grads([(t.name, [(n, p, p) for n, p in t.params]) for t in targets])
+        self._single_pass.decide_replays(step, final=True)
         return self._finish_step()
 
     # ------------------------------------------------------------------ compare
