@@ -218,6 +218,7 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe, dumps=("fu
             "seconds": seconds, "vs_inherent": seconds / inherent,
             "dump_bytes": statistics.median(config.bytes),
             "rss_growth_bytes": max(config.growth),
+            "step_seconds": config.times,  # per measured round, in order: for paired ratios
         })
     return rows
 

@@ -460,3 +460,35 @@ def test_replay_keeps_the_buffers_from_before_the_call(tmp_path):
     call = load_call(checker.dump_dir, "0")
     for name, value in before.items():
         assert torch.equal(call.tensors[f"buffer:{name}"], value), name
+
+
+def test_the_cli_runs_the_python_replay_tools(tmp_path, dynaprobe_cli):
+    """dynaprobe repro / bisect run python -m dynaprobe.repro / bisect with their arguments and
+    exit codes; a Python without dynaprobe, or none, is exit 2 with what to do."""
+    checker, _, _ = checked_step(tmp_path, dump="failing")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
+    out = tmp_path / "repro"
+    made = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir, "--module", "mlp", "-o",
+                           str(out)], capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout == f"Repro written to: {out / 'repro.py'}\n"
+    assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
+    bisected = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "mlp",
+                               "--stages", "eager,aot_eager"], capture_output=True, text=True,
+                              env=env)
+    assert bisected.returncode == 0, bisected.stderr
+    assert "forward  first changes at: no stage" in bisected.stdout
+    unknown = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir, "--module", "nope", "-o",
+                              str(out)], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2
+    assert "keeps replay data of module 'nope'" in unknown.stderr  # "no step of DUMP keeps ..."
+
+    bare = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir], capture_output=True,
+                          text=True, env={**env, "DYNAPROBE_PYTHON": "/usr/bin/python3"})
+    assert bare.returncode == 2
+    assert "cannot import dynaprobe.repro" in bare.stderr and "DYNAPROBE_PYTHON" in bare.stderr
+    missing = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir], capture_output=True,
+                             text=True, env={**env, "DYNAPROBE_PYTHON": str(tmp_path / "none")})
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("dynaprobe: error: bisect runs 'python -m dynaprobe.bisect'")
