@@ -1,6 +1,6 @@
 // dynaprobe repro / dynaprobe bisect: replaying a call needs torch, so these run the Python entry
 // points of the dynaprobe package (python -m dynaprobe.repro / dynaprobe.bisect) with the same
-// arguments, in place of this process (docs/cli.md#replaying-a-call-dynaprobe-repro-and-bisect).
+// arguments, in place of this process (docs/cli.md, Replaying a call).
 #include <unistd.h>
 
 #include <cerrno>
