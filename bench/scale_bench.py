@@ -11,6 +11,7 @@ reported:
   full        dynaprobe's PrecisionChecker, single-pass, dump="full"
   failing     dump="failing"
   stats       dump="stats"
+  with --replay failing,none: each dump mode once per replay setting, named e.g. full:none
   msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional),
               in a process of its own right after the others: in the same process its hooks
               slow every model about tenfold
@@ -18,6 +19,7 @@ Per configuration: seconds per step, ratio to inherent, bytes of dump per step, 
 growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
 
     .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3]
+        [--dumps full,failing,stats] [--replay failing,none] [--no-msprobe]
         [--json results.json] [--plot plot.svg]
 
 msProbe: `pip install --no-deps --target DIR mindstudio-probe` plus the packages its import
@@ -136,9 +138,9 @@ class Inherent(Compiled):
 
 
 class Dynaprobe(Config):
-    def __init__(self, name, model, dump_dir, dump):
+    def __init__(self, name, model, dump_dir, dump, replay=None):
         super().__init__(name, model, dump_dir)
-        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir)
+        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir, replay=replay)
         self.checker.wrap_by_policy(model, (block_type(),))
 
     def setup(self):
@@ -182,7 +184,8 @@ def msprobe_available() -> bool:
         return False
 
 
-def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
+def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe, dumps=("full", "failing",
+            "stats"), replays=(None,)):
     template = gpt2(layers, hidden)
     params = sum(p.numel() for p in template.parameters())
     state = template.state_dict()
@@ -196,9 +199,11 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
         configs = [MsProbe("msprobe", copy_model(), workdir)]
     else:
         configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
-        for dump in ("full", "failing", "stats"):
-            configs.append(Dynaprobe(dump, copy_model(),
-                                     os.path.join(workdir, f"{layers}x{hidden}-{dump}"), dump))
+        for dump in dumps:
+            for replay in replays:
+                name = dump if replay is None else f"{dump}:{replay}"
+                configs.append(Dynaprobe(name, copy_model(), os.path.join(
+                    workdir, f"{layers}x{hidden}-{name}"), dump, replay))
     run_steps(configs, batch, seq, steps)
     if with_msprobe is True:
         configs.append(msprobe_in_its_own_process(layers, hidden, batch, seq, steps))
@@ -213,6 +218,7 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe):
             "seconds": seconds, "vs_inherent": seconds / inherent,
             "dump_bytes": statistics.median(config.bytes),
             "rss_growth_bytes": max(config.growth),
+            "step_seconds": config.times,  # per measured round, in order: for paired ratios
         })
     return rows
 
@@ -251,10 +257,10 @@ def msprobe_in_its_own_process(layers, hidden, batch, seq, steps):
 
 
 def print_table(rows):
-    print(f"{'size':>9} {'params':>7} {'config':>9} {'s/step':>7} {'x inherent':>10} "
+    print(f"{'size':>9} {'params':>7} {'config':>13} {'s/step':>7} {'x inherent':>10} "
           f"{'dump/step':>10} {'RSS growth':>10}")
     for r in rows:
-        print(f"{r['layers']:>3}x{r['hidden']:<5} {r['params'] / 1e6:6.1f}M {r['config']:>9} "
+        print(f"{r['layers']:>3}x{r['hidden']:<5} {r['params'] / 1e6:6.1f}M {r['config']:>13} "
               f"{r['seconds']:7.2f} {r['vs_inherent']:10.2f} {r['dump_bytes'] / 1e6:8.2f}MB "
               f"{r['rss_growth_bytes'] / 1e6:8.0f}MB")
 
@@ -297,6 +303,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows there")
     parser.add_argument("--plot", help="write a plot of step time and dump size there (SVG/PNG)")
     parser.add_argument("--no-msprobe", action="store_true", help="leave msProbe out")
+    parser.add_argument("--dumps", default="full,failing,stats",
+                        help="dynaprobe's storage modes to measure")
+    parser.add_argument("--replay", default=None,
+                        help="replay settings to measure each storage mode with, e.g. "
+                             "failing,none (default: the checker's default)")
     parser.add_argument("--msprobe-worker", metavar="LxH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.msprobe_worker:
@@ -316,7 +327,8 @@ def main() -> None:
         for size in args.sizes.split(","):
             layers, hidden = (int(x) for x in size.split("x"))
             rows += measure(layers, hidden, args.batch, args.seq, args.steps, workdir,
-                            with_msprobe)
+                            with_msprobe, args.dumps.split(","),
+                            args.replay.split(",") if args.replay else (None,))
             print_table([r for r in rows if (r["layers"], r["hidden"]) == (layers, hidden)])
             sys.stdout.flush()
     finally:

@@ -14,6 +14,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace dynaprobe::cli {
 
@@ -90,6 +91,13 @@ struct GraphsOptions {
 };
 void setup_graphs(CLI::App& app, Command& selected);
 int run_graphs(const GraphsOptions& options);
+
+// repro and bisect need torch: they run in place of this process as python -m dynaprobe.<tool>
+// with the arguments after the command word (python_tools.cpp). setup_python_tools lists them
+// in --help; run_python_tool returns only when Python cannot be run (exit 2).
+void setup_python_tools(CLI::App& app);
+bool is_python_tool(const std::string& word);
+int run_python_tool(const std::string& tool, const std::vector<std::string>& args);
 
 // Containment (contain.cpp): the limits of the process that reads the dumps.
 struct Limits {

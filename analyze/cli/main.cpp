@@ -18,7 +18,7 @@ namespace schema = dynaprobe::formats::schema;
 
 namespace {
 
-constexpr const char* kCommands[] = {"compare", "ls", "graphs"};
+constexpr const char* kCommands[] = {"compare", "ls", "graphs", "repro", "bisect"};
 
 // "dynaprobe 0.1.0" and the dump format versions this build reads and writes.
 std::string version_text() {
@@ -161,6 +161,7 @@ int main(int argc, char** argv) {
   cli::setup_compare(app, command);
   cli::setup_ls(app, command);
   cli::setup_graphs(app, command);
+  cli::setup_python_tools(app);
 
   std::vector<std::string> args = arguments(argc, argv);
   const std::string word = command_word(args);
@@ -174,10 +175,15 @@ int main(int argc, char** argv) {
   }
   if (!word.empty() &&
       std::find(std::begin(kCommands), std::end(kCommands), word) == std::end(kCommands)) {
-    const std::string guess = suggestion(word, {"compare", "ls", "graphs", "version", "help"});
+    const std::string guess =
+        suggestion(word, {"compare", "ls", "graphs", "repro", "bisect", "version", "help"});
     return usage_error("unknown command '" + word + "'" + (guess.empty() ? ";" : guess) +
-                       " the commands are compare, ls and graphs (dynaprobe --help says what "
-                       "each does)");
+                       " the commands are compare, ls, graphs, repro and bisect (dynaprobe "
+                       "--help says what each does)");
+  }
+  if (cli::is_python_tool(word)) {
+    const auto at = std::find(args.begin(), args.end(), word);
+    return cli::run_python_tool(word, std::vector<std::string>(at + 1, args.end()));
   }
   try {
     std::vector<std::string> reversed(args.rbegin(),

@@ -244,6 +244,9 @@ class PairJudge {
   }
 
   std::vector<formats::StoredMetrics> take_metrics() { return std::exchange(metrics_, {}); }
+  // The calls with a pair found failing (or spilled, so not judged in memory) since the last
+  // take, as (module, call).
+  std::vector<CallKey> take_failing() { return std::exchange(failing_, {}); }
   std::size_t held_bytes() const { return held_bytes_; }
 
  private:
@@ -279,6 +282,8 @@ class PairJudge {
       keep_tensors = !stored.metrics.allclose;
       metrics_.push_back(std::move(stored));
     }
+    if (keep_tensors && eager && compiled)
+      failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));
     for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled}) {
       if (!*side) continue;
       held_bytes_ -= (*side)->bytes;
@@ -303,6 +308,7 @@ class PairJudge {
       }
       pending_.erase(found);
       spilled_.insert(pair);
+      failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));  // judged later, from the dump
     }
   }
 
@@ -317,6 +323,7 @@ class PairJudge {
   std::set<PairKey> spilled_;
   std::size_t held_bytes_ = 0;
   std::vector<formats::StoredMetrics> metrics_;
+  std::vector<CallKey> failing_;
 };
 
 // `error` with a note that the step is lost, keeping its type so callers can tell disk trouble
@@ -382,6 +389,9 @@ struct Recorder::Impl {
   std::size_t queued_bytes = 0;   // snapshots queued or being written
   std::size_t held_bytes = 0;     // snapshots the background thread holds for their twin
   std::exception_ptr step_error;  // why the current step is lost
+  std::uint64_t pushed = 0;       // items queued so far
+  std::uint64_t handled = 0;      // items the background thread has judged or handled
+  std::set<CallKey> failing;      // of the current step (PairJudge::take_failing)
   bool step_done = false;         // the background thread has handled the EndItem
   fs::path committed;
   bool stopping = false;
@@ -392,6 +402,7 @@ struct Recorder::Impl {
     {
       std::lock_guard lock(mutex);
       queue.push_back(std::move(item));
+      ++pushed;
     }
     work_cv.notify_one();
   }
@@ -476,6 +487,8 @@ void Recorder::Impl::run() {
     if (!batch.empty()) {
       std::size_t bytes = 0;
       for (const auto& r : batch) bytes += r.bytes;
+      const std::size_t count = batch.size();
+      bool counted = false;  // `handled` includes this batch
       if (writer && !lost) {
         try {
           std::vector<RecordItem> store, describe;
@@ -483,6 +496,13 @@ void Recorder::Impl::run() {
             if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
             judge->take(std::move(r), store, describe);
           }
+          {  // judged: failing_calls() need not wait for the write
+            std::lock_guard lock(mutex);
+            for (auto& call : judge->take_failing()) failing.insert(std::move(call));
+            handled += count;
+            counted = true;
+          }
+          caller_cv.notify_all();
           write_items(*writer, store, describe);
         } catch (...) {
           fail(std::current_exception());
@@ -493,6 +513,7 @@ void Recorder::Impl::run() {
         std::lock_guard lock(mutex);
         queued_bytes -= bytes;
         held_bytes = judge && !lost ? judge->held_bytes() : 0;
+        if (!counted) handled += count;
       }
       caller_cv.notify_all();
       continue;
@@ -512,6 +533,8 @@ void Recorder::Impl::run() {
               judge = std::make_unique<PairJudge>(provenance, dump_dir, options.store,
                                                   options.writer.chunk_bytes,
                                                   options.memory_budget_bytes / 2);
+              std::lock_guard lock(mutex);
+              failing.clear();
             } else if constexpr (std::is_same_v<T, formats::Graph>) {
               if (writer && !lost) writer->write_graph(value);
             } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
@@ -551,6 +574,11 @@ void Recorder::Impl::run() {
         caller_cv.notify_all();
       }
     }
+    {
+      std::lock_guard lock(mutex);
+      ++handled;
+    }
+    caller_cv.notify_all();
   }
   writer.reset();  // an unfinished step: its partial file goes
 }
@@ -668,6 +696,7 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
     std::lock_guard lock(impl.mutex);
     impl.queued_bytes += bytes;
     impl.queue.push_back(std::move(item));
+    ++impl.pushed;
   }
   impl.work_cv.notify_one();
   impl.keys.insert(std::move(key));
@@ -720,6 +749,16 @@ fs::path Recorder::end_step() {
   impl.in_step = false;
   if (error) std::rethrow_exception(error);
   return path;
+}
+
+std::vector<CallKey> Recorder::failing_calls() {
+  Impl& impl = *impl_;
+  std::lock_guard call(impl.call_mutex);
+  impl.require_step("ask for the failing calls");
+  std::unique_lock lock(impl.mutex);
+  const std::uint64_t queued = impl.pushed;
+  impl.caller_cv.wait(lock, [&] { return impl.step_error || impl.handled >= queued; });
+  return {impl.failing.begin(), impl.failing.end()};
 }
 
 const fs::path& Recorder::dump_dir() const { return impl_->dump_dir; }

@@ -478,6 +478,40 @@ TEST(Recorder, EveryPairIsJudgedInMemoryAndItsMetricsStored) {
   }
 }
 
+RecordKey call_key(std::string module, std::uint32_t call, Kind kind, Side side) {
+  return RecordKey{0, std::move(module), call, kind, 0, side};
+}
+
+TEST(Recorder, FailingCallsAreTheCallsWithAPairOutsideItsTolerances) {
+  for (const StoreMode mode : {StoreMode::kFull, StoreMode::kFailing}) {
+    TempDir dir;
+    RecorderOptions options;
+    options.store = mode;
+    Recorder recorder(dir.path(), {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
+                      options);
+    EXPECT_THROW(recorder.failing_calls(), UsageError);  // outside a step
+    recorder.begin_step(0);
+    const at::Tensor x = at::randn({64, 64});
+    recorder.record(call_key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+    recorder.record(call_key("m", 0, Kind::kFwdOutput, Side::kEager), x);
+    recorder.record(call_key("m", 1, Kind::kFwdOutput, Side::kCompiled), x);
+    recorder.record(call_key("m", 1, Kind::kFwdOutput, Side::kEager), x);
+    recorder.record(call_key("m", 1, Kind::kGradInput, Side::kCompiled),
+                    x.add(1e-3));  // > tolerance
+    recorder.record(call_key("m", 1, Kind::kGradInput, Side::kEager), x);
+    recorder.record(call_key("n", 0, Kind::kFwdOutput, Side::kCompiled), x.add(5e-5));  // within
+    recorder.record(call_key("n", 0, Kind::kFwdOutput, Side::kEager), x);
+    recorder.record(call_key("o", 2, Kind::kFwdOutput, Side::kCompiled), x.reshape({4096}));
+    recorder.record(call_key("o", 2, Kind::kFwdOutput, Side::kEager), x);         // shapes differ
+    recorder.record(call_key("p", 0, Kind::kFwdOutput, Side::kEager), x.add(1));  // no twin yet
+    EXPECT_EQ(recorder.failing_calls(), (std::vector<CallKey>{{"m", 1}, {"o", 2}}));
+    recorder.end_step();
+    recorder.begin_step(1);  // a new step starts with none
+    EXPECT_TRUE(recorder.failing_calls().empty());
+    recorder.end_step();
+  }
+}
+
 TEST(Recorder, StoreModesKeepTheTensorsTheyPromise) {
   TempDir full_dir, failing_dir, stats_dir;
   const JudgedStep full = judged_step(full_dir.path(), StoreMode::kFull);

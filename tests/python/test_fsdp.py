@@ -292,6 +292,22 @@ def test_a_compile_difference_fails_on_every_rank(fsdp_run):
             assert status[(block, "param_grad", 0)] == "PASS"  # norm1.weight: within tolerance
 
 
+def test_a_failing_fsdp2_module_names_what_to_do_instead_of_a_repro(fsdp_run, tmp_path):
+    """FSDP2's full parameters exist only while a block runs: the dump says why it keeps no
+    replay data, and the repro and bisect tools print it, with the alternative."""
+    out, summaries = fsdp_run
+    dump_dir = os.path.join(out, summaries[0]["gelu"]["dump_dir"])
+    for tool in ("repro", "bisect"):
+        command = [sys.executable, "-m", f"dynaprobe.{tool}", dump_dir, "--module", "blocks.0"]
+        if tool == "repro":
+            command += ["-o", str(tmp_path / "repro")]
+        made = subprocess.run(command, capture_output=True, text=True)
+        assert made.returncode == 2, made.stdout + made.stderr
+        assert "the module blocks.0 is sharded by FSDP2 (fully_shard)" in made.stderr
+        assert "full_state_dict=True" in made.stderr
+    assert not (tmp_path / "repro").exists()
+
+
 def test_per_rank_csv_files(fsdp_run):
     out, summaries = fsdp_run
     for rank, summary in enumerate(summaries):

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 from functorch.compile import default_partition
 from models import Stage as TanhStage
-from models import TiedTwice, _perturb_gelu, perturbed_gelu_backend, plain_compiler
+from models import (BACKWARD_FAULT, TiedTwice, _perturb_gelu, perturbed_gelu_backend,
+                    plain_compiler)
 from torch._dynamo.backends.common import aot_autograd
 
 from dynaprobe import PrecisionChecker, _C
@@ -308,3 +309,186 @@ def test_a_fault_in_an_inductor_lowering_is_named_by_compiler_bisector(tmp_path,
     assert bisected.inductor.debug_info == "tanh"
     assert "inductor subsystem: BisectionResult(backend='inductor', subsystem='lowerings'" in \
         bisected.text()
+
+
+# ---------------------------------------------------------------------- backward-only failures
+BACKWARD_USER_CODE = USER_CODE.replace(
+    "perturbed = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)",
+    "def plain(gm, example_inputs):\n    return make_boxed_func(gm.forward)\n\n\n"
+    "backward_fault = aot_autograd(fw_compiler=plain, bw_compiler=_perturb_gelu)")
+
+
+def test_a_backward_only_failure_is_kept_by_default_and_reproduces_in_a_fresh_process(tmp_path):
+    """The forward passes, GELU's backward is 1% off: with the default replay setting, and the
+    optimizer stepping before collect() (the parameters change after the backward), the call is
+    kept, and its repro reproduces the failing grad_input metrics to the bit."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "user_model.py").write_text(BACKWARD_USER_CODE)
+    sys.path.insert(0, str(user))
+    try:
+        import user_model
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), user_model.Net(8))
+        x, bias = torch.randn(4, 8), torch.randn(8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        checker = PrecisionChecker(backend=user_model.backward_fault,
+                                   dump_dir=str(tmp_path / "dump"))
+        assert checker.replay == "failing"
+        checker.wrap(model[1])
+        checker.install(model)
+        loss = model[1](model[0](x), 0.5, extra={"bias": bias}).square().sum()
+        loss.backward()
+        optimizer.step()
+        result = checker.collect(loss)
+        checker.uninstall()
+    finally:
+        sys.path.remove(str(user))
+        sys.modules.pop("user_model", None)
+    status = {(r.check_type, r.tensor_index): r for r in result.rows if r.module == "1"}
+    assert status[("fwd_output", 0)].status == "PASS"
+    failing = status[("grad_input", 0)]
+    assert failing.status == "FAIL"
+    assert {r["label"] for r in replay_records(result.dump_file)} >= {"input:0", "grad_output:0",
+                                                                      "param:up.weight"}
+
+    out = tmp_path / "repro"
+    made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", checker.dump_dir,
+                           "--module", "1", "-o", str(out)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
+    assert run.returncode == 1, run.stdout + run.stderr
+    recorded, replayed = run.stdout.split("replayed:\n")
+    lines = {line.split()[1]: line for line in replayed.splitlines()}
+    assert lines["fwd_output[0]"].split()[0] == "PASS"
+    line = lines["grad_input[0]"]
+    assert line.split()[0] == "FAIL"
+    assert f"max_abs={failing.max_abs!r} " in line and f"mean_abs={failing.mean_abs!r} " in line
+    assert line in recorded  # the metrics the dump recorded, to the bit
+
+
+def test_a_passing_call_keeps_nothing_and_a_parameter_only_failure_waits_for_collect(tmp_path):
+    """Replay data of passing calls is dropped. A call whose inputs need no gradient shows a
+    backward fault only in its parameter gradients, judged at collect(): kept when collect()
+    comes before the optimizer step, else said in a warning."""
+    _, _, result = checked_step(tmp_path / "pass", backend="aot_eager")
+    assert result.all_pass and replay_records(result.dump_file) == []
+
+    def run(folder, step_first):
+        torch.manual_seed(0)
+        model = nn.Sequential(Chain().mlp)  # its input (the model's) needs no gradient
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        checker = PrecisionChecker(backend=BACKWARD_FAULT, dump_dir=str(tmp_path / folder))
+        checker.wrap(model[0])
+        checker.install(model)
+        loss = model(torch.randn(8, 16)).square().sum()
+        loss.backward()
+        if step_first:
+            optimizer.step()
+        result = checker.collect(loss)
+        checker.uninstall()
+        return result
+
+    result = run("collect_first", step_first=False)
+    failing = {(r.check_type, r.status) for r in result.rows}
+    assert ("param_grad", "FAIL") in failing and ("fwd_output", "FAIL") not in failing
+    assert {r["label"] for r in replay_records(result.dump_file)} >= {"param:up.weight"}
+    with pytest.warns(UserWarning, match=r"replay data of call 0 was not kept: .*changed.*"
+                                         r"Call collect\(\) before optimizer.step\(\)"):
+        result = run("step_first", step_first=True)
+    assert not result.all_pass and replay_records(result.dump_file) == []
+
+
+def _backward_stages(fault: str):
+    """As _stages, with the fault in the backward only: GELU's backward 1% off, in the
+    decomposition table, the partitioned backward graph or the backward compiler."""
+    def faulty_gelu_backward(grad, x, approximate="none"):
+        cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+        pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
+        return grad * (cdf + x * pdf) * 1.01
+
+    def faulty_partition(joint, joint_inputs, **kwargs):
+        forward, backward = default_partition(joint, joint_inputs, **kwargs)
+        _perturb_gelu(backward, None)
+        return forward, backward
+
+    table = {torch.ops.aten.gelu_backward.default: faulty_gelu_backward} if fault == \
+        "decomposition" else {}
+    partition = faulty_partition if fault == "partition" else default_partition
+    compiler = _perturb_gelu if fault == "codegen" else plain_compiler
+    return [
+        Stage("eager", "eager"),
+        Stage("aot_eager", aot_autograd(fw_compiler=plain_compiler)),
+        Stage("decomposition", aot_autograd(fw_compiler=plain_compiler, decompositions=table)),
+        Stage("partition", aot_autograd(fw_compiler=plain_compiler, decompositions=table,
+                                        partition_fn=partition)),
+        Stage("codegen", aot_autograd(fw_compiler=plain_compiler, bw_compiler=compiler,
+                                      decompositions=table, partition_fn=partition)),
+    ]
+
+
+@pytest.mark.parametrize("fault", ["decomposition", "partition", "codegen"])
+def test_a_backward_only_failure_kept_by_default_is_bisected_to_its_stage(tmp_path, fault):
+    checker, _, result = checked_step(tmp_path, backend=BACKWARD_FAULT)  # replay: the default
+    assert {(r.module, r.check_type) for r in result.rows if r.status == "FAIL"} >= {
+        ("mlp", "grad_input")}
+    assert all(r.status == "PASS" for r in result.rows if r.check_type == "fwd_output")
+    kept = {r["module"] for r in replay_records(result.dump_file)}
+    assert "mlp" in kept and "proj" not in kept  # proj's backward comes before the fault
+    bisected = bisect_call(load_call(checker.dump_dir, "mlp"), _backward_stages(fault))
+    assert bisected.first_failing(forward=False) == fault
+    assert bisected.first_changed(forward=True) is None  # the forward is eager's everywhere
+    assert f"backward first changes at: {fault}; first fails the tolerances at: {fault}" in \
+        bisected.text()
+
+
+def test_replay_keeps_the_buffers_from_before_the_call(tmp_path):
+    """Batch norm updates its running statistics in the forward: the replay keeps them as they
+    were before the call (copied only because the training call changed them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+    before = {n: b.clone() for n, b in model[0].named_buffers()}
+    checker = PrecisionChecker(backend="aot_eager", replay="all", dump_dir=str(tmp_path))
+    checker.wrap(model[0])
+    checker.compare(lambda m: m(torch.randn(16, 8)).square().sum(), model)
+    assert not torch.equal(model[0][1].running_mean, before["1.running_mean"])  # it trained
+    call = load_call(checker.dump_dir, "0")
+    for name, value in before.items():
+        assert torch.equal(call.tensors[f"buffer:{name}"], value), name
+
+
+def test_the_cli_runs_the_python_replay_tools(tmp_path, dynaprobe_cli):
+    """dynaprobe repro / bisect run python -m dynaprobe.repro / bisect with their arguments and
+    exit codes; a Python without dynaprobe, or none, is exit 2 with what to do."""
+    checker, _, _ = checked_step(tmp_path, dump="failing")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
+    out = tmp_path / "repro"
+    made = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir, "--module", "mlp", "-o",
+                           str(out)], capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout == f"Repro written to: {out / 'repro.py'}\n"
+    assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
+    bisected = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "mlp",
+                               "--stages", "eager,aot_eager"], capture_output=True, text=True,
+                              env=env)
+    assert bisected.returncode == 0, bisected.stderr
+    assert "forward  first changes at: no stage" in bisected.stdout
+    unknown = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir, "--module", "nope", "-o",
+                              str(out)], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2
+    assert "keeps replay data of module 'nope'" in unknown.stderr  # "no step of DUMP keeps ..."
+
+    bare = subprocess.run([dynaprobe_cli, "repro", checker.dump_dir], capture_output=True,
+                          text=True, env={**env, "DYNAPROBE_PYTHON": "/usr/bin/python3"})
+    assert bare.returncode == 2
+    assert "cannot import dynaprobe.repro" in bare.stderr and "DYNAPROBE_PYTHON" in bare.stderr
+    missing = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir], capture_output=True,
+                             text=True, env={**env, "DYNAPROBE_PYTHON": str(tmp_path / "none")})
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("dynaprobe: error: bisect runs 'python -m dynaprobe.bisect'")

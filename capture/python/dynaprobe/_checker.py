@@ -89,7 +89,8 @@ class PrecisionChecker:
         replay: single-pass: which calls keep what a replay needs (``python -m dynaprobe.repro``,
             ``checker.bisect()``): their inputs and argument structure, grad_output, the
             module's weights and buffers, RNG state and class, in the step file (records of kind
-            ``replay``). ``"failing"``: the calls whose forward output fails ``threshold``/``rtol``;
+            ``replay``). ``"failing"``: the calls with a row that fails, forward or backward,
+            as the report judges it (decided when the backward pass ends, or at collect());
             ``"all"``: every call; ``"none"``. None (default): ``"failing"``, except under
             ``dump="stats"`` and in two-pass, which keep none.
     """
@@ -465,6 +466,7 @@ class PrecisionChecker:
         else:
             self._compiler.summarize(step, targets)
         step.record_param_grads([(t.name, [(n, p, p) for n, p in t.params]) for t in targets])
+        self._single_pass.decide_replays(step, final=True)
         return self._finish_step()
 
     # ------------------------------------------------------------------ compare

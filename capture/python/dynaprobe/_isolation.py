@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import enum
 import types
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -133,6 +133,14 @@ class ModuleState:
                 contents["_buffers"] = {name: None if buffer is None else buffer.detach().clone()
                                         for name, buffer in contents["_buffers"].items()}
             self.entries.append((owner, attributes, contents))
+
+    def saved_buffers(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The buffers' values captured with ``clone_buffers``, by name as
+        ``module.named_buffers()`` names them."""
+        saved = {id(owner): contents.get("_buffers", {}) for owner, _, contents in self.entries}
+        return {f"{prefix}.{name}" if prefix else name: buffer
+                for prefix, owner in module.named_modules()
+                for name, buffer in saved.get(id(owner), {}).items() if buffer is not None}
 
     def apply(self) -> None:
         for owner, attributes, contents in self.entries:

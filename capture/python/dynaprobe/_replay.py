@@ -274,7 +274,7 @@ def step_file(dump: str, step: Optional[int], module: str) -> str:
         if module in _replay_attributes(_C.read_step(path)):
             return path
     raise ReplayError(f"no step of {dump} keeps replay data of module {module!r}: replay data is "
-                      "kept for calls whose forward output fails (PrecisionChecker(replay="
+                      "kept for calls with a failing row, forward or backward (PrecisionChecker(replay="
                       "'failing'), the default) or for every call (replay='all')")
 
 
@@ -299,6 +299,8 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
         raise ReplayError(f"{path} keeps no replay data of module {module!r} (modules with "
                           f"replay data: {known})")
     replay = replays[module]
+    if "unavailable" in replay:  # e.g. an FSDP2-sharded module: the reason and what to do
+        raise ReplayError(f"{path}: {replay['unavailable']}")
     calls = sorted(int(c) for c in replay["calls"])
     if call is None:
         call = calls[0]

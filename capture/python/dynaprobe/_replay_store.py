@@ -29,7 +29,7 @@ _JSON_LEAVES = (type(None), bool, int, float, str)
 
 
 def expect_replay(value, single_pass: bool, dump: str) -> str:
-    """The replay policy: ``"failing"`` (calls whose forward output fails the tolerances),
+    """The replay policy: ``"failing"`` (calls with a row that fails, forward or backward),
     ``"all"`` or ``"none"``; None picks ``"failing"``, except under dump="stats" (metrics only)
     and in two-pass (its sides run on inputs of their own), which keep nothing."""
     if value is None:
@@ -130,30 +130,90 @@ def _describe_arguments(args: tuple, kwargs: dict, record: CallRecord,
     return {"tree": tree, "leaves": described}
 
 
-def record_call(step, name: str, module: nn.Module, call: int, args: tuple, kwargs: dict,
-                requires_grad: List[bool], buffers: Dict[str, torch.Tensor], rng_state,
-                grad_mode: bool, cast_dtype, backend: Dict[str, str]) -> CallRecord:
-    """Records what replaying call ``call`` of ``module`` needs; returns the call's records, to
-    which the grad_output is added in the backward (``add_grad_output``).
+class Candidate:
+    """A checked call whose replay data may be kept, held by reference until it is decided
+    (``SinglePass.decide_replays``: when the call's backward is done, or at collect()), so that
+    the calls that pass cost no copy.
 
-    ``args``/``kwargs`` hold the call's inputs as they were before it, ``buffers`` the module's
-    buffers before it (a forward may update them: batch norm statistics) and ``rng_state`` the
-    RNG state before it (``_capture.RngState``). The parameters are the module's own (a forward
-    does not change them).
+    ``args``/``kwargs`` are the eager re-run's copies of the call's inputs (taken before the
+    training call); ``params`` the module's parameters and ``buffers`` its buffers before the
+    call, each with its version counter (``Tensor._version``), or None for a private copy (a
+    buffer the training call changed in place: its value before, copied from ``ModuleState``);
+    ``rng`` the RNG state before the call (``_capture.RngState``); ``pending`` its eager
+    backward (``_step.PendingBackward``), whose grad_outputs seed a backward replay.
     """
-    record = CallRecord(step, name, call)
-    description = _describe_arguments(args, kwargs, record, requires_grad)
-    description.update({"grad_mode": grad_mode,
-                        "cast_dtype": None if cast_dtype is None else str(cast_dtype)})
-    for param_name, param in module.named_parameters():
-        record.add(f"{PARAM}:{param_name}", param.detach())
-    for buffer_name, buffer in buffers.items():
-        record.add(f"{BUFFER}:{buffer_name}", buffer.detach())
-    record.add(f"{RNG}:cpu", rng_state.cpu)
-    for index, state in rng_state.cuda.items():
-        record.add(f"{RNG}:cuda:{index}", state)
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, requires_grad: List[bool],
+                 params: list, buffers: list, rng, grad_mode: bool, sharded: bool):
+        self.module = module
+        self.args, self.kwargs, self.requires_grad = args, kwargs, requires_grad
+        self.params = params  # (name, tensor, version)
+        self.buffers = buffers  # (name, tensor, version or None)
+        self.rng = rng
+        self.grad_mode = grad_mode
+        self.sharded = sharded  # FSDP2/DTensor parameters: cannot be replayed (see unavailable)
+        self.pending = None
+
+    def ready(self) -> bool:
+        """Its backward is done (or none will come): every verdict of the call is known."""
+        return self.pending is None or self.pending.done
+
+    def backward_checks_parameters_only(self) -> bool:
+        """No input of the call needs a gradient: its backward shows only in its parameter
+        gradients, which the report compares per step, at collect()."""
+        return self.grad_mode and not any(self.requires_grad) and bool(self.params)
+
+    def changed(self) -> List[str]:
+        """The parameters and buffers changed since the call (an optimizer step before the
+        decision, ...) or freed, by name: the replay would not be the call's."""
+        return [name for name, tensor, version in self.params + self.buffers
+                if version is not None and (tensor._version != version or (
+                    tensor.numel() > 0 and tensor.untyped_storage().size() == 0))]
+
+
+def watch_parameters(module: nn.Module) -> list:
+    return [(n, p, p._version) for n, p in module.named_parameters()]
+
+
+def watch_buffers(module: nn.Module) -> list:
+    """The module's buffers with their version counters, before the training call."""
+    return [(n, b, b._version) for n, b in module.named_buffers()]
+
+
+def buffers_before(watched: list, saved: Dict[str, torch.Tensor]) -> list:
+    """After the training call: a buffer it changed in place (batch norm statistics) is replaced
+    by a copy of its value before (``saved``, ModuleState's copies, taken before the call and
+    copied again here before the eager re-run changes them); the others stay references."""
+    return [(n, saved[n].clone(), None) if b._version != v and n in saved else (n, b, v)
+            for n, b, v in watched]
+
+
+def record_call(step, name: str, call: int, candidate: Candidate, cast_dtype,
+                backend: Dict[str, str]) -> None:
+    """Records what replaying call ``call`` of ``name`` needs (see Candidate) into the step."""
     attributes = step.attributes.setdefault(name, {})
     replay = json.loads(attributes.get(vocabulary.ATTRIBUTE_REPLAY) or "{}")
+    module = candidate.module
+    if candidate.sharded:
+        replay = {"class": class_path(module), "calls": {}, "unavailable": unavailable_sharded(
+            name)}
+        attributes[vocabulary.ATTRIBUTE_REPLAY] = json.dumps(replay, sort_keys=True)
+        return
+    record = CallRecord(step, name, call)
+    description = _describe_arguments(candidate.args, candidate.kwargs, record,
+                                      candidate.requires_grad)
+    description.update({"grad_mode": candidate.grad_mode,
+                        "cast_dtype": None if cast_dtype is None else str(cast_dtype)})
+    for param_name, param, _ in candidate.params:
+        record.add(f"{PARAM}:{param_name}", param.detach())
+    for buffer_name, buffer, _ in candidate.buffers:
+        record.add(f"{BUFFER}:{buffer_name}", buffer.detach())
+    record.add(f"{RNG}:cpu", candidate.rng.cpu)
+    for index, state in candidate.rng.cuda.items():
+        record.add(f"{RNG}:cuda:{index}", state)
+    grads = candidate.pending.grads if candidate.pending is not None else {}
+    for index, grad in sorted(grads.items()):  # seed a backward replay
+        record.add(f"{GRAD_OUTPUT}:{index}", grad)
     if not replay:  # the module's first replayed call in this step: its class and structure
         structure = _structure_pickle(module)
         replay = {"class": class_path(module), "backend": backend, "calls": {},
@@ -163,12 +223,18 @@ def record_call(step, name: str, module: nn.Module, call: int, args: tuple, kwar
                        torch.frombuffer(bytearray(structure), dtype=torch.uint8))
     replay["calls"][str(call)] = description
     attributes[vocabulary.ATTRIBUTE_REPLAY] = json.dumps(replay, sort_keys=True)
-    return record
 
 
-def add_grad_output(record: CallRecord, index: int, grad: torch.Tensor) -> None:
-    """The gradient the call's output ``index`` received (seeds a backward replay)."""
-    record.add(f"{GRAD_OUTPUT}:{index}", grad.detach())
+def unavailable_sharded(name: str) -> str:
+    """Why an FSDP2-sharded module keeps no replay data, and what to do instead."""
+    return (f"the module {name} is sharded by FSDP2 (fully_shard): its full parameters exist "
+            "only while it runs, so dynaprobe keeps no replay data of it. To reproduce it, build "
+            "the module without fully_shard in one process, load its full weights (on the "
+            "training run: torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True))), check it there with "
+            "PrecisionChecker (replay='failing' is the default) on the call's inputs (its "
+            "fwd_input records, dump='full'), and run python -m dynaprobe.repro or "
+            "dynaprobe.bisect on that dump")
 
 
 def split_label(label: str) -> Tuple[str, str]:

@@ -125,8 +125,10 @@ class SinglePass:
             reference_args = copy_reference_arguments(args, kwargs) if self.reference else None
             state_before = ModuleState(target.module, clone_buffers=True)
             rng_before = RngState(devices)
-            buffers_before = {n: b.detach().clone() for n, b in target.module.named_buffers()
-                              } if self.replay != "none" else None
+            # Replay data is held by reference until the call is judged (decide_replays).
+            watched = (_replay_store.watch_parameters(target.module),
+                       _replay_store.watch_buffers(target.module)) if self.replay != "none" \
+                else None
             params = self._call_params(step, target)
         except Exception as error:  # never break training because of the checker
             step.note(name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
@@ -142,7 +144,15 @@ class SinglePass:
         state_after = ModuleState(target.module)
         rng_after = RngState(devices)
         names_after = ModuleGlobals(target.module)
+        candidate = None
         try:
+            if watched is not None:
+                candidate = _replay_store.Candidate(
+                    target.module, eager_args, eager_kwargs,
+                    [t.requires_grad for _, t in inputs], watched[0],
+                    _replay_store.buffers_before(watched[1],
+                                                 state_before.saved_buffers(target.module)),
+                    rng_before, grad_mode, bool(target.shards))
             state_before.apply()
             rng_before.restore()
 
@@ -157,19 +167,11 @@ class SinglePass:
             eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
             with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
                 eager_out = target.eager(*eager_args, **eager_kwargs)
-            differs = []  # outputs_differ, computed once when needed
-
-            def failing() -> bool:
-                if not differs:
-                    differs.append(outputs_differ(eager_out, compiled_out, tensor_leaves,
-                                                  *self.tolerances))
-                return differs[0]
-
-            if self.replay == "all" or (self.replay == "failing" and failing()):
-                self._replay_call(step, target, call, eager_args, eager_kwargs, inputs,
-                                  buffers_before, rng_before, grad_mode)
+            if candidate is not None:
+                step.replay_candidates[(name, call)] = candidate
             reference = None
-            if reference_args is not None and (self.reference == "fp64" or failing()):
+            if reference_args is not None and (self.reference == "fp64" or outputs_differ(
+                    eager_out, compiled_out, tensor_leaves, *self.tolerances)):
                 rng_before.restore()
                 reference = self._reference_call(step, target, call, reference_args, grad_mode,
                                                  inputs)
@@ -206,6 +208,8 @@ class SinglePass:
         pending = PendingBackward(step, target, call, eager_outputs, leaves, params, reference)
         if eager_outputs:
             step.pending.append(pending)
+            if candidate is not None:
+                candidate.pending = pending
         return probe_outputs(compiled_out,
                              lambda index: self._grad_output_hook(step, pending, index))
 
@@ -228,22 +232,70 @@ class SinglePass:
             step.record(target.name, call, "fwd_output", index, "reference", tensor, label)
         return run
 
-    def _replay_call(self, step: Step, target: Target, call: int, args: tuple, kwargs: dict,
-                     inputs: list, buffers: dict, rng: RngState, grad_mode: bool) -> None:
-        """Keeps what replaying this call needs (_replay_store.py): its inputs (the eager
-        re-run's copies, taken before the training call), weights, RNG state, structure; its
-        grad_output follows in the backward. A call that cannot be kept is said in a warning and
-        checks nothing less."""
+    def decide_replays(self, step: Step, final: bool = False) -> None:
+        """Keeps the replay data of the calls ready to be decided (their backward done, or
+        ``final``: at collect()) that ``replay`` asks for: every call, or the calls with a row
+        that fails, as the report judges it (the recorder's verdicts, judged in memory on its
+        background thread: ``Recorder.failing_calls``). A passing call whose backward shows only
+        in parameter gradients (no input needs a gradient) waits for collect(), which judges
+        them. A call that cannot be kept is said in a warning and checks nothing less."""
+        ready = [(key, candidate) for key, candidate in step.replay_candidates.items()
+                 if final or candidate.ready()]
+        if not ready:
+            return
+        try:
+            failing = None if self.replay == "all" else {
+                tuple(key) for key in step.recorder.failing_calls()}
+        except Exception as error:  # the step is lost: collect() says why
+            step.replay_candidates.clear()
+            if step.error is None:
+                step.error = error
+            return
+        for key, candidate in ready:
+            keep = failing is None or key in failing
+            if not keep and not final and candidate.backward_checks_parameters_only():
+                continue
+            del step.replay_candidates[key]
+            if keep:
+                self._replay_call(step, key, candidate)
+
+    def _replay_call(self, step: Step, key: Tuple[str, int], candidate) -> None:
+        name, call = key
+        changed = [] if candidate.sharded else candidate.changed()
+        if changed:
+            self._warn_once(name, "replay", f"dynaprobe: {name}: the replay data of call {call} "
+                            f"was not kept: {', '.join(changed[:3])} changed before its rows "
+                            "were judged (an optimizer step before collect()?). Call collect() "
+                            "before optimizer.step() to keep it")
+            return
         try:
             if self._backend_spec is None:
                 self._backend_spec = _replay_store.backend_spec(self.backend)
-            step.replays[(target.name, call)] = _replay_store.record_call(
-                step, target.name, target.module, call, args, kwargs,
-                [t.requires_grad for _, t in inputs], buffers, rng, grad_mode, self.cast_dtype,
-                self._backend_spec)
+            _replay_store.record_call(step, name, call, candidate, self.cast_dtype,
+                                      self._backend_spec)
         except Exception as error:
-            self._warn_once(target.name, "replay", f"dynaprobe: {target.name}: its replay data "
-                            f"could not be kept ({type(error).__name__}: {error})")
+            self._warn_once(name, "replay", f"dynaprobe: {name}: its replay data could not be "
+                            f"kept ({type(error).__name__}: {error})")
+
+    def _after_backward(self, step: Step) -> None:
+        """A call's eager backward has run: decide its replay data when this backward pass ends
+        (one wait for the recorder's verdicts per pass), or now outside a backward."""
+        if not step.replay_candidates or step.decision_queued:
+            return
+
+        def decide() -> None:
+            step.decision_queued = False
+            try:
+                self.decide_replays(step)
+            except Exception as error:  # never break the training backward
+                self._warn_once("", "replay", f"dynaprobe: replay data not kept "
+                                f"({type(error).__name__}: {error})")
+
+        step.decision_queued = True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(decide)
+        except RuntimeError:  # not inside a backward pass
+            decide()
 
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training
@@ -297,6 +349,7 @@ class SinglePass:
                 for pending in step.pending:
                     if pending.target is target:
                         pending.run()
+                self._after_backward(step)
 
         return hook
 
@@ -308,19 +361,16 @@ class SinglePass:
             pending.on_output_grad(index, grad)
             # Seeds both sides' backward: recorded once, for both.
             step.record(pending.target.name, pending.call, "grad_output", index, "compiled", grad)
-            replay = step.replays.get((pending.target.name, pending.call))
-            if replay is not None:
-                _replay_store.add_grad_output(replay, index, grad)
 
         return hook
 
-    @staticmethod
-    def _compiled_grad_input_hook(step: Step, target: Target, call: int, index: int):
+    def _compiled_grad_input_hook(self, step: Step, target: Target, call: int, index: int):
         def hook(grad: torch.Tensor) -> None:
             step.record(target.name, call, "grad_input", index, "compiled", grad)
             # The compiled backward of this call is done: every grad_output has arrived.
             for pending in step.pending:
                 if pending.target is target and pending.call == call:
                     pending.run()
+            self._after_backward(step)
 
         return hook

@@ -47,7 +47,9 @@ class Step:
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
-        self.replays: Dict[Tuple[str, int], object] = {}  # (module, call) -> its replay records
+        # (module, call) -> its replay data, held until decided (SinglePass.decide_replays)
+        self.replay_candidates: Dict[Tuple[str, int], object] = {}
+        self.decision_queued = False  # a decision waits for the end of the backward pass
         self.error: Optional[BaseException] = None
         # Backward hooks may run on autograd's device threads; the recorder takes one call at a
         # time.

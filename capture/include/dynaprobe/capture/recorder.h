@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/writer.h"
@@ -34,6 +36,9 @@ struct RecorderOptions {
   formats::WriterOptions writer{.nice = 10};
   StoreMode store = StoreMode::kFull;
 };
+
+// A call of a module: (module path, call index).
+using CallKey = std::pair<std::string, std::uint32_t>;
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
 formats::DType dtype_of(const at::Tensor& tensor);
@@ -91,6 +96,14 @@ class Recorder {
   // Waits until the step is written, commits it and returns its file; rethrows a background
   // error of this step (the step is then lost, earlier steps intact).
   std::filesystem::path end_step();
+
+  // The calls of the current step with a pair judged in memory that fails its tolerances (not
+  // allclose, or shapes that differ), as the report will judge it; also calls with a pair held
+  // beyond half the budget (spilled, compared from the dump later). Waits until the background
+  // thread has judged every record queued before (not until they are written). Pairs whose twin
+  // has not come yet are not counted. Throws UsageError outside a step; once the step is lost,
+  // returns what was judged before.
+  std::vector<CallKey> failing_calls();
 
   const std::filesystem::path& dump_dir() const;
   std::size_t queued_bytes() const;  // snapshots not yet written or judged
