@@ -116,14 +116,20 @@ def test_mutated_step_files_exit_1_or_3_or_report_as_before(tmp_path, dynaprobe_
 
 
 def test_a_reader_that_runs_out_of_memory_or_time_is_exit_3_naming_the_file(tmp_path, dynaprobe_cli):
-    step = real_step(tmp_path / "dump")
+    real_step(tmp_path / "dump")
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--memory-limit", "1")
     assert proc.returncode == 3, proc.stderr
     assert b"dynaprobe: error: " in proc.stderr
-    proc = run_cli(dynaprobe_cli, "ls", tmp_path / "dump", "--time-limit", "0.0001")
-    assert proc.returncode == 3
-    assert f"{step}: reading did not finish within 0.0001 s".encode() in proc.stderr or \
-        f"{tmp_path / 'dump'}: reading did not finish within 0.0001 s".encode() in proc.stderr, proc.stderr
+    # A step whose comparison takes far longer than the limit (2 x 64 MiB of raw float32), so the
+    # reader is still at work when the limit passes however the machine schedules the two.
+    big = RNG.standard_normal(16 << 20).astype(np.float32)
+    slow = _C.write_step(str(tmp_path / "big"), 0, {"mode": "two_pass"},
+                         [rec("layers.0", "fwd_output", side, big) for side in ("eager", "compiled")],
+                         [], modules=[("layers.0", {"role": "wrapped"})])
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "big", "--time-limit", "0.001")
+    assert proc.returncode == 3, proc.stderr
+    assert f"{slow}: reading did not finish within 0.001 s".encode() in proc.stderr or \
+        f"{tmp_path / 'big'}: reading did not finish within 0.001 s".encode() in proc.stderr, proc.stderr
     assert run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--time-limit", "0").returncode == 0
 
 
