@@ -19,7 +19,7 @@ Per configuration: seconds per step, ratio to inherent, bytes of dump per step, 
 growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
 
     .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3]
-        [--dumps full,failing,stats] [--replay failing,none] [--no-msprobe]
+        [--dumps full,failing,stats] [--replay failing,none] [--threads N] [--no-msprobe]
         [--json results.json] [--plot plot.svg]
 
 msProbe: `pip install --no-deps --target DIR mindstudio-probe` plus the packages its import
@@ -44,7 +44,6 @@ from torch.utils._pytree import tree_map
 
 from dynaprobe import PrecisionChecker
 
-torch.set_num_threads(os.cpu_count() or 1)
 warnings.filterwarnings("ignore")
 
 
@@ -247,7 +246,7 @@ def msprobe_in_its_own_process(layers, hidden, batch, seq, steps):
     """msProbe's measurements, from `scale_bench.py --msprobe-worker` in a fresh process."""
     out = subprocess.run(
         [sys.executable, __file__, "--msprobe-worker", f"{layers}x{hidden}", "--batch", str(batch),
-         "--seq", str(seq), "--steps", str(steps)],
+         "--seq", str(seq), "--steps", str(steps), "--threads", str(torch.get_num_threads())],
         capture_output=True, text=True, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     config = Config("msprobe", None)
@@ -308,8 +307,13 @@ def main() -> None:
     parser.add_argument("--replay", default=None,
                         help="replay settings to measure each storage mode with, e.g. "
                              "failing,none (default: the checker's default)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch's intra-op threads for training (default: every core); "
+                             "fewer leaves cores to the checker's background thread, as a "
+                             "training host with cores to spare per accelerator has")
     parser.add_argument("--msprobe-worker", metavar="LxH", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.msprobe_worker:
         layers, hidden = (int(x) for x in args.msprobe_worker.split("x"))
         workdir = tempfile.mkdtemp(prefix="dynaprobe-scale-msprobe-")

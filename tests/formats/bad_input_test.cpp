@@ -135,25 +135,29 @@ TEST(BadInput, WrongDtypeAttributeIsFormatErrorNamingTheDataset) {
   }
 }
 
+// Replaces the dtype attribute of `dataset` by one of HDF5 type `type` holding `value`.
+void replace_dtype_attribute(const fs::path& file, const std::string& dataset, hid_t type,
+                             const void* value) {
+  h5::Handle handle = open_for_tampering(file);
+  const hid_t target = H5Dopen2(handle.get(), dataset.c_str(), H5P_DEFAULT);
+  ASSERT_GE(target, 0);
+  ASSERT_GE(H5Adelete(target, std::string(schema::kDtypeAttr).c_str()), 0);
+  const hid_t space = H5Screate(H5S_SCALAR);
+  const hid_t attribute = H5Acreate2(target, std::string(schema::kDtypeAttr).c_str(), type, space,
+                                     H5P_DEFAULT, H5P_DEFAULT);
+  ASSERT_GE(H5Awrite(attribute, type, value), 0);
+  H5Aclose(attribute);
+  H5Sclose(space);
+  H5Dclose(target);
+}
+
 TEST(BadInput, NonStringDtypeAttributeIsFormatError) {
   const testing::TempDir tmp;
   const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
   const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
   const std::string dataset = dataset_path(content.records[0].key);
-  {
-    h5::Handle handle = open_for_tampering(file);
-    const hid_t target = H5Dopen2(handle.get(), dataset.c_str(), H5P_DEFAULT);
-    ASSERT_GE(target, 0);
-    ASSERT_GE(H5Adelete(target, std::string(schema::kDtypeAttr).c_str()), 0);
-    const hid_t space = H5Screate(H5S_SCALAR);
-    const hid_t attribute = H5Acreate2(target, std::string(schema::kDtypeAttr).c_str(),
-                                       H5T_NATIVE_INT, space, H5P_DEFAULT, H5P_DEFAULT);
-    const int value = 32;
-    ASSERT_GE(H5Awrite(attribute, H5T_NATIVE_INT, &value), 0);
-    H5Aclose(attribute);
-    H5Sclose(space);
-    H5Dclose(target);
-  }
+  const int value = 32;
+  replace_dtype_attribute(file, dataset, H5T_NATIVE_INT, &value);
   const StepReader reader(file);
   const std::string message =
       error_of<FormatError>([&] { reader.open(*reader.find(content.records[0].key)); });
@@ -168,21 +172,8 @@ TEST(BadInput, Format2RefusesAVariableLengthStringBeforeReadingIt) {
   const testing::FixtureStep content = testing::fixture_step(0, 64 << 10);
   const fs::path file = write_step(tmp.path(), content, kSeveralChunks);
   const std::string dataset = dataset_path(content.records[0].key);
-  {
-    h5::Handle handle = open_for_tampering(file);
-    const hid_t target = H5Dopen2(handle.get(), dataset.c_str(), H5P_DEFAULT);
-    ASSERT_GE(target, 0);
-    ASSERT_GE(H5Adelete(target, std::string(schema::kDtypeAttr).c_str()), 0);
-    const hid_t space = H5Screate(H5S_SCALAR);
-    const hid_t type = h5::string_type(dataset);
-    const hid_t attribute = H5Acreate2(target, std::string(schema::kDtypeAttr).c_str(), type, space,
-                                       H5P_DEFAULT, H5P_DEFAULT);
-    const char* value = "float32";
-    ASSERT_GE(H5Awrite(attribute, type, &value), 0);
-    H5Aclose(attribute);
-    H5Sclose(space);
-    H5Dclose(target);
-  }
+  const char* value = "float32";
+  replace_dtype_attribute(file, dataset, h5::string_type(dataset), &value);
   const StepReader reader(file);
   const std::string message =
       error_of<FormatError>([&] { reader.open(*reader.find(content.records[0].key)); });

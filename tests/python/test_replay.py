@@ -232,13 +232,19 @@ def _stages(fault: str):
         "decomposition" else {}
     partition = _faulty_partition if fault == "partition" else default_partition
     compiler = _perturb_gelu if fault == "codegen" else plain_compiler
+    return _stage_list(table, partition, fw_compiler=compiler, bw_compiler=plain_compiler)
+
+
+def _stage_list(table, partition, fw_compiler, bw_compiler):
+    """The stages eager -> aot_eager -> decomposition (``table``) -> partition (``partition``)
+    -> codegen (the two compilers), each adding its component to the one before."""
     return [
         Stage("eager", "eager"),
         Stage("aot_eager", aot_autograd(fw_compiler=plain_compiler)),
         Stage("decomposition", aot_autograd(fw_compiler=plain_compiler, decompositions=table)),
         Stage("partition", aot_autograd(fw_compiler=plain_compiler, decompositions=table,
                                         partition_fn=partition)),
-        Stage("codegen", aot_autograd(fw_compiler=compiler, bw_compiler=plain_compiler,
+        Stage("codegen", aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
                                       decompositions=table, partition_fn=partition)),
     ]
 
@@ -300,10 +306,12 @@ def test_a_fault_in_an_inductor_lowering_is_named_by_compiler_bisector(tmp_path,
     correct = lowering.lowerings[tanh]
     monkeypatch.setitem(lowering.lowerings, tanh, lambda a: lowering.lowerings[
         torch.ops.aten.mul.Tensor](correct(a), 1.01))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    bisected = checker.bisect("0", stages=[s for s in STAGES if s.name in (
-        "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True)
+    # The configs' own patch(): monkeypatch's undo deletes a torch config entry instead of
+    # restoring it, which breaks every later compile in the process.
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        bisected = checker.bisect("0", stages=[s for s in STAGES if s.name in (
+            "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True)
     assert bisected.first_failing() == "inductor"
     assert (bisected.inductor.backend, bisected.inductor.subsystem) == ("inductor", "lowerings")
     assert bisected.inductor.debug_info == "tanh"
@@ -421,15 +429,7 @@ def _backward_stages(fault: str):
         "decomposition" else {}
     partition = faulty_partition if fault == "partition" else default_partition
     compiler = _perturb_gelu if fault == "codegen" else plain_compiler
-    return [
-        Stage("eager", "eager"),
-        Stage("aot_eager", aot_autograd(fw_compiler=plain_compiler)),
-        Stage("decomposition", aot_autograd(fw_compiler=plain_compiler, decompositions=table)),
-        Stage("partition", aot_autograd(fw_compiler=plain_compiler, decompositions=table,
-                                        partition_fn=partition)),
-        Stage("codegen", aot_autograd(fw_compiler=plain_compiler, bw_compiler=compiler,
-                                      decompositions=table, partition_fn=partition)),
-    ]
+    return _stage_list(table, partition, fw_compiler=plain_compiler, bw_compiler=compiler)
 
 
 @pytest.mark.parametrize("fault", ["decomposition", "partition", "codegen"])

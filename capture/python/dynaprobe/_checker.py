@@ -461,12 +461,14 @@ class PrecisionChecker:
         if loss is not None:
             step.record_loss("compiled", loss)
         targets = self._single_pass.targets
-        if isinstance(self._single_pass, WholeModel):
+        whole_model = isinstance(self._single_pass, WholeModel)
+        if whole_model:
             self._single_pass.summarize(step)
         else:
             self._compiler.summarize(step, targets)
         step.record_param_grads([(t.name, [(n, p, p) for n, p in t.params]) for t in targets])
-        self._single_pass.decide_replays(step, final=True)
+        if not whole_model:  # whole-model mode keeps no replay data (user-guide.md)
+            self._single_pass.decide_replays(step, final=True)
         return self._finish_step()
 
     # ------------------------------------------------------------------ compare

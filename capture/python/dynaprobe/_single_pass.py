@@ -31,7 +31,7 @@ from dynaprobe._reference import (
     outputs_differ,
     run_reference,
 )
-from dynaprobe._step import PendingBackward, Step, Target
+from dynaprobe._step import PendingBackward, Step, Target, run_pending
 
 
 def storages_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> set:
@@ -85,15 +85,7 @@ class SinglePass:
     def finish(self, step: Step) -> None:
         """Runs the eager backwards still pending (the step's backward did not reach their
         inputs or parameters) before the step is written."""
-        for pending in step.pending:
-            if not pending.done and pending.grads and pending.params_freed():
-                step.note(pending.target.name, vocabulary.NOTE_HOOK_ERROR,
-                          "eager backward not run: no gradient reached the module's inputs or "
-                          "parameters during the backward, and FSDP2 has since freed the full "
-                          "parameters it saved")
-                continue
-            pending.run()
-        step.pending.clear()
+        run_pending(step, "no gradient reached the module's inputs or parameters")
 
     def _forward(self, target: Target) -> Callable:
         def forward(*args, **kwargs):

@@ -191,3 +191,17 @@ class PendingBackward:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
         eager graph, which saved them, cannot run any more."""
         return any(p.untyped_storage().size() == 0 and p.numel() > 0 for _, p in self.params)
+
+
+def run_pending(step: Step, unreached: str) -> None:
+    """Runs the eager backwards still pending before the step is written. One whose full
+    parameters FSDP2 has freed since cannot run: it is noted, with ``unreached``, the gradient
+    the step's backward never delivered."""
+    for pending in step.pending:
+        if not pending.done and pending.grads and pending.params_freed():
+            step.note(pending.target.name, vocabulary.NOTE_HOOK_ERROR,
+                      f"eager backward not run: {unreached} during the backward, and FSDP2 has "
+                      "since freed the full parameters it saved")
+            continue
+        pending.run()
+    step.pending.clear()

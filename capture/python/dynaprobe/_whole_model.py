@@ -38,7 +38,7 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import RngState, _in_eager_backward
 from dynaprobe._graphs import GraphRecorder
-from dynaprobe._step import PendingBackward, Step, Target
+from dynaprobe._step import PendingBackward, Step, Target, run_pending
 
 # grad_tap key -> the function receiving the gradient. Keys are never reused.
 _TAPS: Dict[int, Callable[[torch.Tensor], None]] = {}
@@ -215,15 +215,7 @@ class WholeModel:
 
     def finish(self, step: Step) -> None:
         """Runs the eager backwards still pending before the step is written."""
-        for pending in step.pending:
-            if not pending.done and pending.grads and pending.params_freed():
-                step.note(pending.target.name, vocabulary.NOTE_HOOK_ERROR,
-                          "eager backward not run: no gradient left the module through an input "
-                          "during the backward, and FSDP2 has since freed the full parameters "
-                          "it saved")
-                continue
-            pending.run()
-        step.pending.clear()
+        run_pending(step, "no gradient left the module through an input")
         for call in self.calls:
             call.pending.clear()
 
