@@ -26,8 +26,7 @@ std::string version_text() {
       std::to_string(schema::kFormatMajor) + "." + std::to_string(schema::kFormatMinor);
   return std::string("dynaprobe ") + DYNAPROBE_VERSION + "\ndump format " + format + ": writes " +
          format + "; reads 1.0 to " + format + ", and a newer " +
-         std::to_string(schema::kFormatMajor) +
-         ".x with a warning (what it adds is skipped)\n";
+         std::to_string(schema::kFormatMajor) + ".x with a warning (what it adds is skipped)\n";
 }
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
