@@ -268,21 +268,3 @@ def test_a_module_level_name_the_rerun_rebinds_is_put_back_with_a_warning(tmp_pa
     assert CALLS == 1  # the training call's increment only
     messages = [str(w.message) for w in caught if "module-level names" in str(w.message)]
     assert messages and f"{__name__}.CALLS" in messages[0], messages
-
-
-def test_only_eager_outputs_with_storage_of_their_own_are_kept_without_a_copy():
-    # The recorder keeps the eager re-run's outputs as they are (no snapshot copy) only when
-    # nothing else can change them: not a parameter, buffer or input of the call, nor a view.
-    from dynaprobe._single_pass import is_fresh, storages_of
-
-    module = torch.nn.Linear(4, 4)
-    module.register_buffer("steps", torch.zeros(3))
-    x = torch.randn(2, 4)
-    scale = torch.ones(1)
-    owned = storages_of(module, (x,), {"scale": scale})
-    assert is_fresh(module(x), owned)
-    assert not is_fresh(module.weight.detach(), owned)
-    assert not is_fresh(module.steps, owned)
-    assert not is_fresh(x.detach(), owned)
-    assert not is_fresh(scale, owned)
-    assert not is_fresh(module(x)[0], set())  # a view

@@ -34,18 +34,6 @@ from dynaprobe._reference import (
 from dynaprobe._step import PendingBackward, Step, Target, run_pending
 
 
-def storages_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> set:
-    """Where the module's parameters, buffers and the call's input tensors keep their data."""
-    tensors = [t for _, t in input_leaves(args, kwargs)]
-    tensors += [p for p in module.parameters()] + [b for b in module.buffers()]
-    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
-
-
-def is_fresh(tensor: torch.Tensor, owned: set) -> bool:
-    """Whether ``tensor`` has storage of its own, that none of ``owned`` shares."""
-    return not tensor._is_view() and tensor.untyped_storage().data_ptr() not in owned
-
-
 class SinglePass:
     """The installation on one model: its targets, their patched forwards and hooks.
 
@@ -186,13 +174,8 @@ class SinglePass:
         eager_leaves = tensor_leaves(eager_out)
         for index, (label, tensor) in enumerate(compiled_leaves):
             step.record(name, call, "fwd_output", index, "compiled", tensor, label)
-        # The eager re-run's outputs are its own: no one but the checker sees them, so the
-        # recorder keeps them as they are, unless they share storage with the module's state or
-        # the re-run's inputs (a module that returns a parameter or its input).
-        owned = storages_of(target.module, eager_args, eager_kwargs)
         for index, (label, tensor) in enumerate(eager_leaves):
-            step.record(name, call, "fwd_output", index, "eager", tensor, label,
-                        handed_over=is_fresh(tensor, owned))
+            step.record(name, call, "fwd_output", index, "eager", tensor, label)
 
         if not grad_mode:
             return compiled_out

@@ -73,19 +73,12 @@ class Step:
         value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
 
-    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor,
-                       fresh: bool = False) -> None:
-        """Adds ``grad`` to the step's sum for ``param``. ``fresh``: ``grad`` was made for the
-        checker alone (``torch.autograd.grad``'s result), so it is kept without a copy; the
-        training backward's gradients are copied, as autograd may accumulate into them."""
+    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor) -> None:
         sums = self.param_grads[side]
         key = id(param)
         shard = self.shards.get(key)
         grad = shard.cut(grad.detach()) if shard is not None else grad.detach()
-        if key in sums:
-            sums[key] = sums[key] + grad
-        else:
-            sums[key] = grad if fresh else grad.clone()
+        sums[key] = grad.clone() if key not in sums else sums[key] + grad
 
     def record_param_grads(self, pairs) -> None:
         """The summed parameter gradients of each target. ``pairs``: (target name,
@@ -148,12 +141,11 @@ class PendingBackward:
                                f"eager backward failed: {type(error).__name__}: {error}")
                 grads = ()
             for (index, leaf), grad in zip(self.leaves, grads):
-                if grad is not None:  # autograd.grad's own result: kept without a copy
-                    self.step.record(self.target.name, self.call, "grad_input", index, "eager",
-                                     grad, handed_over=True)
+                if grad is not None:
+                    self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
-                    self.step.add_param_grad("eager", param, grad, fresh=True)
+                    self.step.add_param_grad("eager", param, grad)
         if self.reference is not None:
             self._run_reference()
         self.eager_outputs = self.leaves = self.params = []
@@ -185,7 +177,7 @@ class PendingBackward:
                                  grad)
         for (param, _), grad in zip(reference.params, grads[len(reference.leaves):]):
             if grad is not None:
-                self.step.add_param_grad("reference", param, grad, fresh=True)
+                self.step.add_param_grad("reference", param, grad)
 
     def params_freed(self) -> bool:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
