@@ -13,7 +13,6 @@ import torch
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import (
     RngState,
-    _in_eager_backward,
     autocast_context,
     devices_of,
     input_leaves,
@@ -31,7 +30,13 @@ from dynaprobe._reference import (
     outputs_differ,
     run_reference,
 )
-from dynaprobe._step import PendingBackward, Step, Target, run_pending
+from dynaprobe._step import (
+    PendingBackward,
+    Step,
+    Target,
+    compiled_param_grad_hook,
+    run_pending,
+)
 
 
 class SinglePass:
@@ -301,20 +306,13 @@ class SinglePass:
                 step.shards[id(param)] = shard
             if id(param) not in self.hooked:  # once per parameter, even if shared by targets
                 self.hooked[id(param)] = param
-                self.restore.append(param.register_hook(self._param_hook(param)).remove)
+                self.restore.append(param.register_hook(
+                    compiled_param_grad_hook(self.active_step, param)).remove)
             if (id(target), id(param)) not in self.hooked:
                 self.hooked[(id(target), id(param))] = param
                 self.restore.append(param.register_post_accumulate_grad_hook(
                     self._accumulated_hook(target)).remove)
         return params
-
-    def _param_hook(self, param: torch.Tensor):
-        def hook(grad: torch.Tensor) -> None:
-            step = self.active_step()
-            if step is not None and not _in_eager_backward():
-                step.add_param_grad("compiled", param, grad)
-
-        return hook
 
     def _accumulated_hook(self, target: Target):
         def hook(_: torch.Tensor) -> None:

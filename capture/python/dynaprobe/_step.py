@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe._capture import Shard, _eager_backward, local_tensor
+from dynaprobe._capture import Shard, _eager_backward, _in_eager_backward, local_tensor
 
 LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
 
@@ -197,3 +197,14 @@ def run_pending(step: Step, unreached: str) -> None:
             continue
         pending.run()
     step.pending.clear()
+
+
+def compiled_param_grad_hook(active_step: Callable[[], Optional[Step]], param: torch.Tensor):
+    """A hook for ``param.register_hook``: adds the training backward's gradient of ``param`` to
+    the active step's compiled-side sum (the checker's own eager backward is left out)."""
+    def hook(grad: torch.Tensor) -> None:
+        step = active_step()
+        if step is not None and not _in_eager_backward():
+            step.add_param_grad("compiled", param, grad)
+
+    return hook

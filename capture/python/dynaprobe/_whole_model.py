@@ -38,7 +38,13 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import RngState, _in_eager_backward
 from dynaprobe._graphs import GraphRecorder
-from dynaprobe._step import PendingBackward, Step, Target, run_pending
+from dynaprobe._step import (
+    PendingBackward,
+    Step,
+    Target,
+    compiled_param_grad_hook,
+    run_pending,
+)
 
 # grad_tap key -> the function receiving the gradient. Keys are never reused.
 _TAPS: Dict[int, Callable[[torch.Tensor], None]] = {}
@@ -200,7 +206,8 @@ class WholeModel:
                     continue
                 if id(param) not in hooked:
                     hooked.add(id(param))
-                    self.restore.append(param.register_hook(self._param_hook(param)).remove)
+                    self.restore.append(param.register_hook(
+                        compiled_param_grad_hook(self.active_step, param)).remove)
                 self.restore.append(param.register_post_accumulate_grad_hook(
                     lambda _, target=target: self._run_pending(target)).remove)
 
@@ -570,10 +577,3 @@ class WholeModel:
                 if pending.target is target:
                     pending.run()
 
-    def _param_hook(self, param: torch.Tensor):
-        def hook(grad: torch.Tensor) -> None:
-            step = self.active_step()
-            if step is not None and not _in_eager_backward():
-                step.add_param_grad("compiled", param, grad)
-
-        return hook
