@@ -142,6 +142,9 @@ int run_contained(const Limits& limits, const Command& command) {
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
   }
   if (!timed_out && WIFEXITED(status)) return WEXITSTATUS(status);
+  // The reader of our output went away (`dynaprobe ls | head`): not damage, nothing to say; exit
+  // as a shell reports a process that SIGPIPE ended.
+  if (!timed_out && WIFSIGNALED(status) && WTERMSIG(status) == SIGPIPE) return 128 + SIGPIPE;
   const std::string file = reading(command);
   std::cout.flush();
   if (timed_out) {

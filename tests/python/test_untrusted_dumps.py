@@ -18,6 +18,7 @@ space).
 import json
 import os
 import random
+import signal
 import subprocess
 
 import h5py
@@ -346,3 +347,21 @@ def test_damaged_format_2_files_read_in_process_raise_clean_errors(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]  # a signal is a negative return code
     outcomes = eval(proc.stdout.strip().splitlines()[-1])
     assert outcomes["error"] > 200, outcomes  # damage to checksummed bytes is found
+
+
+def test_a_reader_of_the_output_that_goes_away_is_not_called_damage(tmp_path, dynaprobe_cli):
+    # `dynaprobe compare | head -1`: the contained reader dies of SIGPIPE; that says nothing about the
+    # file, so no "damaged" error, and the exit status is the shell's for SIGPIPE.
+    # 3,000 modules: a report far larger than a pipe's buffer, so the writer is still writing.
+    value = np.ones(4, np.float32)
+    names = [f"layers.{i}" for i in range(3000)]
+    _C.write_step(str(tmp_path / "dump"), 0, {"mode": "two_pass"},
+                  [rec(n, "fwd_output", side, value) for n in names for side in ("eager", "compiled")],
+                  [], modules=[(n, {"role": "wrapped"}) for n in names])
+    proc = subprocess.Popen([str(dynaprobe_cli), "compare", str(tmp_path / "dump")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after the first line
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE, stderr
+    assert b"damaged" not in stderr and b"crashed" not in stderr, stderr
