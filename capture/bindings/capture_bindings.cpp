@@ -107,6 +107,10 @@ Args:
   handed_over: the caller gives the tensor up (a private copy nobody changes or reuses): a
     contiguous CPU tensor is then kept as it is, without a snapshot copy.
 )doc")
+      .def("copy", &Recorder::copy, py::arg("tensor"), py::call_guard<py::gil_scoped_release>(),
+           "A private contiguous copy of `tensor` to hand over later (record(..., "
+           "handed_over=True)): a CPU tensor goes into the recorder's recycled snapshot memory, "
+           "a device tensor is cloned on its device.")
       .def("failing_calls", &Recorder::failing_calls, py::call_guard<py::gil_scoped_release>(),
            "The (module, call) pairs of the current step with a pair judged in memory that "
            "fails its tolerances, as the report judges it (also pairs spilled beyond half the "

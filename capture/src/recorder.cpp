@@ -32,6 +32,7 @@
 
 #include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/vocabulary.h"
 
@@ -443,6 +444,18 @@ void Recorder::Impl::run() {
   constexpr std::size_t kMaxBatchRecords = 4096;
 
   std::unique_ptr<PairJudge> judge;  // of the step being written
+  // Judging runs below the training threads, at the writer's niceness: this thread and the TBB
+  // workers that compare its large pairs in parallel (analyze::compare_in_memory). On a host
+  // whose cores training keeps busy, judging at the same priority preempts one of torch's
+  // OpenMP threads and the whole parallel region waits for it; below them it takes the gaps,
+  // and every core once the training thread waits for it at the step's end (docs/performance.md,
+  // Scale).
+  const int nice = options.writer.nice;
+  if (nice != 0) setpriority(PRIO_PROCESS, 0, nice);  // with 0, Linux means the calling thread
+  tbb::task_arena judge_arena;
+  judge_arena.initialize();
+  std::optional<formats::NiceObserver> judge_nice;
+  if (nice != 0) judge_nice.emplace(judge_arena, nice);
   const auto fail = [&](std::exception_ptr error) {
     writer.reset();  // removes the partial file
     judge.reset();   // and the snapshots it held
@@ -492,10 +505,12 @@ void Recorder::Impl::run() {
       if (writer && !lost) {
         try {
           std::vector<RecordItem> store, describe;
-          for (auto& r : batch) {
-            if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
-            judge->take(std::move(r), store, describe);
-          }
+          judge_arena.execute([&] {
+            for (auto& r : batch) {
+              if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
+              judge->take(std::move(r), store, describe);
+            }
+          });
           {  // judged: failing_calls() need not wait for the write
             std::lock_guard lock(mutex);
             for (auto& call : judge->take_failing()) failing.insert(std::move(call));
@@ -543,7 +558,7 @@ void Recorder::Impl::run() {
               fs::path path;
               if (writer && !lost) {
                 std::vector<RecordItem> store, describe;
-                judge->end_step(store, describe);
+                judge_arena.execute([&] { judge->end_step(store, describe); });
                 write_items(*writer, store, describe);
                 writer->write_metrics(judge->take_metrics());
                 path = writer->commit();
@@ -700,6 +715,13 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
   impl.work_cv.notify_one();
   impl.keys.insert(std::move(key));
+}
+
+at::Tensor Recorder::copy(const at::Tensor& tensor) {
+  const at::Tensor source = tensor.detach();
+  if (source.layout() != at::kStrided) return source.clone();  // sparse stays sparse
+  if (!source.device().is_cpu()) return source.clone(at::MemoryFormat::Contiguous);
+  return snapshot_of(source, *impl_->pool).host;
 }
 
 void Recorder::record_graph(formats::Graph graph) {

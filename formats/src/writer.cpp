@@ -1,12 +1,10 @@
 #include "dynaprobe/formats/writer.h"
 
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <tbb/concurrent_queue.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
-#include <tbb/task_scheduler_observer.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -21,6 +19,7 @@
 #include "chunk_layout.h"
 #include "chunk_pipeline.h"
 #include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
 #include "h5.h"
 #include "hdf5_types.h"
@@ -164,27 +163,6 @@ void rename_no_replace(const fs::path& from, const fs::path& to, const std::stri
     }
   }
 }
-
-// Gives the threads that work in a writer's arena the writer's niceness while they are in it.
-class NiceObserver : public tbb::task_scheduler_observer {
- public:
-  NiceObserver(tbb::task_arena& arena, int nice)
-      : tbb::task_scheduler_observer(arena), nice_(nice) {
-    observe(true);
-  }
-  ~NiceObserver() override { observe(false); }
-
-  void on_scheduler_entry(bool) override {
-    previous_ = getpriority(PRIO_PROCESS, 0);  // with 0, Linux means the calling thread
-    setpriority(PRIO_PROCESS, 0, nice_);
-  }
-  void on_scheduler_exit(bool) override { setpriority(PRIO_PROCESS, 0, previous_); }
-
- private:
-  int nice_;
-  static thread_local int previous_;
-};
-thread_local int NiceObserver::previous_ = 0;
 
 }  // namespace
 

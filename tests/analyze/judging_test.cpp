@@ -4,6 +4,7 @@
 #include "dynaprobe/analyze/judging.h"
 
 #include <gtest/gtest.h>
+#include <tbb/task_arena.h>
 
 #include <cstring>
 #include <random>
@@ -83,6 +84,16 @@ TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
   EXPECT_EQ(got.worst_index, expected.worst_index);
   EXPECT_EQ(got.allclose, expected.allclose);
   EXPECT_FALSE(got.allclose);
+  // Its chunks are compared on every thread of the caller's arena: one thread, the same bits.
+  tbb::task_arena one_thread(1);
+  const TensorMetrics serial =
+      one_thread.execute([&] { return compare_in_memory(a, b, tolerances, options.chunk_bytes); });
+  EXPECT_EQ(serial.mean_abs, got.mean_abs);
+  EXPECT_EQ(serial.rmse, got.rmse);
+  EXPECT_EQ(serial.cosine, got.cosine);
+  EXPECT_EQ(serial.max_rel, got.max_rel);
+  EXPECT_EQ(serial.worst_index, got.worst_index);
+  EXPECT_EQ(serial.histogram, got.histogram);
 }
 
 // A dump as PrecisionChecker(dump="stats") writes it: index rows and metrics, no tensors.

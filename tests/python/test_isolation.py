@@ -268,3 +268,57 @@ def test_a_module_level_name_the_rerun_rebinds_is_put_back_with_a_warning(tmp_pa
     assert CALLS == 1  # the training call's increment only
     messages = [str(w.message) for w in caught if "module-level names" in str(w.message)]
     assert messages and f"{__name__}.CALLS" in messages[0], messages
+
+
+class AddsParameter(nn.Module):
+    """``x * 2 + p``: the gradient of ``p`` is the module's grad_output itself, the very tensor
+    training's backward holds (autograd passes it through the add on both sides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        return x * 2 + self.p
+
+
+class ClipsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(6, 6)
+        self.inner = AddsParameter()
+
+    def forward(self, x):
+        return self.inner(self.pre(x)).sin().sum()
+
+
+@pytest.mark.parametrize("dump", ["full", "stats"])
+def test_parameter_gradients_are_the_ones_before_training_changes_grad_in_place(dump, tmp_path):
+    """Gradient clipping (an in-place change of every ``.grad``) between backward and collect()
+    changes neither side's recorded parameter gradients: what training's backward produced is
+    compared, on both sides, whatever tensors the eager re-run's gradients share with training."""
+    torch.manual_seed(0)
+    model = ClipsModel()
+    x = torch.randn(4, 6)
+    reference = copy.deepcopy(model)
+    reference(x).backward()
+    expected = reference.inner.p.grad.clone()
+
+    checker = PrecisionChecker(dump=dump, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.inner)
+    checker.install(model)
+    loss = model(x)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)  # scales every .grad
+    assert not torch.allclose(model.inner.p.grad, expected)
+    result = checker.collect(loss)
+    checker.uninstall()
+
+    rows = [r for r in result if r.check_type == "param_grad"]
+    assert rows and all(r.status == "PASS" for r in rows), result.text()
+    if dump == "full":
+        for side in ("eager", "compiled"):
+            dtype, shape, data = _C.read_record(result.dump_file, "inner", 0, "param_grad", 0,
+                                                side)
+            recorded = torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(shape).copy())
+            torch.testing.assert_close(recorded, expected)

@@ -258,3 +258,21 @@ def test_dropping_the_recorder_mid_step_leaves_no_file(tmp_path):
     recorder.record("m", 0, "fwd_output", 0, "eager", torch.randn(1000))
     del recorder
     assert os.listdir(tmp_path) == []
+
+
+def test_copy_is_a_private_contiguous_copy_in_recycled_memory(tmp_path):
+    """Recorder.copy() (how the checker keeps the gradients training may change in place): equal
+    values, contiguous, independent of the source, and the memory of a dead copy serves the next
+    copy of the same size (no fresh pages each step)."""
+    recorder = _C.Recorder(str(tmp_path), {})
+    source = torch.randn(64, 48).t()  # a transposed view
+    copy = recorder.copy(source)
+    assert copy.is_contiguous() and torch.equal(copy, source)
+    source.add_(1.0)
+    assert not torch.equal(copy, source)
+    address = copy.data_ptr()
+    del copy
+    again = recorder.copy(source)
+    assert again.data_ptr() == address and torch.equal(again, source)
+    sparse = torch.eye(3).to_sparse()
+    assert recorder.copy(sparse).to_dense().equal(torch.eye(3))

@@ -73,12 +73,20 @@ class Step:
         value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
 
-    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor,
+                       owned: bool = False) -> None:
+        """Adds ``grad`` to ``side``'s sum for ``param``. ``owned``: ``grad`` is the checker's
+        own result, which nothing else holds or changes (see PendingBackward.run), kept as it is;
+        any other gradient is copied, since training may change it in place (accumulation into
+        ``.grad``, gradient clipping)."""
         sums = self.param_grads[side]
         key = id(param)
         shard = self.shards.get(key)
         grad = shard.cut(grad.detach()) if shard is not None else grad.detach()
-        sums[key] = grad.clone() if key not in sums else sums[key] + grad
+        if key in sums:
+            sums[key] = sums[key] + grad
+        else:
+            sums[key] = grad if owned and shard is None else self.recorder.copy(grad)
 
     def record_param_grads(self, pairs) -> None:
         """The summed parameter gradients of each target. ``pairs``: (target name,
@@ -145,7 +153,8 @@ class PendingBackward:
                     self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
-                    self.step.add_param_grad("eager", param, grad)
+                    self.step.add_param_grad("eager", param, grad,
+                                             owned=not shares_storage(grad, grad_outputs))
         if self.reference is not None:
             self._run_reference()
         self.eager_outputs = self.leaves = self.params = []
@@ -177,12 +186,21 @@ class PendingBackward:
                                  grad)
         for (param, _), grad in zip(reference.params, grads[len(reference.leaves):]):
             if grad is not None:
-                self.step.add_param_grad("reference", param, grad)
+                self.step.add_param_grad("reference", param, grad,
+                                         owned=not shares_storage(grad, grad_outputs))
 
     def params_freed(self) -> bool:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
         eager graph, which saved them, cannot run any more."""
         return any(p.untyped_storage().size() == 0 and p.numel() > 0 for _, p in self.params)
+
+
+def shares_storage(grad: torch.Tensor, grad_outputs: List[torch.Tensor]) -> bool:
+    """Whether an ``autograd.grad`` result is (a view of) one of the grad_outputs it was seeded
+    with, which belong to the training backward: a parameter used as ``x + p`` gets its
+    grad_output itself as its gradient. Any other result is a fresh tensor of the checker's."""
+    storage = grad.untyped_storage().data_ptr()
+    return any(g.untyped_storage().data_ptr() == storage for g in grad_outputs)
 
 
 def run_pending(step: Step, unreached: str) -> None:

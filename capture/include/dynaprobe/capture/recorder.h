@@ -31,8 +31,9 @@ struct RecorderOptions {
   // once the queue is empty. The memory of written snapshots is kept for the next ones (up to a
   // quarter of the budget), so that snapshotting does not page-fault fresh memory in each step.
   std::size_t memory_budget_bytes = std::size_t{1} << 30;
-  // Compression and writes run at a lower priority (niceness 10) than the training threads: on
-  // a machine whose cores training keeps busy, capture fills the gaps instead of slowing it.
+  // The background thread (judging in memory, compression, writes) and the TBB workers it uses
+  // run at a lower priority (niceness 10) than the training threads: on a machine whose cores
+  // training keeps busy, capture fills the gaps instead of slowing it.
   formats::WriterOptions writer{.nice = 10};
   StoreMode store = StoreMode::kFull;
 };
@@ -89,6 +90,10 @@ class Recorder {
   // without a snapshot copy (its memory counts against the budget the same way).
   void record(formats::RecordKey key, const at::Tensor& tensor, std::string label = {},
               bool handed_over = false);
+  // A private contiguous copy of `tensor` to hand over later (record() with handed_over): a CPU
+  // tensor is copied into the recorder's recycled snapshot memory (no fresh pages to fault in,
+  // step after step), a device tensor is cloned on its device. Needs no step.
+  at::Tensor copy(const at::Tensor& tensor);
   // Queue a graph / a module description, written in call order with the records. Names are
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);
