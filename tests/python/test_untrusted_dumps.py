@@ -209,6 +209,27 @@ def test_the_index_checksum_is_the_documented_one(tmp_path):
         assert len(f["chunk_hashes"]) > 0  # the raw multi-chunk record's chunks
 
 
+def test_damage_to_a_compressed_chunk_is_found_before_zstd_sees_it(tmp_path, dynaprobe_cli):
+    # Format 2.0 reads compressed chunks without zstd's content checksum (their stored bytes are
+    # checked against their XXH3 first): damage to any byte of the frame, its last four (the
+    # content checksum zstd would have verified) included, is still exit 3 naming the chunk.
+    for where in ("payload", "content_checksum"):
+        step = real_step(tmp_path / where)
+        with h5py.File(step) as f:
+            chunks = f["tensors/layers.0/fwd_output.eager.0.0"]
+            assert chunks.id.get_num_chunks() > 1
+            info = chunks.id.get_chunk_info(1)
+            assert info.filter_mask == 0  # shuffled and compressed
+        data = bytearray(step.read_bytes())
+        offset = info.byte_offset + (info.size // 2 if where == "payload" else info.size - 1)
+        data[offset] ^= 0x01
+        step.write_bytes(bytes(data))
+        proc = run_cli(dynaprobe_cli, "compare", tmp_path / where)
+        assert proc.returncode == 3, proc.stdout
+        assert b"fwd_output.eager.0.0: chunk 1 is corrupt" in proc.stderr, proc.stderr
+        assert b"XXH3 in /chunk_hashes" in proc.stderr, proc.stderr
+
+
 def rewrite_index(step, change, version=None, reseal=True):
     """Changes /index with h5py; `reseal` recomputes its checksum, as a crafted file would."""
     with h5py.File(step, "r+") as f:
