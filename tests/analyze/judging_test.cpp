@@ -74,26 +74,26 @@ TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
       DType::kBFloat16, {static_cast<std::int64_t>(n)}, compiled_half.data()};
   const Tolerances tolerances = dump_judging(kSinglePass, dir.path())
                                     .row_tolerances("layers.0", Kind::kFwdOutput, a.dtype, b.dtype);
+  // Sums in the same order: equal bits.
+  const auto expect_same_bits = [](const TensorMetrics& x, const TensorMetrics& y) {
+    EXPECT_EQ(std::memcmp(&x.max_abs, &y.max_abs, sizeof(double)), 0);
+    EXPECT_EQ(x.mean_abs, y.mean_abs);
+    EXPECT_EQ(x.rmse, y.rmse);
+    EXPECT_EQ(x.cosine, y.cosine);
+    EXPECT_EQ(x.max_rel, y.max_rel);
+    EXPECT_EQ(x.mismatches, y.mismatches);
+    EXPECT_EQ(x.worst_index, y.worst_index);
+    EXPECT_EQ(x.histogram, y.histogram);
+    EXPECT_EQ(x.allclose, y.allclose);
+  };
   const TensorMetrics got = compare_in_memory(a, b, tolerances, options.chunk_bytes);
-  EXPECT_EQ(std::memcmp(&got.max_abs, &expected.max_abs, sizeof(double)), 0);
-  EXPECT_EQ(got.mean_abs, expected.mean_abs);  // sums in the same order: equal bits
-  EXPECT_EQ(got.rmse, expected.rmse);
-  EXPECT_EQ(got.cosine, expected.cosine);
-  EXPECT_EQ(got.max_rel, expected.max_rel);
-  EXPECT_EQ(got.mismatches, expected.mismatches);
-  EXPECT_EQ(got.worst_index, expected.worst_index);
-  EXPECT_EQ(got.allclose, expected.allclose);
+  expect_same_bits(got, expected);
   EXPECT_FALSE(got.allclose);
   // Its chunks are compared on every thread of the caller's arena: one thread, the same bits.
   tbb::task_arena one_thread(1);
-  const TensorMetrics serial =
-      one_thread.execute([&] { return compare_in_memory(a, b, tolerances, options.chunk_bytes); });
-  EXPECT_EQ(serial.mean_abs, got.mean_abs);
-  EXPECT_EQ(serial.rmse, got.rmse);
-  EXPECT_EQ(serial.cosine, got.cosine);
-  EXPECT_EQ(serial.max_rel, got.max_rel);
-  EXPECT_EQ(serial.worst_index, got.worst_index);
-  EXPECT_EQ(serial.histogram, got.histogram);
+  expect_same_bits(
+      one_thread.execute([&] { return compare_in_memory(a, b, tolerances, options.chunk_bytes); }),
+      got);
 }
 
 // A dump as PrecisionChecker(dump="stats") writes it: index rows and metrics, no tensors.
