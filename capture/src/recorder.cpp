@@ -11,6 +11,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -450,6 +451,9 @@ void Recorder::Impl::run() {
   // OpenMP threads and the whole parallel region waits for it; below them it takes the gaps,
   // and every core once the training thread waits for it at the step's end (docs/performance.md,
   // Scale).
+  // Named, so that per-thread profiles (top -H, perf, py-spy) tell it from torch's threads;
+  // the TBB workers it starts inherit the name.
+  pthread_setname_np(pthread_self(), "dynaprobe-rec");
   const int nice = options.writer.nice;
   if (nice != 0) setpriority(PRIO_PROCESS, 0, nice);  // with 0, Linux means the calling thread
   tbb::task_arena judge_arena;

@@ -276,3 +276,31 @@ def test_copy_is_a_private_contiguous_copy_in_recycled_memory(tmp_path):
     assert again.data_ptr() == address and torch.equal(again, source)
     sparse = torch.eye(3).to_sparse()
     assert recorder.copy(sparse).to_dense().equal(torch.eye(3))
+
+
+def test_the_background_thread_is_named_and_runs_below_training(tmp_path):
+    """Per-thread profiles tell the recorder's thread from torch's, and it runs at niceness 10
+    (judging, compression, writes), below the training threads (docs/performance.md, Scale)."""
+    import os
+
+    def threads():
+        names = {}
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names[int(task)] = f.read().strip()
+        return names
+
+    before = threads()
+    recorder = _C.Recorder(str(tmp_path), {})
+    recorder.begin_step(0)
+    recorder.record("m", 0, "fwd_input", 0, "eager", torch.zeros(4))
+    recorder.end_step()
+    new = {tid: name for tid, name in threads().items() if tid not in before}
+    named = [tid for tid, name in new.items() if name == "dynaprobe-rec"]
+    assert named, new  # (TBB workers it starts inherit its name and niceness)
+    for tid in named:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+        assert nice == 10
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the calling thread is left as it was
+    del recorder
