@@ -112,6 +112,13 @@ def _share_modules_and_clone_tensors(value, memo: dict,
 _CONTAINERS = (list, dict, set)
 
 
+def _items_of(container):
+    """A plain shallow copy of a list, dict or set (subclasses included)."""
+    if isinstance(container, dict):
+        return dict(container)
+    return list(container) if isinstance(container, list) else set(container)
+
+
 class ModuleState:
     """What a forward may change on a module and its submodules besides parameter values: the
     Python attributes (rebinding), the contents of list/dict/set attributes (the registries of
@@ -127,7 +134,10 @@ class ModuleState:
         self.entries: List[Tuple[nn.Module, dict, dict]] = []
         for owner in module.modules():
             attributes = dict(owner.__dict__)
-            contents = {name: copy.copy(value) for name, value in attributes.items()
+            # Plain copies of the items: apply() only puts them back into the original container
+            # (copy.copy goes through __reduce_ex__ for the OrderedDicts nn.Module keeps hooks in:
+            # capturing and applying the state of a GPT2Block took 383 us with it, 143 us now).
+            contents = {name: _items_of(value) for name, value in attributes.items()
                         if isinstance(value, _CONTAINERS)}
             if clone_buffers and "_buffers" in contents:
                 contents["_buffers"] = {name: None if buffer is None else buffer.detach().clone()
