@@ -445,15 +445,15 @@ void Recorder::Impl::run() {
   constexpr std::size_t kMaxBatchRecords = 4096;
 
   std::unique_ptr<PairJudge> judge;  // of the step being written
+  // Named, so that per-thread profiles (top -H, perf, py-spy) tell it from torch's threads;
+  // the TBB workers it starts inherit the name.
+  pthread_setname_np(pthread_self(), "dynaprobe-rec");
   // Judging runs below the training threads, at the writer's niceness: this thread and the TBB
   // workers that compare its large pairs in parallel (analyze::compare_in_memory). On a host
   // whose cores training keeps busy, judging at the same priority preempts one of torch's
   // OpenMP threads and the whole parallel region waits for it; below them it takes the gaps,
   // and every core once the training thread waits for it at the step's end (docs/performance.md,
   // Scale).
-  // Named, so that per-thread profiles (top -H, perf, py-spy) tell it from torch's threads;
-  // the TBB workers it starts inherit the name.
-  pthread_setname_np(pthread_self(), "dynaprobe-rec");
   const int nice = options.writer.nice;
   if (nice != 0) setpriority(PRIO_PROCESS, 0, nice);  // with 0, Linux means the calling thread
   tbb::task_arena judge_arena;
