@@ -3,8 +3,8 @@ GPT-2-style models from `transformers`, at several sizes, side by side in one ru
 
 For each size (layers x hidden, vocabulary 50257, batch x sequence tokens), every configuration
 below trains its own copy of the model, step after step in turn (so that drift and neighbours hit
-all alike); the first step of each is warm-up (compilation) and the median of the others is
-reported:
+all alike); the first --warmup steps of each (compilation, then the allocators' and the page
+tables' first growth) are not measured, and the median of the next --steps is reported:
   compiled    the GPT2Blocks compiled with aot_eager, no checker
   inherent    compiled, plus what any single-pass checker must do: an eager forward and backward
               of every block call on its own inputs
@@ -18,7 +18,7 @@ reported:
 Per configuration: seconds per step, ratio to inherent, bytes of dump per step, and host memory
 growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
 
-    .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3]
+    .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3] [--warmup 2]
         [--dumps full,failing,stats] [--replay failing,none] [--threads N] [--no-msprobe]
         [--json results.json] [--plot plot.svg]
 
@@ -183,8 +183,8 @@ def msprobe_available() -> bool:
         return False
 
 
-def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe, dumps=("full", "failing",
-            "stats"), replays=(None,)):
+def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
+            dumps=("full", "failing", "stats"), replays=(None,)):
     template = gpt2(layers, hidden)
     params = sum(p.numel() for p in template.parameters())
     state = template.state_dict()
@@ -203,9 +203,9 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe, dumps=("fu
                 name = dump if replay is None else f"{dump}:{replay}"
                 configs.append(Dynaprobe(name, copy_model(), os.path.join(
                     workdir, f"{layers}x{hidden}-{name}"), dump, replay))
-    run_steps(configs, batch, seq, steps)
+    run_steps(configs, batch, seq, steps, warmup)
     if with_msprobe is True:
-        configs.append(msprobe_in_its_own_process(layers, hidden, batch, seq, steps))
+        configs.append(msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup))
     if with_msprobe == "worker":
         return configs[0]
     inherent = statistics.median(next(c for c in configs if c.name == "inherent").times)
@@ -222,12 +222,13 @@ def measure(layers, hidden, batch, seq, steps, workdir, with_msprobe, dumps=("fu
     return rows
 
 
-def run_steps(configs, batch, seq, steps):
-    """Every configuration one step in turn, `steps` + 1 times (the first is warm-up)."""
+def run_steps(configs, batch, seq, steps, warmup):
+    """Every configuration one step in turn, `warmup` + `steps` times (the first `warmup` are
+    not measured)."""
     for config in configs:
         config.setup()
     ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(1))
-    for round_ in range(steps + 1):  # round 0: warm-up (compilation)
+    for round_ in range(warmup + steps):  # round 0 compiles
         for config in configs:
             before = rss_bytes("VmRSS")
             reset_peak_rss()
@@ -236,17 +237,18 @@ def run_steps(configs, batch, seq, steps):
             elapsed = time.perf_counter() - start
             growth = rss_bytes("VmHWM") - before
             written = config.dump_bytes()
-            if round_ > 0:
+            if round_ >= warmup:
                 config.times.append(elapsed)
                 config.growth.append(growth)
                 config.bytes.append(written)
 
 
-def msprobe_in_its_own_process(layers, hidden, batch, seq, steps):
+def msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup):
     """msProbe's measurements, from `scale_bench.py --msprobe-worker` in a fresh process."""
     out = subprocess.run(
         [sys.executable, __file__, "--msprobe-worker", f"{layers}x{hidden}", "--batch", str(batch),
-         "--seq", str(seq), "--steps", str(steps), "--threads", str(torch.get_num_threads())],
+         "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
+         "--threads", str(torch.get_num_threads())],
         capture_output=True, text=True, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     config = Config("msprobe", None)
@@ -299,6 +301,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per configuration before "
+                        "those (at least 1: the first compiles)")
     parser.add_argument("--json", help="write the rows there")
     parser.add_argument("--plot", help="write a plot of step time and dump size there (SVG/PNG)")
     parser.add_argument("--no-msprobe", action="store_true", help="leave msProbe out")
@@ -313,12 +317,15 @@ def main() -> None:
                              "training host with cores to spare per accelerator has")
     parser.add_argument("--msprobe-worker", metavar="LxH", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1: the first step compiles")
     torch.set_num_threads(args.threads)
     if args.msprobe_worker:
         layers, hidden = (int(x) for x in args.msprobe_worker.split("x"))
         workdir = tempfile.mkdtemp(prefix="dynaprobe-scale-msprobe-")
         os.chdir(workdir)  # msProbe writes into the working folder
-        config = measure(layers, hidden, args.batch, args.seq, args.steps, workdir, "worker")
+        config = measure(layers, hidden, args.batch, args.seq, args.steps, args.warmup, workdir,
+                         "worker")
         shutil.rmtree(workdir, ignore_errors=True)
         print(json.dumps({"times": config.times, "growth": config.growth, "bytes": config.bytes}))
         return
@@ -330,7 +337,7 @@ def main() -> None:
     try:
         for size in args.sizes.split(","):
             layers, hidden = (int(x) for x in size.split("x"))
-            rows += measure(layers, hidden, args.batch, args.seq, args.steps, workdir,
+            rows += measure(layers, hidden, args.batch, args.seq, args.steps, args.warmup, workdir,
                             with_msprobe, args.dumps.split(","),
                             args.replay.split(",") if args.replay else (None,))
             print_table([r for r in rows if (r["layers"], r["hidden"]) == (layers, hidden)])
