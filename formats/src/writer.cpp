@@ -444,15 +444,20 @@ void StepWriter::Impl::store(const ChunkItem& item) {
       if (buffers) impl.free_buffers.push(buffers);
     }
   } give_back{*this, item.buffers};
-  h5::Lock lock(h5::hdf5_mutex());
-  if (item.first) create_dataset(*item.plan);
-  if (item.has_chunk) write_chunk(item);
-  if (item.last) finish_dataset(*item.plan);
+  {
+    h5::Lock lock(h5::hdf5_mutex());
+    if (item.first) create_dataset(*item.plan);
+    if (item.has_chunk) write_chunk(item);
+    if (item.last) finish_dataset(*item.plan);
+  }
+  if (unsynced_bytes >= kWritebackBytes) {  // outside HDF5's lock: this waits for the disk
+    stream_to_disk();
+    unsynced_bytes = 0;
+  }
 }
 
 // Writes the item's payload as its chunk of `dataset` and notes it in `dataset_info`: the bytes
-// stored, the only chunk's location, or each chunk's hash. Starts the disk's writeback now and
-// then, so that commit()'s fsync waits for the tail only.
+// stored, the only chunk's location, or each chunk's hash.
 void StepWriter::Impl::write_chunk(const ChunkItem& item) {
   const ChunkLayout& layout = *item.plan->layout;
   const auto offset = layout.offset(item.chunk);
@@ -464,10 +469,6 @@ void StepWriter::Impl::write_chunk(const ChunkItem& item) {
   if (layout.chunk_count() == 1) locate_only_chunk(item.payload_hash);
   dataset_info.chunk_hashes.push_back(item.payload_hash);
   unsynced_bytes += item.payload_size;
-  if (unsynced_bytes >= kWritebackBytes) {
-    stream_to_disk();
-    unsynced_bytes = 0;
-  }
 }
 
 // Streams the step to disk as it is written, and out of the page cache: starts the writeback of
