@@ -472,8 +472,9 @@ void StepWriter::Impl::write_chunk(const ChunkItem& item) {
 }
 
 // Streams the step to disk as it is written, and out of the page cache: starts the writeback of
-// what was written since the last call, waits for the writeback the call before started (long
-// done, at disk speed) and drops those pages from the page cache. A dump is written once and read
+// what was written since the last call, waits for the writeback the call before started (most
+// of it done by then, unless the disk is slower than the writer) and drops those pages from the
+// page cache. A dump is written once and read
 // later, if ever: kept cached, a run's steps would fill the host's memory with dirty and then
 // clean pages, evict what training reads (its dataset), and every new page the next step writes
 // would be memory the kernel must find first. Streaming keeps the writer's pages to two windows
