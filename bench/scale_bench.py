@@ -2,9 +2,11 @@
 GPT-2-style models from `transformers`, at several sizes, side by side in one run.
 
 For each size (layers x hidden, vocabulary 50257, batch x sequence tokens), every configuration
-below trains its own copy of the model, step after step in turn (so that drift and neighbours hit
-all alike); the first --warmup steps of each (compilation, then the allocators' and the page
-tables' first growth) are not measured, and the median of the next --steps is reported:
+below trains its own copy of the model, two steps at a time in turn (so that drift and neighbours
+hit all alike), the second of each two measured: it runs while the first's step file is written,
+as in a run, and that write is over before the next configuration's turn. The first --warmup
+rounds (compilation, then the allocators' and the page tables' first growth) are not measured,
+and the median of the next --steps is reported:
   compiled    the GPT2Blocks compiled with aot_eager, no checker
   inherent    compiled, plus what any single-pass checker must do: an eager forward and backward
               of every block call on its own inputs
@@ -94,6 +96,10 @@ class Config:
         loss.backward()
         return loss
 
+    def settle(self):
+        """Waits for the work the last step left running (a step file still being written), so
+        that it does not slow the next configuration's step."""
+
     def dump_bytes(self):
         """Bytes the last step added to the dump."""
         return 0
@@ -139,6 +145,7 @@ class Inherent(Compiled):
 class Dynaprobe(Config):
     def __init__(self, name, model, dump_dir, dump, replay=None):
         super().__init__(name, model, dump_dir)
+        self.results = []
         self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir, replay=replay)
         self.checker.wrap_by_policy(model, (block_type(),))
 
@@ -147,14 +154,19 @@ class Dynaprobe(Config):
 
     def step(self, ids):
         loss = super().step(ids)
-        result = self.checker.collect(loss)
-        self.last_file = result.dump_file
+        self.results.append(self.checker.collect(loss))
         return loss
 
+    def settle(self):
+        self.checker.wait_committed()
+
     def dump_bytes(self):
-        size = os.path.getsize(self.last_file)
-        os.remove(self.last_file)  # keep the disk free; the size is what counts
-        return size
+        sizes = []
+        for result in self.results:
+            sizes.append(os.path.getsize(result.dump_file))
+            os.remove(result.dump_file)  # keep the disk free; the size is what counts
+        self.results.clear()
+        return sizes[-1]
 
 
 class MsProbe(Config):
@@ -223,19 +235,24 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
 
 
 def run_steps(configs, batch, seq, steps, warmup):
-    """Every configuration one step in turn, `warmup` + `steps` times (the first `warmup` are
-    not measured)."""
+    """Every configuration two steps in turn, `warmup` + `steps` times (the rounds of the first
+    `warmup` are not measured). Of the two, the second is measured: it runs while the first's
+    step file is written, as every step of a run does (PrecisionChecker.collect() returns
+    before the disk is done); then that is waited for, untimed, so that no configuration's
+    writes slow another's step."""
     for config in configs:
         config.setup()
     ids = torch.randint(0, 50257, (batch, seq), generator=torch.Generator().manual_seed(1))
     for round_ in range(warmup + steps):  # round 0 compiles
         for config in configs:
+            config.step(ids)
             before = rss_bytes("VmRSS")
             reset_peak_rss()
             start = time.perf_counter()
             config.step(ids)
             elapsed = time.perf_counter() - start
             growth = rss_bytes("VmHWM") - before
+            config.settle()
             written = config.dump_bytes()
             if round_ >= warmup:
                 config.times.append(elapsed)

@@ -555,8 +555,9 @@ bool Comparison::all_pass() const {
          std::all_of(steps.begin(), steps.end(), [](const StepReport& s) { return s.all_pass(); });
 }
 
-Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
-                   const CompareOptions& options) {
+namespace {
+
+void check_tolerance_options(const CompareOptions& options) {
   for (const auto& [name, value] :
        {std::pair{"atol", options.atol}, std::pair{"rtol", options.rtol}}) {
     if (value && !valid_tolerance(*value)) {
@@ -564,12 +565,48 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                        format_double(*value));
     }
   }
+}
+
+// The comparison of dumps already opened; `same`: one dump holds both sides (`compiled` unused).
+Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
+                        const fs::path& compiled_dump, const OpenDump& compiled, bool same,
+                        const CompareOptions& options);
+
+}  // namespace
+
+Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
+                   const CompareOptions& options) {
+  check_tolerance_options(options);
   std::error_code error;
   const bool same = fs::equivalent(eager_dump, compiled_dump, error);
   const OpenDump eager = open_dump(eager_dump, options.step);
   const OpenDump compiled = same ? OpenDump{} : open_dump(compiled_dump, options.step);
-  const OpenDump& compiled_side = same ? eager : compiled;
+  return compare_open(eager_dump, eager, compiled_dump, compiled, same, options);
+}
 
+Comparison compare_pending(formats::PendingStep pending, const CompareOptions& options) {
+  check_tolerance_options(options);
+  const fs::path dump = pending.file.parent_path();
+  fs::path partial = pending.file;
+  partial += formats::schema::kPartialSuffix;
+  OpenDump open;
+  // What `dynaprobe compare` of this step will warn about: other unfinished steps of the dump.
+  for (fs::path& file : formats::list_dump(dump).unfinished) {
+    if (file != partial) open.unfinished.push_back(std::move(file));
+  }
+  const std::int64_t step = pending.step;
+  open.steps.emplace(step, std::make_shared<StepReader>(std::move(pending)));
+  CompareOptions for_step = options;
+  for_step.step = step;
+  return compare_open(dump, open, dump, OpenDump{}, true, for_step);
+}
+
+namespace {
+
+Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
+                        const fs::path& compiled_dump, const OpenDump& compiled, bool same,
+                        const CompareOptions& options) {
+  const OpenDump& compiled_side = same ? eager : compiled;
   Comparison result;
   for (const auto& path : eager.unfinished) {
     result.warnings.push_back(path.string() +
@@ -679,6 +716,8 @@ Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
   }
   return result;
 }
+
+}  // namespace
 
 std::vector<RankDump> find_rank_dumps(const fs::path& path) {
   std::error_code error;

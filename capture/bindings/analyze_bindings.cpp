@@ -90,6 +90,17 @@ void bind_analyze(py::module_& m) {
       py::arg("threads") = 0, py::arg("dtype_aware") = py::none(), py::arg("recompute") = false,
       "Compares the eager side of eager_dump with the compiled side of compiled_dump.");
   m.def(
+      "compare_pending",
+      [](const dynaprobe::formats::PendingStep& pending) {
+        dynaprobe::formats::PendingStep copy = pending;
+        py::gil_scoped_release release;
+        return analyze::compare_pending(std::move(copy), {});
+      },
+      py::arg("pending"),
+      "Compares a step the recorder is still writing (Recorder.finish_step()): the report "
+      "compare() gives of its dump once committed; waits for the commit only for pairs not "
+      "judged in memory.");
+  m.def(
       "note_status",
       [](const std::string& note) {
         return std::string(analyze::status_name(analyze::note_status(note)));

@@ -38,6 +38,21 @@ fmt::Side side_arg(const std::string& side) {
 }
 
 void bind_capture(py::module_& m) {
+  py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
+A step the recorder has judged and is still writing (Recorder.finish_step()).
+)doc")
+      .def_property_readonly(
+          "file", [](const fmt::PendingStep& self) { return self.file.string(); },
+          "Where the step is being committed.")
+      .def_readonly("step", &fmt::PendingStep::step)
+      .def(
+          "wait_committed",
+          [](const fmt::PendingStep& self) {
+            py::gil_scoped_release release;
+            self.wait_committed();
+          },
+          "Waits until the step's file is committed; raises the error that lost it.");
+
   py::class_<Recorder>(m, "Recorder", R"doc(
 Records tensors of one dump (one process, one rank) into step files.
 
@@ -136,6 +151,9 @@ Args:
           },
           py::arg("module"), py::arg("attributes") = std::map<std::string, std::string>{},
           "Queues what the capture knew about a module in this step (model order).")
+      .def("finish_step", &Recorder::finish_step, py::call_guard<py::gil_scoped_release>(),
+           "Ends the step once every record is judged and returns it as a PendingStep "
+           "(compare_pending(), wait_committed()) while its file is still being written.")
       .def(
           "end_step",
           [](Recorder& self) {

@@ -73,6 +73,7 @@ struct RecordItem {
   at::Tensor snapshot;
   std::size_t bytes = 0;
   std::shared_ptr<c10::Event> copied;
+  std::uint64_t batch = 0;  // the background thread's batch that took it from the queue
 };
 struct BeginItem {
   std::int64_t step = 0;
@@ -102,7 +103,10 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
     const std::size_t bytes =
         std::max<std::size_t>(c10::multiply_integers(sizes) * c10::elementSize(type), 1);
     void* block = take(bytes);
-    if (block == nullptr) block = std::aligned_alloc(kAlignment, round_up(bytes));
+    if (block == nullptr) {
+      const std::size_t alignment = alignment_of(bytes);
+      block = std::aligned_alloc(alignment, (bytes + alignment - 1) / alignment * alignment);
+    }
     if (block == nullptr) throw std::bad_alloc();
     std::weak_ptr<SnapshotPool> pool = weak_from_this();
     return at::from_blob(
@@ -115,10 +119,9 @@ class SnapshotPool : public std::enable_shared_from_this<SnapshotPool> {
   }
 
  private:
-  static constexpr std::size_t kAlignment = 64;
-  static std::size_t round_up(std::size_t bytes) {
-    return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  }
+  // Page-aligned from 64 KiB on: the writer stores the chunks of such tensors straight from
+  // this memory, past the page cache (O_DIRECT needs page-aligned buffers).
+  static std::size_t alignment_of(std::size_t bytes) { return bytes >= (64 << 10) ? 4096 : 64; }
   void* take(std::size_t bytes) {
     std::lock_guard lock(mutex_);
     auto found = free_.find(bytes);
@@ -348,23 +351,67 @@ std::exception_ptr step_lost(std::exception_ptr error, std::int64_t step, const 
   }
 }
 
-}  // namespace
+// Whether a step's file is committed yet (Recorder::finish_step): shared by the background
+// thread, which commits it, and by the step's PendingStep, which may outlive the recorder.
+struct CommitState {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;  // why the step could not be committed
 
-// Writes the tensors of `store` and the index rows of `describe` (see PairJudge).
-void write_items(formats::StepWriter& writer, std::vector<RecordItem>& store,
-                 std::vector<RecordItem>& describe) {
-  for (auto* items : {&store, &describe}) {
-    if (items->empty()) continue;
-    std::vector<formats::Record> records;
-    records.reserve(items->size());
-    for (auto& r : *items) records.push_back(std::move(r.record));
-    if (items == &store) {
-      writer.write(records);
-    } else {
-      writer.describe(records);
+  void finish(std::exception_ptr why) {
+    {
+      std::lock_guard lock(mutex);
+      if (done) return;
+      done = true;
+      error = std::move(why);
     }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return done; });
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+// The writer's side of the background thread: what is left to write, in queue order. The judging
+// side runs ahead of it, so that a step is judged (and reported) while its tensors are still
+// being written.
+struct BeginWrite {
+  std::int64_t step = 0;
+};
+struct RecordsWrite {
+  std::vector<RecordItem> store, describe;  // see PairJudge::take
+  std::size_t bytes = 0;                    // of the queue's snapshots this write releases
+};
+struct CommitWrite {
+  std::vector<formats::StoredMetrics> metrics;
+  std::shared_ptr<CommitState> state;
+};
+using WriteOp =
+    std::variant<BeginWrite, RecordsWrite, formats::Graph, formats::ModuleInfo, CommitWrite>;
+
+// Records of a step as its index will list them, and the bytes of the smallest (the loss), for
+// the step's PendingStep.
+void add_pending(formats::PendingStep& pending, const std::vector<RecordItem>& items, bool stored) {
+  constexpr std::size_t kKeptBytes = 64;
+  for (const RecordItem& item : items) {
+    formats::RecordInfo info;
+    info.key = item.record.key;
+    info.label = item.record.label;
+    info.dtype = item.record.tensor.dtype;
+    info.shape = item.record.tensor.shape;
+    info.stored = stored || info.numel() == 0;
+    if (stored && item.bytes <= kKeptBytes && item.bytes > 0 && !item.copied) {
+      const auto* data = static_cast<const std::byte*>(item.record.tensor.data);
+      pending.small_tensors.emplace(info.key, std::vector<std::byte>(data, data + item.bytes));
+    }
+    pending.records.push_back(std::move(info));
   }
 }
+
+}  // namespace
 
 struct Recorder::Impl {
   fs::path dump_dir;
@@ -388,14 +435,14 @@ struct Recorder::Impl {
   std::condition_variable work_cv;    // the background thread waits for items
   std::condition_variable caller_cv;  // callers wait for budget or for the end of a step
   std::deque<Item> queue;
-  std::size_t queued_bytes = 0;   // snapshots queued or being written
+  std::size_t queued_bytes = 0;   // snapshots queued, being judged or written
   std::size_t held_bytes = 0;     // snapshots the background thread holds for their twin
   std::exception_ptr step_error;  // why the current step is lost
   std::uint64_t pushed = 0;       // items queued so far
   std::uint64_t handled = 0;      // items the background thread has judged or handled
   std::set<CallKey> failing;      // of the current step (PairJudge::take_failing)
-  bool step_done = false;         // the background thread has handled the EndItem
-  fs::path committed;
+  // The current step once the background thread has judged its EndItem.
+  std::optional<formats::PendingStep> judged;
   bool stopping = false;
 
   std::thread worker;  // last: starts once everything above exists
@@ -433,18 +480,47 @@ struct Recorder::Impl {
   void run();
 };
 
-// The background thread: owns the StepWriter, turns queue items into writes in queue order and
-// batches consecutive records so that StepWriter::write compresses many tensors in parallel.
+// Writes the tensors of `store` and the index rows of `describe` (see PairJudge).
+void write_items(formats::StepWriter& writer, std::vector<RecordItem>& store,
+                 std::vector<RecordItem>& describe) {
+  for (auto* items : {&store, &describe}) {
+    if (items->empty()) continue;
+    std::vector<formats::Record> records;
+    records.reserve(items->size());
+    for (auto& r : *items) records.push_back(std::move(r.record));
+    if (items == &store) {
+      writer.write(records);
+    } else {
+      writer.describe(records);
+    }
+  }
+}
+
+// The background thread. Its judging side turns queue items into verdicts (PairJudge) and write
+// operations, batching consecutive records so that StepWriter::write compresses many tensors in
+// parallel; its writing side owns the StepWriter and carries the operations out in order. It
+// judges whatever is queued before it writes anything more, so that finish_step() returns once a
+// step is judged while the step's last tensors (the parameter gradients) are still being written.
 void Recorder::Impl::run() {
-  std::unique_ptr<formats::StepWriter> writer;
-  std::int64_t writing_step = 0;
-  bool lost = false;  // the current step failed: drop its items until the next BeginItem
   // A batch stays well under the budget, so that the caller can keep snapshotting while it is
   // written.
   const std::size_t batch_cap = std::max<std::size_t>(options.memory_budget_bytes / 4, 1);
   constexpr std::size_t kMaxBatchRecords = 4096;
+  // A write operation holds about this many bytes, so that judging waits at most for one.
+  constexpr std::size_t kWriteOpBytes = std::size_t{32} << 20;
 
-  std::unique_ptr<PairJudge> judge;  // of the step being written
+  // Judging side: the step being judged.
+  std::unique_ptr<PairJudge> judge;
+  std::int64_t judging_step = 0;
+  bool judging_open = false;  // its EndItem is not judged yet: the caller is in it
+  bool judge_lost = false;    // the step failed: drop its items
+  formats::PendingStep pending;
+  // Writing side: the step being written.
+  std::deque<WriteOp> writes;
+  std::unique_ptr<formats::StepWriter> writer;
+  std::int64_t writing_step = 0;
+  std::exception_ptr write_error;  // the step being written is lost: skip its operations
+
   // Named, so that per-thread profiles (top -H, perf, py-spy) tell it from torch's threads;
   // the TBB workers it starts inherit the name.
   pthread_setname_np(pthread_self(), "dynaprobe-rec");
@@ -460,18 +536,202 @@ void Recorder::Impl::run() {
   judge_arena.initialize();
   std::optional<formats::NiceObserver> judge_nice;
   if (nice != 0) judge_nice.emplace(judge_arena, nice);
-  const auto fail = [&](std::exception_ptr error) {
-    writer.reset();  // removes the partial file
-    judge.reset();   // and the snapshots it held
+
+  // The step being judged is lost: the caller hears of it at its next call.
+  const auto fail_judging = [&](std::exception_ptr error) {
+    judge.reset();  // frees the snapshots it held
+    judge_lost = true;
     {
       std::lock_guard lock(mutex);
       held_bytes = 0;
+      if (!step_error) step_error = step_lost(error, judging_step, dump_dir);
     }
-    lost = true;
+    caller_cv.notify_all();
+  };
+  // The step being written is lost: its partial file goes, and the error reaches the caller
+  // through the step's commit (and at once while the caller is still in the step).
+  const auto fail_writing = [&](std::exception_ptr error) {
+    writer.reset();  // removes the partial file
+    write_error = step_lost(error, writing_step, dump_dir);
+    if (judging_open && judging_step == writing_step && !judge_lost) fail_judging(error);
+  };
+  std::uint64_t batches = 0;
+  const auto judge_batch = [&](std::vector<RecordItem>& batch) {
+    std::size_t bytes = 0;
+    for (const auto& r : batch) bytes += r.bytes;
+    const std::size_t count = batch.size();
+    const std::uint64_t this_batch = ++batches;
+    std::size_t released = bytes;  // of the queue's bytes, those not waiting for a write
+    if (judge && !judge_lost) {
+      try {
+        std::vector<RecordItem> store, describe;
+        judge_arena.execute([&] {
+          for (auto& r : batch) {
+            if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
+            r.batch = this_batch;
+            judge->take(std::move(r), store, describe);
+          }
+        });
+        add_pending(pending, store, true);
+        add_pending(pending, describe, false);
+        for (RecordItem& r : describe) {  // only their index rows are written
+          r.snapshot = at::Tensor();
+          r.copied.reset();
+          r.record.tensor.data = nullptr;
+        }
+        // Cut into operations of about kWriteOpBytes, never between the sides of a pair (the
+        // writer stores a repeat of a multi-chunk tensor once only within one write). Each
+        // releases the queue's bytes of its records from this batch once written; the rest of
+        // the batch (held for a twin, described only) is released now.
+        const auto pair_of = [](const formats::RecordKey& k) {
+          return std::tie(k.module, k.call, k.kind, k.tensor_index);
+        };
+        std::vector<RecordsWrite> ops;
+        std::size_t from = 0, op_bytes = 0, op_queued = 0;
+        for (std::size_t i = 0; i < store.size(); ++i) {
+          op_bytes += store[i].bytes;
+          if (store[i].batch == this_batch) op_queued += store[i].bytes;
+          const bool last = i + 1 == store.size();
+          if (!last && (op_bytes < kWriteOpBytes ||
+                        pair_of(store[i].record.key) == pair_of(store[i + 1].record.key))) {
+            continue;
+          }
+          RecordsWrite op;
+          op.store.assign(std::make_move_iterator(store.begin() + from),
+                          std::make_move_iterator(store.begin() + i + 1));
+          if (last) op.describe = std::move(describe);
+          op.bytes = op_queued;
+          ops.push_back(std::move(op));
+          from = i + 1;
+          op_bytes = op_queued = 0;
+        }
+        if (store.empty()) ops.push_back(RecordsWrite{{}, std::move(describe), 0});
+        for (RecordsWrite& op : ops) {
+          released -= op.bytes;
+          writes.push_back(std::move(op));
+        }
+        {  // judged: failing_calls() need not wait for the write
+          std::lock_guard lock(mutex);
+          for (auto& call : judge->take_failing()) failing.insert(std::move(call));
+          held_bytes = judge->held_bytes();
+          queued_bytes -= released;
+          handled += count;
+        }
+        caller_cv.notify_all();
+        return;
+      } catch (...) {
+        fail_judging(std::current_exception());
+      }
+    }
+    batch.clear();  // frees the snapshots before the budget says they are gone
     {
       std::lock_guard lock(mutex);
-      if (!step_error) step_error = step_lost(error, writing_step, dump_dir);
+      queued_bytes -= bytes;
+      handled += count;
     }
+    caller_cv.notify_all();
+  };
+  const auto judge_item = [&](Item& item) {
+    std::visit(
+        [&](auto& value) {
+          using T = std::decay_t<decltype(value)>;
+          if constexpr (std::is_same_v<T, BeginItem>) {
+            judging_step = value.step;
+            judging_open = true;
+            judge_lost = false;
+            pending = formats::PendingStep{};
+            pending.file = dump_dir / formats::step_file_name(value.step);
+            pending.step = value.step;
+            pending.provenance = provenance;
+            judge = std::make_unique<PairJudge>(provenance, dump_dir, options.store,
+                                                options.writer.chunk_bytes,
+                                                options.memory_budget_bytes / 2);
+            {
+              std::lock_guard lock(mutex);
+              failing.clear();
+            }
+            writes.push_back(BeginWrite{value.step});
+          } else if constexpr (std::is_same_v<T, formats::Graph>) {
+            if (!judge_lost) writes.push_back(std::move(value));
+          } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
+            if (!judge_lost) {
+              pending.modules.push_back(value);
+              writes.push_back(std::move(value));
+            }
+          } else if constexpr (std::is_same_v<T, EndItem>) {
+            auto state = std::make_shared<CommitState>();
+            CommitWrite commit{{}, state};
+            if (judge && !judge_lost) {
+              try {
+                std::vector<RecordItem> store, describe;
+                judge_arena.execute([&] { judge->end_step(store, describe); });
+                add_pending(pending, store, true);
+                add_pending(pending, describe, false);
+                writes.push_back(RecordsWrite{std::move(store), std::move(describe), 0});
+                commit.metrics = judge->take_metrics();
+                pending.metrics = commit.metrics;
+              } catch (...) {
+                fail_judging(std::current_exception());
+              }
+            }
+            judge.reset();
+            judging_open = false;
+            pending.wait_committed = [state] { state->wait(); };
+            {
+              std::lock_guard lock(mutex);
+              held_bytes = 0;
+              // A lost step is never committed: its commit says why, as end_step() does.
+              if (judge_lost) state->finish(step_error);
+              judged = std::move(pending);
+            }
+            if (!judge_lost) writes.push_back(std::move(commit));
+            caller_cv.notify_all();
+          }
+        },
+        item);
+  };
+  const auto write_op = [&](WriteOp& op) {
+    std::size_t released = 0;
+    std::shared_ptr<CommitState> committed;
+    std::exception_ptr commit_error;
+    try {
+      std::visit(
+          [&](auto& value) {
+            using T = std::decay_t<decltype(value)>;
+            if constexpr (std::is_same_v<T, BeginWrite>) {
+              writer.reset();
+              writing_step = value.step;
+              write_error = nullptr;
+              writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
+                                                             options.writer);
+            } else if constexpr (std::is_same_v<T, RecordsWrite>) {
+              released = value.bytes;
+              if (writer && !write_error) write_items(*writer, value.store, value.describe);
+            } else if constexpr (std::is_same_v<T, formats::Graph>) {
+              if (writer && !write_error) writer->write_graph(value);
+            } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
+              if (writer && !write_error) writer->write_module(value);
+            } else if constexpr (std::is_same_v<T, CommitWrite>) {
+              committed = value.state;
+              if (writer && !write_error) {
+                writer->write_metrics(value.metrics);
+                writer->commit();
+              }
+              writer.reset();
+              commit_error = write_error;
+            }
+          },
+          op);
+    } catch (...) {
+      fail_writing(std::current_exception());
+      if (committed) commit_error = write_error;
+    }
+    op = BeginWrite{};  // frees the snapshots before the budget says they are gone
+    if (released) {
+      std::lock_guard lock(mutex);
+      queued_bytes -= released;
+    }
+    if (committed) committed->finish(commit_error);
     caller_cv.notify_all();
   };
 
@@ -480,10 +740,12 @@ void Recorder::Impl::run() {
     std::optional<Item> item;
     {
       std::unique_lock lock(mutex);
-      work_cv.wait(lock, [&] { return stopping || !queue.empty(); });
+      work_cv.wait(lock, [&] { return stopping || !queue.empty() || !writes.empty(); });
       if (stopping) {
-        queue.clear();  // the step in progress is discarded (see ~Recorder)
-        queued_bytes = 0;
+        for (const Item& left : queue) {  // the step in progress is discarded (see ~Recorder)
+          if (const auto* record = std::get_if<RecordItem>(&left)) queued_bytes -= record->bytes;
+        }
+        queue.clear();
         break;
       }
       std::size_t batch_bytes = 0;
@@ -495,111 +757,46 @@ void Recorder::Impl::run() {
         batch.push_back(std::move(next));
         queue.pop_front();
       }
-      if (batch.empty()) {
+      if (batch.empty() && !queue.empty()) {
         item = std::move(queue.front());
         queue.pop_front();
       }
     }
-
     if (!batch.empty()) {
-      std::size_t bytes = 0;
-      for (const auto& r : batch) bytes += r.bytes;
-      const std::size_t count = batch.size();
-      bool counted = false;  // `handled` includes this batch
-      if (writer && !lost) {
-        try {
-          std::vector<RecordItem> store, describe;
-          judge_arena.execute([&] {
-            for (auto& r : batch) {
-              if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
-              judge->take(std::move(r), store, describe);
-            }
-          });
-          {  // judged: failing_calls() need not wait for the write
-            std::lock_guard lock(mutex);
-            for (auto& call : judge->take_failing()) failing.insert(std::move(call));
-            handled += count;
-            counted = true;
-          }
-          caller_cv.notify_all();
-          write_items(*writer, store, describe);
-        } catch (...) {
-          fail(std::current_exception());
+      judge_batch(batch);
+      continue;
+    }
+    if (item) {
+      try {
+        judge_item(*item);
+      } catch (...) {
+        fail_judging(std::current_exception());
+        if (std::holds_alternative<EndItem>(*item)) {
+          judging_open = false;
+          std::lock_guard lock(mutex);
+          if (!judged) judged.emplace();  // finish_step() throws the step's error
         }
       }
-      batch.clear();  // frees the snapshots before the budget says they are gone
       {
         std::lock_guard lock(mutex);
-        queued_bytes -= bytes;
-        held_bytes = judge && !lost ? judge->held_bytes() : 0;
-        if (!counted) handled += count;
+        ++handled;
       }
       caller_cv.notify_all();
       continue;
     }
-
-    try {
-      std::visit(
-          [&](auto& value) {
-            using T = std::decay_t<decltype(value)>;
-            if constexpr (std::is_same_v<T, BeginItem>) {
-              writer.reset();
-              writing_step = value.step;
-              lost = false;
-              judge.reset();
-              writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
-                                                             options.writer);
-              judge = std::make_unique<PairJudge>(provenance, dump_dir, options.store,
-                                                  options.writer.chunk_bytes,
-                                                  options.memory_budget_bytes / 2);
-              std::lock_guard lock(mutex);
-              failing.clear();
-            } else if constexpr (std::is_same_v<T, formats::Graph>) {
-              if (writer && !lost) writer->write_graph(value);
-            } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
-              if (writer && !lost) writer->write_module(value);
-            } else if constexpr (std::is_same_v<T, EndItem>) {
-              fs::path path;
-              if (writer && !lost) {
-                std::vector<RecordItem> store, describe;
-                judge_arena.execute([&] { judge->end_step(store, describe); });
-                write_items(*writer, store, describe);
-                writer->write_metrics(judge->take_metrics());
-                path = writer->commit();
-              }
-              writer.reset();
-              judge.reset();
-              {
-                std::lock_guard lock(mutex);
-                held_bytes = 0;
-              }
-              {
-                std::lock_guard lock(mutex);
-                committed = std::move(path);
-                step_done = true;
-              }
-              caller_cv.notify_all();
-            }
-          },
-          *item);
-    } catch (...) {
-      const bool was_end = std::holds_alternative<EndItem>(*item);
-      fail(std::current_exception());
-      if (was_end) {
-        {
-          std::lock_guard lock(mutex);
-          step_done = true;
-        }
-        caller_cv.notify_all();
-      }
-    }
-    {
-      std::lock_guard lock(mutex);
-      ++handled;
-    }
-    caller_cv.notify_all();
+    write_op(writes.front());
+    writes.pop_front();
   }
-  writer.reset();  // an unfinished step: its partial file goes
+  // Stopping: the steps the caller ended are written and committed; the step in progress (its
+  // operations after the last commit) is discarded with its partial file.
+  while (!writes.empty() && std::any_of(writes.begin(), writes.end(), [](const WriteOp& op) {
+    return std::holds_alternative<CommitWrite>(op);
+  })) {
+    write_op(writes.front());
+    writes.pop_front();
+  }
+  writes.clear();
+  writer.reset();
 }
 
 Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOptions options)
@@ -652,7 +849,6 @@ void Recorder::begin_step(std::int64_t step) {
   {
     std::lock_guard lock(impl.mutex);
     impl.step_error = nullptr;
-    impl.step_done = false;
   }
   impl.push(BeginItem{step});
 }
@@ -758,23 +954,29 @@ void Recorder::record_module(formats::ModuleInfo module) {
   impl.push(std::move(module));
 }
 
-fs::path Recorder::end_step() {
+formats::PendingStep Recorder::finish_step() {
   Impl& impl = *impl_;
   std::lock_guard call(impl.call_mutex);
   impl.require_step("end a step");
   impl.push(EndItem{});
   std::exception_ptr error;
-  fs::path path;
+  formats::PendingStep pending;
   {
     std::unique_lock lock(impl.mutex);
-    impl.caller_cv.wait(lock, [&] { return impl.step_done; });
+    impl.caller_cv.wait(lock, [&] { return impl.judged.has_value(); });
     error = std::exchange(impl.step_error, nullptr);
-    path = std::move(impl.committed);
-    impl.committed.clear();
+    pending = std::move(*impl.judged);
+    impl.judged.reset();
   }
   impl.in_step = false;
   if (error) std::rethrow_exception(error);
-  return path;
+  return pending;
+}
+
+fs::path Recorder::end_step() {
+  formats::PendingStep pending = finish_step();
+  pending.wait_committed();
+  return pending.file;
 }
 
 std::vector<CallKey> Recorder::failing_calls() {

@@ -89,8 +89,9 @@ hid_t string_type(std::string_view where);
 std::optional<Handle> open_group_if_present(hid_t file, const std::string& path,
                                             std::string_view where);
 
-// The POSIX file descriptor of a file opened through HDF5's default (sec2) driver, or -1. It lives
-// as long as the file is open; pread/pwrite on it need no HDF5 lock.
+// The POSIX file descriptor of a file opened through HDF5's default (sec2) driver or the writer's
+// (direct_driver.h), or -1. It lives as long as the file is open; pread/pwrite on it need no HDF5
+// lock.
 int file_descriptor(hid_t file);
 
 // Reads exactly `size` bytes at `offset` of `fd` (retrying short reads); false if it cannot.

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "direct_driver.h"
 #include "dynaprobe/formats/filters.h"
 #include "h5.h"
 
@@ -269,10 +270,11 @@ int file_descriptor(hid_t file) {
   Lock lock(hdf5_mutex());
   const hid_t fapl = H5Fget_access_plist(file);
   if (fapl < 0) return -1;
-  const bool sec2 = H5Pget_driver(fapl) == H5FD_SEC2;
+  const hid_t driver = H5Pget_driver(fapl);
+  const bool posix = driver == H5FD_SEC2 || driver == direct_writes_driver();
   H5Pclose(fapl);
   void* handle = nullptr;
-  if (!sec2 || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
+  if (!posix || H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) < 0 || handle == nullptr) return -1;
   return *static_cast<int*>(handle);
 }
 

@@ -622,6 +622,38 @@ struct StepReader::Impl {
   std::vector<std::string> skipped;
   std::vector<StoredMetrics> metrics;
   std::map<RecordKey, std::size_t> metrics_by_key;
+
+  // A pending step (StepReader(PendingStep)): what it keeps in memory, and the committed file's
+  // reader once something needed it.
+  bool pending = false;
+  std::vector<ModuleInfo> modules;
+  std::map<RecordKey, std::vector<std::byte>> small_tensors;
+  std::function<void()> wait_committed;
+  std::mutex committed_mutex;
+  std::unique_ptr<StepReader> committed;
+
+  void index_by_key() {
+    for (std::size_t i = 0; i < records.size(); ++i) by_key.emplace(records[i].key, i);
+    for (std::size_t i = 0; i < metrics.size(); ++i) metrics_by_key.emplace(metrics[i].key, i);
+  }
+  // The committed file's reader (waits for the commit) and its row of `record`.
+  std::pair<const StepReader*, const RecordInfo*> on_disk(const RecordInfo& record) {
+    const StepReader& reader = committed_file();
+    const RecordInfo* info = reader.find(record.key);
+    if (!info) {
+      throw FormatError(path.string() + ": record " + to_string(record.key) +
+                        " is missing from the committed step");
+    }
+    return {&reader, info};
+  }
+  const StepReader& committed_file() {
+    std::lock_guard lock(committed_mutex);
+    if (!committed) {
+      wait_committed();
+      committed = std::make_unique<StepReader>(path);
+    }
+    return *committed;
+  }
 };
 
 bool FormatVersion::newer() const {
@@ -891,15 +923,29 @@ StepReader::StepReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
     info->stored = !((version.major >= 2 || version.minor >= 3) && info->numel() > 0 &&
                      info->stored_bytes == 0);
     record_of_index_row[i] = static_cast<std::int64_t>(impl.records.size());
-    impl.by_key.emplace(info->key, impl.records.size());
     impl.records.push_back(std::move(*info));
   }
   impl.metrics =
       read_stored_metrics(file, impl.records, record_of_index_row,
                           impl.format2 ? HashAlgorithm::kXxh3 : HashAlgorithm::kXxh64, where);
-  for (std::size_t i = 0; i < impl.metrics.size(); ++i) {
-    impl.metrics_by_key.emplace(impl.metrics[i].key, i);
-  }
+  impl.index_by_key();
+}
+
+StepReader::StepReader(PendingStep pending) : impl_(std::make_unique<Impl>()) {
+  Impl& impl = *impl_;
+  impl.pending = true;
+  impl.path = std::move(pending.file);
+  impl.format2 = true;
+  impl.format_version =
+      std::to_string(schema::kFormatMajor) + "." + std::to_string(schema::kFormatMinor);
+  impl.step = pending.step;
+  impl.provenance = std::move(pending.provenance);
+  impl.records = std::move(pending.records);
+  impl.metrics = std::move(pending.metrics);
+  impl.modules = std::move(pending.modules);
+  impl.small_tensors = std::move(pending.small_tensors);
+  impl.wait_committed = std::move(pending.wait_committed);
+  impl.index_by_key();
 }
 
 StepReader::~StepReader() = default;
@@ -978,6 +1024,7 @@ void verify_group(hid_t group, const std::vector<NamedAttributes>& entries, bool
 }  // namespace
 
 std::vector<Graph> StepReader::graphs() const {
+  if (impl_->pending) return impl_->committed_file().graphs();
   const std::string where = impl_->path.string();
   const bool format2 = impl_->format2;
   h5::Lock lock(h5::hdf5_mutex());
@@ -1018,6 +1065,7 @@ std::vector<Graph> StepReader::graphs() const {
 }
 
 std::vector<ModuleInfo> StepReader::modules() const {
+  if (impl_->pending) return impl_->modules;
   const std::string where = impl_->path.string();
   const bool format2 = impl_->format2;
   h5::Lock lock(h5::hdf5_mutex());
@@ -1056,6 +1104,10 @@ TensorStream StepReader::open(const RecordInfo& record) const {
                       "\"failing\" or \"stats\")): only its dtype, shape and metrics are in the "
                       "dump");
   }
+  if (impl_->pending) {
+    const auto [reader, info] = impl_->on_disk(record);
+    return reader->open(*info);
+  }
   // Most records of a step are small, and opening a dataset costs more than reading and checking
   // its bytes: a single-chunk record is read at the offset /index gives, checked by its hash.
   if (is_located(impl_->fd, record)) {
@@ -1093,6 +1145,12 @@ TensorStream StepReader::open(const RecordInfo& record) const {
 }
 
 std::vector<std::byte> StepReader::read(const RecordInfo& record) const {
+  if (impl_->pending) {
+    auto kept = impl_->small_tensors.find(record.key);
+    if (kept != impl_->small_tensors.end()) return kept->second;
+    const auto [reader, info] = impl_->on_disk(record);
+    return reader->read(*info);
+  }
   TensorStream stream = open(record);
   std::vector<std::byte> data(record.nbytes());
   const std::size_t element_size = dtype_size(record.dtype);

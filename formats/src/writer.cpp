@@ -18,6 +18,7 @@
 
 #include "chunk_layout.h"
 #include "chunk_pipeline.h"
+#include "direct_driver.h"
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
@@ -474,7 +475,9 @@ void StepWriter::Impl::write_chunk(const ChunkItem& item) {
 // Streams the step to disk as it is written, and out of the page cache: starts the writeback of
 // what was written since the last call, waits for the writeback the call before started (most
 // of it done by then, unless the disk is slower than the writer) and drops those pages from the
-// page cache. A dump is written once and read
+// page cache. Chunks the file driver wrote with O_DIRECT (direct_driver.h) were never cached:
+// this covers the rest, and every write where the file system refuses O_DIRECT. A dump is
+// written once and read
 // later, if ever: kept cached, a run's steps would fill the host's memory with dirty and then
 // clean pages, evict what training reads (its dataset), and every new page the next step writes
 // would be memory the kernel must find first. Streaming keeps the writer's pages to two windows
@@ -632,6 +635,7 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   h5::Handle fapl = h5::plist_handle(H5Pcreate(H5P_FILE_ACCESS), "creating fapl", where);
   h5::check(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V110, H5F_LIBVER_V110),
             "setting file format bounds", where);
+  h5::use_direct_writes(fapl.get());
   // H5F_ACC_EXCL: HDF5 opens with O_CREAT | O_EXCL, which creates a new file or fails, and never
   // follows a symbolic link planted at the name in the meantime.
   impl.file = h5::file_handle(H5Fcreate(where.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/report.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
 #include "formats/test_util.h"
@@ -290,7 +292,9 @@ TEST(Recorder, DiskFullMidStepLosesOnlyThatStep) {
       message = e.what();  // the background thread failed while we were still recording
     }
     try {
-      recorder.end_step();
+      // The step is judged before it is written: a write error comes with its commit (or from
+      // finish_step(), when the write failed while the step was still open).
+      recorder.finish_step().wait_committed();
       FAIL() << "a write past the file-size limit must fail step 1";
     } catch (const IoError& e) {
       if (message.empty()) message = e.what();
@@ -367,6 +371,90 @@ TEST(Recorder, DestroyedMidStepLeavesNoStepFile) {
   EXPECT_EQ(files.steps[0].filename(), "step_00000000.h5");
   EXPECT_TRUE(files.unfinished.empty());
   EXPECT_FALSE(fs::exists(dir.path() / "step_00000001.h5"));
+}
+
+TEST(Recorder, AStepEndedButNotCommittedIsCommittedWhenTheRecorderIsDestroyed) {
+  TempDir dir;
+  const at::Tensor x = at::randn({1 << 20});  // 4 MiB
+  fs::path file;
+  {
+    Recorder recorder(dir.path(), {});
+    recorder.begin_step(0);
+    for (std::uint32_t i = 0; i < 8; ++i) recorder.record(key("m", i), x.add(i));
+    file = recorder.finish_step().file;
+    recorder.begin_step(1);  // begun, not ended: discarded
+    recorder.record(key("m"), x);
+  }
+  const auto files = formats::list_dump(dir.path());
+  ASSERT_EQ(files.steps.size(), 1u);
+  EXPECT_EQ(files.steps[0], file);
+  EXPECT_TRUE(files.unfinished.empty());
+  EXPECT_EQ(formats::StepReader(file).records().size(), 8u);
+}
+
+// A step recorded in every store mode: pairs that agree and differ, an input compared with
+// itself, a one-sided record, the loss, modules and a graph.
+void record_mixed_step(Recorder& recorder, std::int64_t step) {
+  recorder.begin_step(step);
+  recorder.record_module({"same", {{"role", "wrapped"}}});
+  recorder.record_module({"differs", {{"role", "wrapped"}}});
+  const at::Tensor x = at::randn({512, 512});  // 1 MiB: one chunk
+  const at::Tensor big = at::randn({3, 512, 512});
+  recorder.record(key("same", 0, Kind::kFwdOutput, Side::kCompiled), x, "out");
+  recorder.record(key("same", 0, Kind::kFwdOutput, Side::kEager), x, "out");
+  recorder.record(key("same", 0, Kind::kFwdInput, Side::kCompiled), big);
+  recorder.record(key("differs", 0, Kind::kParamGrad, Side::kCompiled), big.add(1e-2), "weight");
+  recorder.record(key("differs", 0, Kind::kParamGrad, Side::kEager), big, "weight");
+  recorder.record(key("alone", 0, Kind::kFwdOutput, Side::kEager), x);
+  recorder.record(key(std::string(formats::kLossModule), 0, Kind::kLoss, Side::kCompiled),
+                  at::scalar_tensor(2.5));
+  recorder.record_graph({"same.graph", "captured", "graph():\n  return x\n", {}});
+}
+
+TEST(Recorder, FinishStepGivesTheStepAsItsFileHoldsItAndTheSameReport) {
+  for (const StoreMode mode : {StoreMode::kFull, StoreMode::kFailing, StoreMode::kStats}) {
+    TempDir dir;
+    RecorderOptions options;
+    options.store = mode;
+    Recorder recorder(dir.path(), {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
+                      options);
+    record_mixed_step(recorder, 3);
+    formats::PendingStep pending = recorder.finish_step();
+    EXPECT_EQ(pending.file, dir.path() / formats::step_file_name(3));
+    const analyze::Comparison in_memory = analyze::compare_pending(pending, {});
+    pending.wait_committed();
+    const formats::StepReader file(pending.file);
+    ASSERT_EQ(pending.records.size(), file.records().size());
+    for (std::size_t i = 0; i < pending.records.size(); ++i) {
+      const formats::RecordInfo& a = pending.records[i];
+      const formats::RecordInfo& b = file.records()[i];
+      EXPECT_EQ(a.key, b.key);
+      EXPECT_EQ(a.label, b.label);
+      EXPECT_EQ(a.dtype, b.dtype);
+      EXPECT_EQ(a.shape, b.shape);
+      EXPECT_EQ(a.stored, b.stored) << formats::to_string(a.key);
+    }
+    ASSERT_EQ(pending.metrics.size(), file.stored_metrics().size());
+    for (std::size_t i = 0; i < pending.metrics.size(); ++i) {
+      EXPECT_EQ(pending.metrics[i].key, file.stored_metrics()[i].key);
+      EXPECT_EQ(std::memcmp(&pending.metrics[i].metrics.max_abs,
+                            &file.stored_metrics()[i].metrics.max_abs, sizeof(double)),
+                0);
+    }
+    ASSERT_EQ(pending.modules.size(), file.modules().size());
+    for (std::size_t i = 0; i < pending.modules.size(); ++i) {
+      EXPECT_EQ(pending.modules[i].module, file.modules()[i].module);
+      EXPECT_EQ(pending.modules[i].attributes, file.modules()[i].attributes);
+    }
+    EXPECT_EQ(pending.small_tensors.size(), 1u);  // the loss, read without the file
+    analyze::CompareOptions step;
+    step.step = 3;
+    const analyze::Comparison from_file = analyze::compare(dir.path(), dir.path(), step);
+    ASSERT_EQ(in_memory.steps.size(), 1u);
+    ASSERT_EQ(from_file.steps.size(), 1u);
+    EXPECT_EQ(analyze::render_text(in_memory.steps[0]), analyze::render_text(from_file.steps[0]));
+    EXPECT_EQ(in_memory.warnings, from_file.warnings);
+  }
 }
 
 TEST(Recorder, ManyStepsGiveOneFileEach) {

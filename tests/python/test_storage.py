@@ -3,6 +3,8 @@ stored), which steps are checked, the disk budget, and the report they give — 
 process and from `dynaprobe compare` (docs/user-guide.md, Storage and scale)."""
 
 import os
+import subprocess
+import sys
 import warnings
 
 import h5py
@@ -171,6 +173,63 @@ def test_an_unchecked_step_runs_the_compiled_modules_alone(tmp_path):
     loss.backward()
     assert checker.collect(loss).all_pass
     checker.uninstall()
+
+
+def test_a_run_reports_steps_before_their_files_are_committed_and_the_cli_agrees(
+        tmp_path, dynaprobe_cli):
+    """In a run, collect() reports a step once it is judged, from memory, and its file is
+    committed while training goes on: every way to the file waits for it, and the CLI prints
+    from the file the report collect() returned."""
+    torch.manual_seed(0)
+    model = Chain()
+    checker = PrecisionChecker(backend=perturbed_gelu_backend, dump_dir=str(tmp_path / "run"))
+    checker.wrap_all_children(model, depth=0)
+    checker.install(model)
+    results = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 16)).square().sum()
+        loss.backward()
+        results.append(checker.collect(loss))
+    last = results[-1]
+    assert last.dump_file == str(tmp_path / "run" / "step_00000002.h5")
+    assert os.path.exists(last.dump_file)  # dump_file waited for the commit
+    checker.uninstall()
+    assert sorted(os.listdir(tmp_path / "run")) == [f"step_0000000{i}.h5" for i in range(3)]
+    for result in results:
+        assert not result.all_pass
+        proc = run_cli(dynaprobe_cli, "compare", tmp_path / "run", "--step", result.step)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stdout == result.text()
+
+
+EXIT_AFTER_COLLECT = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from dynaprobe import PrecisionChecker
+from test_storage import Chain
+
+model = Chain(width=256)
+checker = PrecisionChecker(dump_dir=sys.argv[1])
+checker.wrap_all_children(model, depth=0)
+checker.install(model)
+for _ in range(3):
+    loss = model(torch.randn(64, 256)).square().sum()
+    loss.backward()
+    checker.collect(loss)
+raise SystemExit(3)  # right after the last collect(), neither uninstall() nor waiting
+"""
+
+
+def test_an_exit_right_after_collect_still_commits_the_step(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_AFTER_COLLECT.format(tests=os.path.dirname(__file__)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "dump")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert sorted(os.listdir(tmp_path / "dump")) == [f"step_0000000{i}.h5" for i in range(3)]
+    with h5py.File(tmp_path / "dump" / "step_00000002.h5") as f:
+        assert "index" in f
 
 
 def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):

@@ -5,11 +5,14 @@ breaks), _single_pass and _two_pass (the modes), _step (what one step records), 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime
 import os
 import socket
+import sys
 import warnings
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -35,6 +38,19 @@ from dynaprobe._two_pass import run_sides
 from dynaprobe._whole_model import WholeModel
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+# Checkers with a step whose file may still be being committed (collect() in a run).
+_committing_checkers: "weakref.WeakSet[PrecisionChecker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _commit_before_exit() -> None:
+    """The steps collect() reported are on disk when the interpreter exits."""
+    for checker in list(_committing_checkers):
+        try:
+            checker.wait_committed()
+        except Exception as error:  # the step is lost: say so, and let the exit go on
+            print(f"dynaprobe: {error}", file=sys.stderr)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -147,6 +163,8 @@ class PrecisionChecker:
         self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
         # install()/collect() runs print a one-line estimate after their first checked step.
         self._estimated = False
+        self._committing = None  # the last ended step, while its file may still be written
+        self._one_step = False  # compare(): a step on its own, not a run of steps
         self._dump_dir_resolved = False  # see the dump_dir property
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
@@ -319,20 +337,44 @@ class PrecisionChecker:
                 attributes[vocabulary.ATTRIBUTE_NOTE] = note
                 attributes[vocabulary.ATTRIBUTE_REASON] = reason
             self._recorder.record_module(name, attributes)
-        path = self._recorder.end_step()  # raises a background write error (disk full, ...)
+        # Ends the step once it is judged; its file is committed in the background while
+        # training goes on (raises a background error: disk full, ...).
+        pending = self._recorder.finish_step()
         self._step = None
         self._step_index += 1
-        _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, path)
-        if not self._estimated and self._installed is not None:  # a run of steps: install()
+        # One step in flight: the one before is committed by now, or its error is raised.
+        previous, self._committing = self._committing, pending
+        _committing_checkers.add(self)
+        if previous is not None:
+            previous.wait_committed()
+        in_run = self._installed is not None and not self._one_step
+        if not in_run or self.disk_budget_bytes is not None or not self._estimated:
+            # The disk budget and the first step's estimate need the file's size.
+            self.wait_committed()
+        if self.disk_budget_bytes is not None:
+            _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, pending.file)
+        if not self._estimated and in_run:
             self._estimated = True
-            _storage.report_first_step(self.dump_dir, path, self.dump, self._schedule, step.index,
-                                       self.disk_budget_bytes)
+            _storage.report_first_step(self.dump_dir, pending.file, self.dump, self._schedule,
+                                       step.index, self.disk_budget_bytes)
         if step.error is not None:
             raise step.error
         if not compare:
-            return path
-        comparison = _C.compare(self.dump_dir, self.dump_dir, step=step.index)
-        return CompareResult.from_report(comparison.steps[0], self.dump_dir, path, comparison)
+            return pending.file
+        # The report comes from the step as judged in memory, the same as `dynaprobe compare`
+        # of its file; pairs not judged in memory wait for the file.
+        comparison = _C.compare_pending(pending)
+        return CompareResult.from_report(comparison.steps[0], self.dump_dir, pending.file,
+                                         comparison, pending.wait_committed)
+
+    def wait_committed(self) -> None:
+        """Waits until the last checked step's file is committed. ``collect()`` returns once a
+        step is judged and reported, and its file is written while training goes on; the next
+        ``collect()``, ``uninstall()`` and ``CompareResult.dump_file`` wait for it. Raises the
+        error that lost the step (disk full, ...)."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            committing.wait_committed()
 
     # ------------------------------------------------------------------ single-pass
     def install(self, model: nn.Module) -> nn.Module:
@@ -428,6 +470,7 @@ class PrecisionChecker:
         if self._step is not None:  # a step begun but never collected is discarded
             self._step = None
             self._recorder = None
+        self.wait_committed()
 
     def record_loss(self, loss: Union[torch.Tensor, float]) -> None:
         """Single-pass: records the loss of the step being checked, for ``collect()`` called
@@ -484,11 +527,12 @@ class PrecisionChecker:
                 raise RuntimeError("compare() cannot run while install() is active; call "
                                    "collect() instead, or uninstall() first")
             self.install(model)
-            self._estimated = True  # one step, not a run: no estimate of a run's disk use
+            self._one_step = True  # not a run: no estimate of a run's disk use, no overlap
             try:
                 loss = fn(model)
                 return self.collect(loss)
             finally:
+                self._one_step = False
                 self.uninstall()
         if is_deepcopy_forbidden(model):
             raise RuntimeError(

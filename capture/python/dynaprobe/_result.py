@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -268,16 +268,31 @@ class CompareResult:
         self._report = None
         self._comparison = None
         self.dump_dir: Optional[str] = None
-        self.dump_file: Optional[str] = None
+        self._dump_file: Optional[str] = None
+        self._wait_committed: Optional[Callable[[], None]] = None
         self.rows: List[Row] = []
         self.loss_eager = float(loss_eager)
         self.loss_compiled = float(loss_compiled)
         self.diffs = [] if diffs is None else diffs
         self.cast_dtype = cast_dtype
 
+    @property
+    def dump_file(self) -> Optional[str]:
+        """The step's file. A step collect() reported while its file was still being written
+        is waited for here: the file is committed when this returns (or the error that lost it
+        is raised)."""
+        self._wait_for_file()
+        return self._dump_file
+
+    def _wait_for_file(self) -> None:
+        if self._wait_committed is not None:
+            self._wait_committed()
+            self._wait_committed = None
+
     @classmethod
     def from_report(
-        cls, report: Any, dump_dir: str, dump_file: str, comparison: Any = None
+        cls, report: Any, dump_dir: str, dump_file: str, comparison: Any = None,
+        wait_committed: Optional[Callable[[], None]] = None,
     ) -> "CompareResult":
         """The result of one step of the engine's comparison.
 
@@ -286,9 +301,12 @@ class CompareResult:
             dump_dir: the dump folder.
             dump_file: the step's file.
             comparison: the engine's Comparison the report belongs to (else made on demand).
+            wait_committed: waits until ``dump_file`` is committed, for a step still being
+                written.
         """
         result = cls.__new__(cls)
         result._init_from_report(report, dump_dir, dump_file, comparison)
+        result._wait_committed = wait_committed
         return result
 
     def _init_from_report(
@@ -297,7 +315,8 @@ class CompareResult:
         self._report = report
         self._comparison = comparison  # the engine's Comparison of this step (merged CSV)
         self.dump_dir = dump_dir
-        self.dump_file = dump_file
+        self._dump_file = dump_file
+        self._wait_committed = None
         self.rows = [_row_from_dict(d) for d in report.rows]
         # The eager loss is NaN in single-pass, which does not run the whole model eagerly.
         eager = None if report.single_pass else report.loss_eager
@@ -388,6 +407,7 @@ class CompareResult:
         """This step's report in a registered format (``_C.report_formats()``: ``"json"``,
         ``"html"``, ``"merged-csv"``), as ``dynaprobe compare DUMP --step N --FORMAT PATH``
         writes it; ``rank`` labels the step's rank."""
+        self._wait_for_file()  # the formats that show graphs read them from the step files
         return _C.render_report(
             format, [(rank, self.scenario, self._step_comparison(), self.dump_dir)])
 
@@ -410,5 +430,5 @@ class CompareResult:
         verdict = "ALL PASS" if self.all_pass else f"FAILED ({len(self.failures)} rows)"
         return (
             f"<CompareResult step={self.step} {verdict} rows={len(self.rows)} "
-            f"dump={self.dump_file}>"
+            f"dump={self._dump_file}>"
         )

@@ -182,6 +182,12 @@ struct CompareOptions {
 Comparison compare(const std::filesystem::path& eager_dump,
                    const std::filesystem::path& compiled_dump, const CompareOptions& options);
 
+// The comparison of a step the capture is still committing (formats::PendingStep; one dump with
+// both sides), the same report as compare() of its dump once committed with options.step the
+// step's. Reads the file (waiting for the commit) only for pairs without metrics judged in
+// memory.
+Comparison compare_pending(formats::PendingStep pending, const CompareOptions& options);
+
 // Throws FormatError unless `files` (formats::list_dump of `path`) holds a committed step: an
 // empty folder and one holding only unfinished (.partial) steps are errors for every command.
 void require_committed_steps(const std::filesystem::path& path, const formats::DumpFiles& files);

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/writer.h"
 
@@ -59,17 +60,20 @@ formats::DType dtype_of(const at::Tensor& tensor);
 // queued_bytes() and dump_dir() never wait.
 //
 // Errors: the background thread stores the first error of a step (IoError for disk full, ...).
-// The next record(), record_graph() or record_module() throws it once and end_step() throws it
-// (again); the step's file is removed and its remaining items are dropped without being copied.
-// Earlier steps are intact and the next begin_step() works normally. An error creating the step
-// file (begin_step) surfaces the same way, as begin_step() itself does not wait for the file.
+// While the step is open, the next record(), record_graph() or record_module() throws it once and
+// finish_step() / end_step() throw it (again); the step's file is removed and its remaining items
+// are dropped without being copied. An error once the step is ended (its last writes, the commit)
+// is thrown by its PendingStep::wait_committed() (and end_step()). Earlier steps are intact and
+// the next begin_step() works normally. An error creating the step file (begin_step) surfaces
+// the same way, as begin_step() itself does not wait for the file.
 class Recorder {
  public:
   // `dump_dir` is created if needed; step files go there (formats::StepWriter).
   Recorder(std::filesystem::path dump_dir, formats::Provenance provenance,
            RecorderOptions options = {});
-  // Waits for the write in progress; a step begun but not ended is discarded (its queued
-  // snapshots dropped, its partial file removed). Never throws.
+  // Writes and commits the steps already ended; a step begun but not ended is discarded (its
+  // queued snapshots dropped, its partial file removed). Never throws: a write error is left to
+  // the ended step's PendingStep::wait_committed().
   ~Recorder();
   Recorder(const Recorder&) = delete;
   Recorder& operator=(const Recorder&) = delete;
@@ -98,8 +102,14 @@ class Recorder {
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);
   void record_module(formats::ModuleInfo module);
-  // Waits until the step is written, commits it and returns its file; rethrows a background
-  // error of this step (the step is then lost, earlier steps intact).
+  // Ends the step once the background thread has judged every record, without waiting for the
+  // disk: returns the step as judged (for analyze::compare_pending) while the background thread
+  // goes on writing it and commits it. Its wait_committed() waits for the commit and rethrows a
+  // write error (the step is then lost, its partial file removed). The next step may begin
+  // meanwhile: its records queue behind the writes, within the memory budget. Rethrows a
+  // background error met while the step was open (the step is then lost, earlier steps intact).
+  formats::PendingStep finish_step();
+  // finish_step(), then waits for the commit; returns the step's file.
   std::filesystem::path end_step();
 
   // The calls of the current step with a pair judged in memory that fails its tolerances (not

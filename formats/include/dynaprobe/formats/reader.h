@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -117,11 +118,31 @@ enum class ChunkOrder {
 void stream_chunks(const TensorStream& stream, const ChunkConsumer& consumer,
                    ChunkOrder order = ChunkOrder::kInOrder);
 
+// A step still being written by the capture's background thread, as the capture already knows
+// it once every record is judged: its index, the metrics judged in memory and its modules, which
+// are all a comparison reads when every pair was judged in memory (PrecisionChecker.collect()
+// reports before the step's tensors reach the disk).
+struct PendingStep {
+  std::filesystem::path file;  // where the step is being committed
+  std::int64_t step = 0;
+  Provenance provenance;
+  std::vector<RecordInfo> records;     // in index order; chunk locations unknown
+  std::vector<StoredMetrics> metrics;  // in the order written
+  std::vector<ModuleInfo> modules;     // in the order written
+  // The bytes of records small enough to keep (the loss), so that reading them needs no file.
+  std::map<RecordKey, std::vector<std::byte>> small_tensors;
+  // Returns once `file` is committed; throws why it never will be.
+  std::function<void()> wait_committed;
+};
+
 class StepReader {
  public:
   // Opens a step file and reads its attributes and index. Throws IoError if it cannot be opened,
   // FormatError if it is not a dynaprobe step file or its format version is newer.
   explicit StepReader(const std::filesystem::path& file);
+  // A pending step: served from memory; graphs(), open() and read() of a tensor not kept in
+  // memory wait for the commit (PendingStep::wait_committed) and read the committed file.
+  explicit StepReader(PendingStep pending);
   ~StepReader();
   StepReader(StepReader&&) noexcept;
   StepReader& operator=(StepReader&&) noexcept;
