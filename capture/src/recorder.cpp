@@ -403,7 +403,8 @@ void add_pending(formats::PendingStep& pending, const std::vector<RecordItem>& i
     info.dtype = item.record.tensor.dtype;
     info.shape = item.record.tensor.shape;
     info.stored = stored || info.numel() == 0;
-    if (stored && item.bytes <= kKeptBytes && item.bytes > 0 && !item.copied) {
+    // A device tensor's copy has landed by now: the background thread waited for it to judge.
+    if (stored && item.bytes <= kKeptBytes && item.bytes > 0) {
       const auto* data = static_cast<const std::byte*>(item.record.tensor.data);
       pending.small_tensors.emplace(info.key, std::vector<std::byte>(data, data + item.bytes));
     }
