@@ -3,6 +3,7 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "dynaprobe/capture/recorder.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/DispatchKey.h>
@@ -12,6 +13,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <pthread.h>
+#include <tbb/info.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -821,6 +823,10 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
   impl.dump_dir = std::move(dump_dir);
   impl.provenance = std::move(provenance);
   impl.options = options;
+  if (impl.options.writer.threads == 0) {
+    impl.options.writer.threads =
+        std::max(1, tbb::info::default_concurrency() - at::get_num_threads());
+  }
   impl.pool = std::make_shared<SnapshotPool>(options.memory_budget_bytes / 4);
   impl.worker = std::thread([&impl] { impl.run(); });
 }

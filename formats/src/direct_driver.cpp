@@ -187,27 +187,31 @@ herr_t write_file(H5FD_t* handle, H5FD_mem_t type, hid_t, haddr_t address, size_
                   const void* buffer) {
   DirectFile* file = of(handle);
   const auto offset = static_cast<off_t>(address);
-  bool written = false;
-  if (file->direct_fd >= 0 && type == H5FD_MEM_DRAW && address % kDirectAlignment == 0 &&
-      size % kDirectAlignment == 0 && size > 0) {
-    written = write_direct(*file, buffer, size, offset);
-    if (!written && errno == EINVAL) {  // refused after all: buffered from now on
-      ::close(file->direct_fd);
-      file->direct_fd = -1;
-    } else if (!written) {
-      push_error(
-          __func__, H5E_WRITEERROR,
-          "cannot write " + std::to_string(size) + " bytes at offset " + std::to_string(offset),
-          errno);
-      return -1;
-    }
-  }
-  if (!written && !write_all(file->fd, buffer, size, offset)) {
+  const auto write_error = [&] {
     push_error(
         __func__, H5E_WRITEERROR,
         "cannot write " + std::to_string(size) + " bytes at offset " + std::to_string(offset),
         errno);
     return -1;
+  };
+  // A chunk's whole pages go direct, the rest of its last page through the page cache: chunks
+  // are rows of a tensor, rarely a whole number of pages (113 rows of 2,304 float32 are 254.25
+  // pages), and the next chunk starts on a page of its own (H5Pset_alignment), so no page is
+  // written both ways.
+  std::size_t direct = 0;
+  if (file->direct_fd >= 0 && type == H5FD_MEM_DRAW && address % kDirectAlignment == 0) {
+    direct = size - size % kDirectAlignment;
+  }
+  if (direct > 0 && !write_direct(*file, buffer, direct, offset)) {
+    if (errno != EINVAL) return write_error();
+    ::close(file->direct_fd);  // refused after all: buffered from now on
+    file->direct_fd = -1;
+    direct = 0;
+  }
+  const auto* rest = static_cast<const std::byte*>(buffer) + direct;
+  if (direct < size &&
+      !write_all(file->fd, rest, size - direct, offset + static_cast<off_t>(direct))) {
+    return write_error();
   }
   file->eof = std::max<haddr_t>(file->eof, address + size);
   return 0;

@@ -81,9 +81,11 @@ std::uint64_t fingerprint(const TensorView& tensor) {
   return h * 31 + xxh3(data + size - window, window);
 }
 
-// For each record, the position of the first record of `records` with the same dtype, shape and
-// bytes (its own position if none before it has them).
-std::vector<std::size_t> first_with_same_bytes(std::span<const Record> records) {
+// For each record, the position of the record of `records` whose dataset is to hold its bytes:
+// among the records with the same dtype, shape and bytes, the first in page-aligned memory, whose
+// chunks go to the disk straight from it (direct_driver.h; the others would be copied first), or
+// else the first. A record with no repeat holds its own.
+std::vector<std::size_t> holders_of_same_bytes(std::span<const Record> records) {
   std::vector<std::size_t> first(records.size());
   std::unordered_multimap<std::uint64_t, std::size_t> seen;
   for (std::size_t i = 0; i < records.size(); ++i) {
@@ -102,7 +104,19 @@ std::vector<std::size_t> first_with_same_bytes(std::span<const Record> records) 
     }
     if (first[i] == i) seen.emplace(key, i);
   }
-  return first;
+  std::vector<std::size_t> aligned_of_first(records.size(), records.size());  // none yet
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const auto address = reinterpret_cast<std::uintptr_t>(records[i].tensor.data);
+    if (address % h5::kDirectAlignment == 0 && aligned_of_first[first[i]] == records.size()) {
+      aligned_of_first[first[i]] = i;
+    }
+  }
+  std::vector<std::size_t> holder(records.size());
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const std::size_t aligned = aligned_of_first[first[i]];
+    holder[i] = aligned < records.size() ? aligned : first[i];
+  }
+  return holder;
 }
 
 // Tells the kernel that `size` bytes of the file at `offset` (0: to its end) will not be read
@@ -741,16 +755,17 @@ void StepWriter::write(std::span<const Record> records) {
   std::vector<Impl::Plan> plans;
   plans.reserve(records.size());
   const std::set<RecordKey> batch_keys = impl.check_new_records(records, true);
-  // A record whose bytes repeat an earlier one's (eager and compiled agreeing bit for bit, a
-  // block's output that is the next block's input) is stored once: its dataset is a hard link to
-  // the first one's, its index row repeats that one's location. Repeats within the batch are
-  // compared in memory; repeats of records of earlier batches, read back from the file, when
-  // those were stored as they are in one chunk (most float32 data: see min_compression_ratio).
-  const std::vector<std::size_t> first = first_with_same_bytes(records);
+  // Records with the same bytes (eager and compiled agreeing bit for bit, a block's output that
+  // is the next block's input) are stored once: the dataset of one of them, the holder, has the
+  // bytes; the others' are hard links to it and their index rows repeat its location. Repeats
+  // within the batch are compared in memory; repeats of records of earlier batches, read back
+  // from the file, when those were stored as they are in one chunk (most float32 data: see
+  // min_compression_ratio).
+  const std::vector<std::size_t> holder = holders_of_same_bytes(records);
   std::vector<std::optional<std::size_t>> stored(records.size());  // index row with the bytes
   std::vector<std::size_t> plan_of(records.size());
   for (std::size_t i = 0; i < records.size(); ++i) {
-    if (first[i] != i) continue;
+    if (holder[i] != i) continue;
     stored[i] = impl.find_stored_copy(records[i].tensor);
     if (stored[i]) continue;
     const Record& record = records[i];
@@ -767,20 +782,18 @@ void StepWriter::write(std::span<const Record> records) {
     impl.write_all(plans);  // appends the index rows of `plans`, in plan order
     // The batch's index rows in record order, the links' rows repeating their dataset's.
     std::vector<RecordInfo> rows(records.size());
+    for (std::size_t i = 0; i < records.size(); ++i) {  // the holders first
+      if (holder[i] != i) continue;
+      rows[i] = stored[i] ? impl.link(records[i], impl.index[*stored[i]])  // of an earlier batch
+                          : std::move(impl.index[written_before + plan_of[i]]);
+    }
     for (std::size_t i = 0; i < records.size(); ++i) {
-      const std::size_t source = first[i];
-      if (source == i && !stored[i]) {
-        rows[i] = std::move(impl.index[written_before + plan_of[i]]);
-        continue;
-      }
-      // A repeat of an earlier record of the batch, or (itself first) of an earlier batch's.
-      const RecordInfo& target = source < i ? rows[source] : impl.index[*stored[i]];
-      rows[i] = impl.link(records[i], target);
+      if (holder[i] != i) rows[i] = impl.link(records[i], rows[holder[i]]);
     }
     impl.index.resize(written_before);
     for (std::size_t i = 0; i < records.size(); ++i) {
       impl.index.push_back(std::move(rows[i]));
-      if (first[i] == i && !stored[i])
+      if (holder[i] == i && !stored[i])
         impl.remember_stored(records[i].tensor, impl.index.size() - 1);
     }
   } catch (...) {
