@@ -1,7 +1,7 @@
 // The HDF5 file driver the StepWriter writes through: HDF5's POSIX driver (sec2), except that a
 // page-aligned write of raw data (a stored chunk) sends its whole pages to the disk with O_DIRECT,
-// past the page cache, and only the rest of its last page through the cache. The files are plain HDF5 files (no driver information in the superblock);
-// readers open them with the default driver.
+// past the page cache, and only the rest of its last page through the cache. The files are plain
+// HDF5 files (no driver information in the superblock); readers open them with the default driver.
 //
 // Why: a step's tensors are written once and not read back by the process that wrote them. A
 // buffered write copies every byte into the page cache (on this project's machines the largest
