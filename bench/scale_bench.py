@@ -17,8 +17,11 @@ and the median of the next --steps is reported:
   msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional),
               in a process of its own right after the others: in the same process its hooks
               slow every model about tenfold
-Per configuration: seconds per step, ratio to inherent, bytes of dump per step, and host memory
-growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs).
+Per configuration: seconds per step, ratio to inherent, bytes of dump per step, host memory
+growth during a step (peak RSS over the step minus RSS before it; Linux clear_refs), and the CPU
+time the hypervisor took from this machine's CPUs during the step (the "steal" of /proc/stat,
+summed over CPUs; 0 on bare metal). On a virtual machine whose disk is emulated by the host,
+writing to the disk while training keeps every CPU busy shows up there, not as our CPU time.
 
     .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3] [--warmup 2]
         [--dumps full,failing,stats] [--replay failing,none] [--threads N] [--no-msprobe]
@@ -73,6 +76,13 @@ def rss_bytes(field: str) -> int:
     return 0
 
 
+def stolen_seconds() -> float:
+    """CPU time the hypervisor has taken from this machine's CPUs so far, summed over CPUs."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -85,7 +95,7 @@ class Config:
         self.name = name
         self.model = model
         self.dump_dir = dump_dir
-        self.times, self.growth, self.bytes = [], [], []
+        self.times, self.growth, self.bytes, self.stolen = [], [], [], []
 
     def setup(self):
         pass
@@ -229,6 +239,7 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
             "seconds": seconds, "vs_inherent": seconds / inherent,
             "dump_bytes": statistics.median(config.bytes),
             "rss_growth_bytes": max(config.growth),
+            "stolen_seconds": statistics.median(config.stolen),
             "step_seconds": config.times,  # per measured round, in order: for paired ratios
         })
     return rows
@@ -248,9 +259,11 @@ def run_steps(configs, batch, seq, steps, warmup):
             config.step(ids)
             before = rss_bytes("VmRSS")
             reset_peak_rss()
+            stolen_before = stolen_seconds()
             start = time.perf_counter()
             config.step(ids)
             elapsed = time.perf_counter() - start
+            stolen = stolen_seconds() - stolen_before
             growth = rss_bytes("VmHWM") - before
             config.settle()
             written = config.dump_bytes()
@@ -258,6 +271,7 @@ def run_steps(configs, batch, seq, steps, warmup):
                 config.times.append(elapsed)
                 config.growth.append(growth)
                 config.bytes.append(written)
+                config.stolen.append(stolen)
 
 
 def msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup):
@@ -269,18 +283,18 @@ def msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup):
         capture_output=True, text=True, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     config = Config("msprobe", None)
-    config.times, config.growth, config.bytes = (measured["times"], measured["growth"],
-                                                 measured["bytes"])
+    config.times, config.growth, config.bytes, config.stolen = (
+        measured["times"], measured["growth"], measured["bytes"], measured["stolen"])
     return config
 
 
 def print_table(rows):
     print(f"{'size':>9} {'params':>7} {'config':>13} {'s/step':>7} {'x inherent':>10} "
-          f"{'dump/step':>10} {'RSS growth':>10}")
+          f"{'dump/step':>10} {'RSS growth':>10} {'stolen s':>8}")
     for r in rows:
         print(f"{r['layers']:>3}x{r['hidden']:<5} {r['params'] / 1e6:6.1f}M {r['config']:>13} "
               f"{r['seconds']:7.2f} {r['vs_inherent']:10.2f} {r['dump_bytes'] / 1e6:8.2f}MB "
-              f"{r['rss_growth_bytes'] / 1e6:8.0f}MB")
+              f"{r['rss_growth_bytes'] / 1e6:8.0f}MB {r['stolen_seconds']:8.2f}")
 
 
 def plot(rows, path):
@@ -344,7 +358,8 @@ def main() -> None:
         config = measure(layers, hidden, args.batch, args.seq, args.steps, args.warmup, workdir,
                          "worker")
         shutil.rmtree(workdir, ignore_errors=True)
-        print(json.dumps({"times": config.times, "growth": config.growth, "bytes": config.bytes}))
+        print(json.dumps({"times": config.times, "growth": config.growth, "bytes": config.bytes,
+                          "stolen": config.stolen}))
         return
     with_msprobe = not args.no_msprobe and msprobe_available()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; msProbe: "
