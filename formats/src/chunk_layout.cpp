@@ -9,6 +9,21 @@ std::uint64_t product(const std::vector<std::int64_t>& shape, std::size_t from, 
   for (std::size_t i = from; i < to; ++i) n *= static_cast<std::uint64_t>(shape[i]);
   return n;
 }
+
+// Rows per chunk for a dimension of `dim` rows, at most `max_rows`. HDF5 stores an edge chunk at
+// full size, so the writer pads it with zeros (a copy, and bytes to compress or store for
+// nothing): with `max_rows` rows as such, a tensor of 3,072 rows of 768 float32 would end in a
+// chunk of 3 rows padded to 341. So the fewest chunks that divide `dim` exactly, if at most a
+// quarter more than `max_rows` needs (no edge chunk: 12 of 256 rows), else as few chunks as
+// `max_rows` needs, all the same size but the last, which then lacks fewer rows than there are
+// chunks.
+std::uint64_t rows_per_chunk(std::uint64_t dim, std::uint64_t max_rows) {
+  const std::uint64_t chunks = (dim + max_rows - 1) / max_rows;
+  for (std::uint64_t count = chunks; count <= chunks + chunks / 4; ++count) {
+    if (dim % count == 0) return dim / count;
+  }
+  return (dim + chunks - 1) / chunks;
+}
 }  // namespace
 
 ChunkLayout ChunkLayout::plan(const std::vector<std::int64_t>& shape, std::size_t element_size,
@@ -23,7 +38,8 @@ ChunkLayout ChunkLayout::plan(const std::vector<std::int64_t>& shape, std::size_
   layout.split_ = split;
   layout.inner_ = product(shape, split + 1, shape.size());
   const auto dim = static_cast<std::uint64_t>(shape[split]);
-  layout.rows_ = std::clamp<std::uint64_t>(target_elements / layout.inner_, 1, dim);
+  layout.rows_ =
+      rows_per_chunk(dim, std::clamp<std::uint64_t>(target_elements / layout.inner_, 1, dim));
   layout.blocks_ = static_cast<std::size_t>((dim + layout.rows_ - 1) / layout.rows_);
   layout.outer_count_ = static_cast<std::size_t>(product(shape, 0, split));
   layout.chunk_dims_.assign(shape.size(), 1);

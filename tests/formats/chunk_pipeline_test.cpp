@@ -26,6 +26,44 @@ WritePlan chunked(const Record& record, std::size_t chunk_bytes) {
   return {&record, ChunkLayout::plan(record.tensor.shape, 4, chunk_bytes)};
 }
 
+// HDF5 stores an edge chunk at full size, padded: the layout avoids edge chunks where a division
+// of the rows allows, and keeps their padding small where it does not, with chunks of at most the
+// target and no more chunks than a quarter above the fewest that fit.
+TEST(ChunkLayoutPlan, ChunksFitTheTargetAndEdgeChunksCarryLittlePadding) {
+  // A GPT-2 MLP weight's gradient: 12 chunks of 256 rows instead of 9 of 341 and one of 3.
+  const ChunkLayout mlp = ChunkLayout::plan({3072, 768}, 4, 1 << 20);
+  EXPECT_EQ(mlp.chunk_dims(), (std::vector<hsize_t>{256, 768}));
+  EXPECT_EQ(mlp.chunk_count(), 12u);
+  // A vocabulary of 50,257 rows (29 x 1733) has no such division: 148 chunks of 340 rows, the last
+  // of 277 (341 rows per chunk would leave 130 rows in a chunk of 341).
+  const ChunkLayout vocabulary = ChunkLayout::plan({50257, 768}, 4, 1 << 20);
+  EXPECT_EQ(vocabulary.chunk_dims(), (std::vector<hsize_t>{340, 768}));
+  EXPECT_EQ(vocabulary.extent(147).element_count, 277u * 768);
+
+  constexpr std::uint64_t kInner = 7, kTargetElements = 64;  // at most 9 rows per chunk
+  for (std::int64_t rows = 1; rows <= 3000; ++rows) {
+    SCOPED_TRACE("rows " + std::to_string(rows));
+    const ChunkLayout layout = ChunkLayout::plan({rows, kInner}, 4, kTargetElements * 4);
+    const std::uint64_t fewest = (rows + 8) / 9;
+    EXPECT_LE(layout.chunk_elements(), kTargetElements);
+    EXPECT_GE(layout.chunk_count(), fewest);
+    EXPECT_LE(layout.chunk_count(), fewest + fewest / 4);
+    std::uint64_t next = 0;
+    for (std::size_t chunk = 0; chunk < layout.chunk_count(); ++chunk) {
+      const ChunkExtent extent = layout.extent(chunk);
+      EXPECT_EQ(extent.first_element, next);
+      next += extent.element_count;
+      if (chunk + 1 < layout.chunk_count()) {
+        EXPECT_EQ(extent.element_count, layout.chunk_elements());
+      }
+    }
+    EXPECT_EQ(next, static_cast<std::uint64_t>(rows) * kInner);
+    const std::uint64_t padding_rows =
+        (layout.chunk_count() * layout.chunk_elements() - next) / kInner;
+    EXPECT_LT(padding_rows, layout.chunk_count());
+  }
+}
+
 // Every chunk of every record in order; a record without chunks is one item, first and last.
 TEST(ChunkSequence, ItemsAreEveryChunkOfEveryRecordInOrder) {
   const std::vector<float> values(10, 1.0f);
@@ -89,9 +127,9 @@ TEST(CompressChunk, CompressibleChunkIsShuffledAndCompressed) {
 // Bytes zstd cannot shrink enough are stored as they are, both filters skipped, hashed for
 // /chunk_hashes; a partial edge chunk is zero-padded to the full chunk size.
 TEST(CompressChunk, IncompressibleEdgeChunkIsStoredAsItIsZeroPadded) {
-  const std::vector<std::byte> random = testing::random_bytes(4 * 1900, 7);
-  const Record record = float_record({1900}, random.data());
-  const std::vector<WritePlan> plans = {chunked(record, 4 * 1000)};  // 1000 + 900 elements
+  const std::vector<std::byte> random = testing::random_bytes(4 * 1901, 7);
+  const Record record = float_record({1901}, random.data());  // prime: an edge chunk is needed
+  const std::vector<WritePlan> plans = {chunked(record, 4 * 1000)};  // 951 + 950 elements
   ASSERT_EQ(plans[0].layout->chunk_count(), 2u);
   ChunkSequence sequence(plans);
   sequence.next();
@@ -100,10 +138,10 @@ TEST(CompressChunk, IncompressibleEdgeChunkIsStoredAsItIsZeroPadded) {
   edge.buffers = &buffers;
   compress_chunk(edge, 1, 1.25);
   EXPECT_EQ(edge.filter_mask, schema::kAllFiltersSkipped);
-  ASSERT_EQ(edge.payload_size, 4u * 1000);
-  EXPECT_EQ(std::memcmp(edge.payload, random.data() + 4 * 1000, 4 * 900), 0);
-  const std::vector<std::byte> zeros(4 * 100);
-  EXPECT_EQ(std::memcmp(edge.payload + 4 * 900, zeros.data(), zeros.size()), 0);
+  ASSERT_EQ(edge.payload_size, 4u * 951);
+  EXPECT_EQ(std::memcmp(edge.payload, random.data() + 4 * 951, 4 * 950), 0);
+  const std::vector<std::byte> zeros(4 * 1);
+  EXPECT_EQ(std::memcmp(edge.payload + 4 * 950, zeros.data(), zeros.size()), 0);
   EXPECT_EQ(edge.payload_hash, xxh3(edge.payload, edge.payload_size));
 }
 
