@@ -14,6 +14,8 @@ and the median of the next --steps is reported:
   failing     dump="failing"
   stats       dump="stats"
   with --replay failing,none: each dump mode once per replay setting, named e.g. full:none
+  with --references auto,None: each once per reference setting, named e.g. full:ref=None
+              (with --dtype bfloat16 the default "auto" runs a float32 reference of every call)
   msprobe     msProbe's PrecisionChecker (mindstudio-probe), when it can be imported (optional),
               in a process of its own right after the others: in the same process its hooks
               slow every model about tenfold
@@ -25,6 +27,7 @@ writing to the disk while training keeps every CPU busy shows up there, not as o
 
     .venv/bin/python bench/scale_bench.py [--sizes 2x256,6x512,12x768] [--steps 3] [--warmup 2]
         [--dumps full,failing,stats] [--replay failing,none] [--threads N] [--no-msprobe]
+        [--dtype bfloat16] [--references auto,None]
         [--json results.json] [--plot plot.svg]
 
 msProbe: `pip install --no-deps --target DIR mindstudio-probe` plus the packages its import
@@ -153,10 +156,11 @@ class Inherent(Compiled):
 
 
 class Dynaprobe(Config):
-    def __init__(self, name, model, dump_dir, dump, replay=None):
+    def __init__(self, name, model, dump_dir, dump, replay=None, reference="auto"):
         super().__init__(name, model, dump_dir)
         self.results = []
-        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir, replay=replay)
+        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir, replay=replay,
+                                        reference=reference)
         self.checker.wrap_by_policy(model, (block_type(),))
 
     def setup(self):
@@ -206,7 +210,8 @@ def msprobe_available() -> bool:
 
 
 def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
-            dumps=("full", "failing", "stats"), replays=(None,)):
+            dumps=("full", "failing", "stats"), replays=(None,), dtype=torch.float32,
+            references=("auto",)):
     template = gpt2(layers, hidden)
     params = sum(p.numel() for p in template.parameters())
     state = template.state_dict()
@@ -214,7 +219,7 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
     def copy_model():
         model = gpt2(layers, hidden)
         model.load_state_dict(state)
-        return model
+        return model.to(dtype)
 
     if with_msprobe == "worker":  # this process runs msProbe alone
         configs = [MsProbe("msprobe", copy_model(), workdir)]
@@ -222,9 +227,12 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
         configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
         for dump in dumps:
             for replay in replays:
-                name = dump if replay is None else f"{dump}:{replay}"
-                configs.append(Dynaprobe(name, copy_model(), os.path.join(
-                    workdir, f"{layers}x{hidden}-{name}"), dump, replay))
+                for reference in references:
+                    name = dump if replay is None else f"{dump}:{replay}"
+                    name += "" if reference == "auto" else f":ref={reference}"
+                    configs.append(Dynaprobe(name, copy_model(), os.path.join(
+                        workdir, f"{layers}x{hidden}-{name}"), dump, replay,
+                        None if reference == "None" else reference))
     run_steps(configs, batch, seq, steps, warmup)
     if with_msprobe is True:
         configs.append(msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup))
@@ -346,6 +354,11 @@ def main() -> None:
                         help="torch's intra-op threads for training (default: every core); "
                              "fewer leaves cores to the checker's background thread, as a "
                              "training host with cores to spare per accelerator has")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype (bfloat16: the reference is on by default)")
+    parser.add_argument("--references", default="auto",
+                        help="reference settings to measure each storage mode with, e.g. "
+                             "auto,None (named e.g. full:ref=None; default: the checker's)")
     parser.add_argument("--msprobe-worker", metavar="LxH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1:
@@ -371,7 +384,8 @@ def main() -> None:
             layers, hidden = (int(x) for x in size.split("x"))
             rows += measure(layers, hidden, args.batch, args.seq, args.steps, args.warmup, workdir,
                             with_msprobe, args.dumps.split(","),
-                            args.replay.split(",") if args.replay else (None,))
+                            args.replay.split(",") if args.replay else (None,),
+                            getattr(torch, args.dtype), args.references.split(","))
             print_table([r for r in rows if (r["layers"], r["hidden"]) == (layers, hidden)])
             sys.stdout.flush()
     finally:

@@ -71,6 +71,7 @@ struct CompareOptions {
   std::optional<double> atol, rtol;
   std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
   bool fixed_tolerances = false;             // no dtype-aware rtol floor
+  std::string verdict;                       // "reference", "tolerances", empty: the dump's
   bool recompute = false;                    // metrics from the tensors, not the capture's
   std::optional<std::int64_t> step;
   std::string module;

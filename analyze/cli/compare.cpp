@@ -183,6 +183,12 @@ void setup_compare(CLI::App& app, Command& selected) {
   sub->add_flag("--fixed-tolerances", options->fixed_tolerances,
                 "Judge bf16/fp16/fp8 rows with the tolerances as they are, without their "
                 "dtype's floor (bf16: atol 1e-2, rtol 1.6e-2)");
+  sub->add_option("--verdict", options->verdict,
+                  "What decides a row that has a reference verdict: 'reference' (noise passes, "
+                  "divergence fails) or 'tolerances' (the spec's tolerance check alone; the "
+                  "verdict is still shown). Default: the capture's choice (PrecisionChecker("
+                  "verdict=...), 'reference')")
+      ->check(CLI::IsMember({"reference", "tolerances"}));
   sub->add_flag("--recompute", options->recompute,
                 "Compute every pair's metrics from its stored tensors, also where the capture "
                 "stored the metrics it computed in memory (checks them; slower). Pairs whose "
@@ -210,6 +216,7 @@ int run_compare(const CompareOptions& cmd) {
     options.tolerance_rules.push_back(parse_tolerance_rule(text));
   }
   if (cmd.fixed_tolerances) options.dtype_aware = false;
+  if (!cmd.verdict.empty()) options.reference_decides = cmd.verdict == "reference";
   options.recompute = cmd.recompute;
   options.step = cmd.step;
   options.module_glob = cmd.module;

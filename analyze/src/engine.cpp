@@ -206,6 +206,11 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
   const ModuleAttributes modules = merge_module_attributes(eager, compiled, order);
   for (const auto& [module, attributes] : modules) {
     if (wanted(module)) report.modules.emplace(module, attributes);
+    // The user's own autocast, seen by a module's call when the step began outside it.
+    auto autocast = attributes.find(std::string(vocabulary::provenance::kAutocast));
+    if (report.autocast.empty() && autocast != attributes.end()) {
+      report.autocast = autocast->second;
+    }
   }
   const Pairs pairs = pair_records(eager, compiled, order);
   const CallsRun calls = calls_run(pairs);
@@ -224,6 +229,7 @@ StepReport StepBuilder::report_header(std::int64_t step, const StepReader* eager
   report.tolerances = judging_.tolerances;
   report.tolerance_rules = judging_.rules;
   report.dtype_aware = judging_.dtype_aware;
+  report.reference_decides = judging_.reference_decides;
   apply_provenance((eager ? eager : compiled)->provenance(), report);
   report.loss_eager = read_loss(eager, Side::kEager);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
@@ -242,6 +248,10 @@ void StepBuilder::add_module_rows(const std::string& module, const StepRecords& 
     auto row = module_note_row(module, attributes->second, report.single_pass,
                                records.calls.eager_calls(module));
     if (row) report.rows.push_back(std::move(*row));
+    if (auto missing = no_reference_row(module, attributes->second)) {
+      report.no_reference_calls += missing->calls;
+      report.rows.push_back(std::move(missing->row));
+    }
   }
   for (auto it = records.pairs.lower_bound({module, 0, Kind::kFwdInput, 0});
        it != records.pairs.end() && it->first.module == module; ++it) {
@@ -430,6 +440,12 @@ void run_tasks(std::vector<Task>& all_tasks, const CompareOptions& options) {
     }  // a reference pair without tensors: no reference metrics for that row
   }
   if (!need_tensors.empty()) throw_needs_tensors(*need_tensors.front(), need_tensors.size());
+  // A step still being committed is read once committed: wait here, before the reads take the
+  // HDF5 lock, which the committing writer needs.
+  for (const Task* task : tasks) {
+    task->eager_reader->wait_readable();
+    task->compiled_reader->wait_readable();
+  }
   std::uint64_t total = 0;
   for (const Task* task : tasks) total += task->eager->nbytes() + task->compiled->nbytes();
   std::atomic<std::uint64_t> done{0};
@@ -460,15 +476,23 @@ void run_tasks(std::vector<Task>& all_tasks, const CompareOptions& options) {
   });
 }
 
-// The fp64 reference rule (kReferenceFactor), once both sides' errors against it are known.
-std::string reference_verdict(const Row& row, const Tolerances& tolerances) {
-  if (!row.reference_eager || !row.reference_compiled) return "";
-  const double eager = row.reference_eager->rmse, compiled = row.reference_compiled->rmse;
-  if (std::isnan(compiled)) return "divergence";
-  return compiled <= kReferenceFactor * eager + tolerances.atol / 10 ? "noise" : "divergence";
+// A row's reference verdict, and with it (unless the tolerances alone decide) its status.
+void apply_reference(Row& row, const StepReport& report) {
+  row.reference_verdict = reference_verdict(row, report.tolerances);
+  if (row.reference_verdict.empty() || !report.reference_decides || !row.metrics) return;
+  row.tolerance_status = row.status;
+  row.status = row.reference_verdict == "noise" ? Status::kPass : Status::kFail;
 }
 
 }  // namespace
+
+std::string reference_verdict(const Row& row, const Tolerances& step_tolerances) {
+  if (!row.reference_eager || !row.reference_compiled) return "";
+  const double eager = row.reference_eager->rmse, compiled = row.reference_compiled->rmse;
+  if (!std::isfinite(compiled)) return "divergence";
+  if (!std::isfinite(eager)) return "noise";
+  return compiled <= kReferenceFactor * eager + step_tolerances.atol / 10 ? "noise" : "divergence";
+}
 
 void require_committed_steps(const fs::path& path, const formats::DumpFiles& files) {
   if (!files.steps.empty()) return;
@@ -532,8 +556,10 @@ StepCounts StepReport::counts() const {
         break;
     }
     if (row.kind && row.eager && row.compiled) ++counts.compared;
+    if (row.status == Status::kPass && row.tolerance_status == Status::kFail) ++counts.noise_pass;
   }
   counts.loss_failed = loss_status() == Status::kFail;
+  counts.no_reference_calls = no_reference_calls;
   return counts;
 }
 
@@ -652,7 +678,7 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
   }
   const fs::path& tolerance_source = same ? eager_dump : compiled_dump;
   Judging judging = dump_judging(result.compiled_provenance, tolerance_source, options.atol,
-                                 options.rtol, options.dtype_aware);
+                                 options.rtol, options.dtype_aware, options.reference_decides);
 
   std::set<std::int64_t> steps;
   for (const auto& [step, reader] : eager.steps) steps.insert(step);
@@ -711,7 +737,7 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
   }
   run_tasks(tasks, options);
   for (StepReport& report : result.steps) {
-    for (Row& row : report.rows) row.reference_verdict = reference_verdict(row, report.tolerances);
+    for (Row& row : report.rows) apply_reference(row, report);
     find_root_cause(report);
   }
   return result;

@@ -115,7 +115,7 @@ Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind
 
 Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump,
                      std::optional<double> atol, std::optional<double> rtol,
-                     std::optional<bool> dtype_aware) {
+                     std::optional<bool> dtype_aware, std::optional<bool> reference_decides) {
   Judging judging;
   judging.tolerances.atol = atol ? *atol
                                  : dump_tolerance(provenance, vocabulary::provenance::kAtol, dump)
@@ -127,6 +127,8 @@ Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump
   judging.dtype_aware = dtype_aware.value_or(
       formats::provenance_value(provenance, vocabulary::provenance::kDtypeAwareTolerances) !=
       "false");
+  judging.reference_decides = reference_decides.value_or(
+      formats::provenance_value(provenance, vocabulary::provenance::kVerdict) != "tolerances");
   return judging;
 }
 

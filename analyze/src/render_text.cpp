@@ -138,6 +138,7 @@ std::string render_text(const StepReport& report) {
          "  compiled=" + format_float(compiled, "%.6f") +
          "  diff=" + format_float(std::fabs(eager - compiled), "%.3e");
   if (!report.cast_dtype.empty()) out += "  cast_dtype=" + report.cast_dtype;
+  if (!report.autocast.empty()) out += "  autocast=" + report.autocast;
   out += "\n" + kRule + "\n";
 
   static const char* kTitles[] = {"FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"};

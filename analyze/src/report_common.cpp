@@ -44,9 +44,14 @@ Numbers numbers(const Row& row) {
 }
 
 std::string reference_text(const Row& row) {
-  return "fp64: " + row.reference_verdict +
-         " (rmse compiled=" + format_float(row.reference_compiled->rmse, "%.1e") +
-         " eager=" + format_float(row.reference_eager->rmse, "%.1e") + ")";
+  std::string text = (row.reference_dtype.empty() ? "fp64" : row.reference_dtype) + ": " +
+                     row.reference_verdict +
+                     " (rmse compiled=" + format_float(row.reference_compiled->rmse, "%.1e") +
+                     " eager=" + format_float(row.reference_eager->rmse, "%.1e");
+  if (row.tolerance_status) {
+    text += *row.tolerance_status == Status::kPass ? "; tolerances pass" : "; tolerances fail";
+  }
+  return text + ")";
 }
 
 std::string row_note(const Row& row) {
@@ -64,12 +69,22 @@ std::string result_text(const StepCounts& counts) {
 }
 
 std::string verdict_reasons(const StepCounts& counts) {
-  if (counts.all_pass()) return "";
-  std::string text =
-      std::to_string(counts.fail) + " FAIL, " + std::to_string(counts.warn) + " WARN";
-  if (counts.loss_failed) text += ", loss FAIL";
-  if (counts.nothing_compared()) text += ", nothing compared";
-  return text + "; ";
+  std::string text;
+  if (!counts.all_pass()) {
+    text = std::to_string(counts.fail) + " FAIL, " + std::to_string(counts.warn) + " WARN";
+    if (counts.loss_failed) text += ", loss FAIL";
+    if (counts.nothing_compared()) text += ", nothing compared";
+  }
+  // How close the passes were, and what could not be referenced (nothing for a step without a
+  // reference, whose line the spec fixes).
+  const auto add = [&text](const std::string& part) { text += (text.empty() ? "" : ", ") + part; };
+  if (counts.noise_pass > 0) {
+    add(std::to_string(counts.noise_pass) + " pass only within reference noise");
+  }
+  if (counts.no_reference_calls > 0) {
+    add(std::to_string(counts.no_reference_calls) + " call(s) without a reference");
+  }
+  return text.empty() ? "" : text + "; ";
 }
 
 }  // namespace dynaprobe::analyze::detail

@@ -111,6 +111,9 @@ Value tolerances_model(const Tolerances& tolerances) {
 Value reference_model(const Row& row) {
   if (row.reference_verdict.empty()) return nullptr;
   return Value::Object{{"verdict", row.reference_verdict},
+                       {"dtype", row.reference_dtype.empty() ? "fp64" : row.reference_dtype},
+                       {"tolerance_status",
+                        row.tolerance_status ? Value(status_name(*row.tolerance_status)) : Value()},
                        {"eager_rmse", row.reference_eager->rmse},
                        {"compiled_rmse", row.reference_compiled->rmse},
                        {"eager_max_abs", row.reference_eager->max_abs},
@@ -247,6 +250,8 @@ Value counts_model(const StepCounts& counts) {
                        {"pass", counts.pass},
                        {"skip", counts.skip},
                        {"compared", counts.compared},
+                       {"noise_pass", counts.noise_pass},
+                       {"no_reference_calls", counts.no_reference_calls},
                        {"loss_fail", counts.loss_failed},
                        {"nothing_compared", counts.nothing_compared()}};
 }
@@ -268,6 +273,8 @@ Value step_model(const StepReport& step) {
                        {"result", counts_model(step.counts())},
                        {"root_cause", root_cause_model(step)},
                        {"cast_dtype", step.cast_dtype},
+                       {"autocast", step.autocast},
+                       {"reference_decides", step.reference_decides},
                        {"tolerances", tolerances_model(step.tolerances)},
                        {"loss", loss_model(step)},
                        {"modules", modules_model(step)},

@@ -141,6 +141,20 @@ const std::string* module_attribute(const StepReport& report, const std::string&
   return value == found->second.end() ? nullptr : &value->second;
 }
 
+// The reduced precision a row was computed in: the capture's autocast (cast_dtype, or the
+// user's own), else a bfloat16/float16 side; empty in full precision.
+std::string reduced_precision(const StepReport& report, const Row& row) {
+  if (!report.cast_dtype.empty()) return "autocast " + report.cast_dtype;
+  if (!report.autocast.empty()) return "autocast " + report.autocast;
+  for (const auto* side : {&row.eager, &row.compiled}) {
+    if (*side && ((*side)->dtype == formats::DType::kBFloat16 ||
+                  (*side)->dtype == formats::DType::kFloat16)) {
+      return std::string(formats::dtype_name((*side)->dtype));
+    }
+  }
+  return "";
+}
+
 // What to do next: the first rule that applies, naming the docs/troubleshooting.md entry.
 std::string next_step(const StepReport& report) {
   const RootCause& cause = report.root_cause;
@@ -160,15 +174,17 @@ std::string next_step(const StepReport& report) {
            " was not compiled as one graph: see troubleshooting, \"Graph breaks "
            "and NOT_COMPILED\"";
   }
+  const std::string reference = row.reference_dtype.empty() ? "fp64" : row.reference_dtype;
   if (row.reference_verdict == "divergence") {
-    return row.module + " is beyond fp64-reference noise (its compiled error is more than " +
+    return row.module + " is beyond " + reference +
+           "-reference noise (its compiled error is more than " +
            format_float(kReferenceFactor, "%g") +
            "x eager's own): a compiler divergence; "
            "compare backends (aot_eager, then inductor) to find the stage that makes it";
   }
   if (row.reference_verdict == "noise") {
-    return row.module +
-           " differs within fp64-reference noise (the compiled error is no larger "
+    return row.module + " differs within " + reference +
+           "-reference noise (the compiled error is no larger "
            "than eager's own, within " +
            format_float(kReferenceFactor, "%g") +
            "x): expected "
@@ -179,12 +195,14 @@ std::string next_step(const StepReport& report) {
            " from outside the wrapped modules: wrap the "
            "code before it (troubleshooting: \"Narrowing down: wrap finer\")";
   }
-  if (!report.cast_dtype.empty()) {
-    return "under autocast (" + report.cast_dtype +
-           ") reordered arithmetic differs by about the "
-           "dtype's precision: check with reference=\"fp64\" whether " +
+  const std::string low_precision = reduced_precision(report, row);
+  if (!low_precision.empty()) {
+    return "in reduced precision (" + low_precision +
+           ") reordered arithmetic differs by about the dtype's precision, and no reference "
+           "judged " +
            row.module +
-           " is beyond that noise (troubleshooting: \"Reduced precision (autocast bf16, fp16)\")";
+           ": run with the default reference=\"auto\" (or \"fp64\") to tell that noise from "
+           "a divergence (troubleshooting: \"Reduced precision (autocast bf16, fp16)\")";
   }
   return "if " + row.module +
          " draws random numbers (dropout), inductor draws its own: see "

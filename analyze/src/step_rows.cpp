@@ -1,6 +1,7 @@
 #include "step_rows.h"
 
 #include <algorithm>
+#include <charconv>
 
 #include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/vocabulary.h"
@@ -40,6 +41,7 @@ void apply_provenance(const formats::Provenance& provenance, StepReport& report)
   report.capture_input = value(vocabulary::provenance::kCaptureInput) != "false";
   const std::string cast = value(vocabulary::provenance::kCastDtype);
   report.cast_dtype = cast == "None" ? "" : cast;
+  report.autocast = value(vocabulary::provenance::kAutocast);
 }
 
 ModuleAttributes merge_module_attributes(const StepReader* eager, const StepReader* compiled,
@@ -112,6 +114,11 @@ Row tensor_row(const TensorKey& key, const Pair& pair, const StepReader* eager,
     row.compiled = TensorSide{pair.compiled->dtype, pair.compiled->shape};
     if (row.label.empty()) row.label = pair.compiled->label;
   }
+  if (pair.reference) {
+    const formats::DType dtype = pair.reference->dtype;
+    row.reference_dtype =
+        dtype == formats::DType::kFloat32 || dtype == formats::DType::kComplex64 ? "fp32" : "fp64";
+  }
   return row;
 }
 
@@ -171,6 +178,29 @@ std::optional<Row> module_note_row(const std::string& module,
                  "graph-break fallbacks) or on state the compiled copy does not share";
   }
   return row;
+}
+
+std::optional<NoReference> no_reference_row(const std::string& module,
+                                            const std::map<std::string, std::string>& attributes) {
+  const std::string* missing = find_attribute(attributes, module_attributes::kReferenceMissing);
+  std::size_t calls = 0;
+  if (!missing ||
+      std::from_chars(missing->data(), missing->data() + missing->size(), calls).ec !=
+          std::errc() ||
+      calls == 0) {
+    return std::nullopt;
+  }
+  NoReference result;
+  result.calls = calls;
+  result.row.module = module;
+  result.row.note = notes::kNoReference;
+  result.row.status = note_status(result.row.note);
+  const std::string* error = find_attribute(attributes, module_attributes::kReferenceError);
+  result.row.reason = std::to_string(calls) +
+                      " call(s) without a reference, so judged by the "
+                      "tolerances alone: " +
+                      (error ? *error : std::string("no reason recorded"));
+  return result;
 }
 
 Row ignored_row(const std::string& module) {

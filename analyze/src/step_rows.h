@@ -25,7 +25,8 @@ using ModuleAttributes = std::map<std::string, std::map<std::string, std::string
 using formats::is_forward;
 
 // The fields of a report that the capture's provenance decides: single_pass (mode),
-// capture_input, cast_dtype (empty for "None"). Keys that are absent keep the defaults.
+// capture_input, cast_dtype (empty for "None"), autocast. Keys that are absent keep the
+// defaults.
 void apply_provenance(const formats::Provenance& provenance, StepReport& report);
 
 // The modules of a step in model order, each once: the capture's /modules list first, then the
@@ -124,6 +125,16 @@ std::optional<Row> module_note_row(const std::string& module,
 
 // The row of an ignored module: SKIP, IGNORED. Its submodules get no rows.
 Row ignored_row(const std::string& module);
+
+// The WARN row of a module some of whose calls got no reference although one was asked for
+// (attributes reference_missing, the number of calls, and reference_error, why); nullopt when
+// every call got one.
+struct NoReference {
+  Row row;
+  std::size_t calls = 0;
+};
+std::optional<NoReference> no_reference_row(const std::string& module,
+                                            const std::map<std::string, std::string>& attributes);
 
 // The verdict table for a tensor only one side holds. `kind` and the module's place decide the
 // note; the status is note_status(note).

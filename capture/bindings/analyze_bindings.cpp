@@ -73,7 +73,7 @@ void bind_analyze(py::module_& m) {
       [](const std::filesystem::path& eager_dump, const std::filesystem::path& compiled_dump,
          std::optional<std::int64_t> step, std::optional<double> atol, std::optional<double> rtol,
          const std::string& module_glob, int threads, std::optional<bool> dtype_aware,
-         bool recompute) {
+         bool recompute, std::optional<bool> reference_decides) {
         analyze::CompareOptions options;
         options.step = step;
         options.atol = atol;
@@ -82,12 +82,14 @@ void bind_analyze(py::module_& m) {
         options.threads = threads;
         options.dtype_aware = dtype_aware;
         options.recompute = recompute;
+        options.reference_decides = reference_decides;
         py::gil_scoped_release release;
         return analyze::compare(eager_dump, compiled_dump, options);
       },
       py::arg("eager_dump"), py::arg("compiled_dump"), py::arg("step") = py::none(),
       py::arg("atol") = py::none(), py::arg("rtol") = py::none(), py::arg("module_glob") = "",
       py::arg("threads") = 0, py::arg("dtype_aware") = py::none(), py::arg("recompute") = false,
+      py::arg("reference_decides") = py::none(),
       "Compares the eager side of eager_dump with the compiled side of compiled_dump.");
   m.def(
       "compare_pending",

@@ -1097,6 +1097,10 @@ std::vector<ModuleInfo> StepReader::modules() const {
   return modules;
 }
 
+void StepReader::wait_readable() const {
+  if (impl_->pending) impl_->committed_file();
+}
+
 TensorStream StepReader::open(const RecordInfo& record) const {
   if (!record.stored) {
     throw FormatError(impl_->path.string() + ": record " + to_string(record.key) +

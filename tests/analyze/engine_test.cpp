@@ -425,12 +425,128 @@ TEST(Engine, NoteStatusIsATableThatWarnsForEveryNoteItDoesNotKnow) {
   EXPECT_EQ(note_status(notes::kInsideCompiled), Status::kSkip);
   for (std::string_view warning :
        {notes::kMissingFwdInCompiled, notes::kMissingFwdInEager, notes::kMissingBwdInCompiled,
-        notes::kMissingBwdInEager, notes::kNotRun, notes::kNotCompiled, notes::kHookError}) {
+        notes::kMissingBwdInEager, notes::kNotRun, notes::kNotCompiled, notes::kHookError,
+        notes::kNoReference}) {
     EXPECT_EQ(note_status(warning), Status::kWarn) << warning;
   }
   // Spelling is not a verdict: an unknown note warns, even one that starts like a skip.
   EXPECT_EQ(note_status("SKIP_something_new"), Status::kWarn);
   EXPECT_EQ(note_status(""), Status::kWarn);
+}
+
+// A single-pass step of one module whose compiled output is off by `compiled_error` everywhere
+// and eager's by `eager_error`, against a float32 reference of 1s; bf16-sized errors.
+void write_referenced_step(const std::filesystem::path& dir, float eager_error,
+                           float compiled_error, formats::Provenance provenance) {
+  static std::vector<float> reference(64, 1.0f), eager(64), compiled(64);
+  for (std::size_t i = 0; i < 64; ++i) {
+    const float sign = i % 2 ? 1.0f : -1.0f;
+    eager[i] = 1.0f + sign * eager_error;
+    compiled[i] = 1.0f + sign * compiled_error;
+  }
+  provenance.emplace("mode", "single_pass");
+  formats::StepWriter writer(dir, 0, provenance);
+  writer.write(record(Side::kEager, DType::kFloat32, {64}, eager.data()));
+  writer.write(record(Side::kCompiled, DType::kFloat32, {64}, compiled.data()));
+  writer.write(record(Side::kReference, DType::kFloat32, {64}, reference.data()));
+  writer.commit();
+}
+
+// The reference verdict decides a row that has one: noise beyond the tolerances passes (and is
+// counted as such), divergence inside them fails; verdict=tolerances, in the dump or asked for,
+// keeps the tolerance check's status.
+TEST(Engine, TheReferenceVerdictDecidesTheRowUnlessTheTolerancesAreAskedFor) {
+  struct Case {
+    float eager_error, compiled_error;
+    Status decided, tolerances_only;
+    std::string verdict;
+  };
+  // atol 1e-4, rtol 1e-3: |diff| <= 1.1e-3 passes. Errors of opposite signs differ from each
+  // other by twice their size.
+  for (const Case& c : {Case{4e-3f, -4e-3f, Status::kPass, Status::kFail, "noise"},
+                        Case{1e-5f, 3e-4f, Status::kFail, Status::kPass, "divergence"},
+                        Case{2e-4f, 3e-4f, Status::kPass, Status::kPass, "noise"},
+                        Case{1e-5f, 5e-3f, Status::kFail, Status::kFail, "divergence"}}) {
+    TempDir dir;
+    write_referenced_step(dir.path(), c.eager_error, c.compiled_error, {});
+    const Comparison decided = compare(dir.path(), dir.path(), {});
+    const Row& row = decided.steps[0].rows.at(0);
+    SCOPED_TRACE(std::to_string(c.eager_error) + " " + std::to_string(c.compiled_error));
+    EXPECT_EQ(row.reference_verdict, c.verdict);
+    EXPECT_EQ(row.reference_dtype, "fp32");
+    EXPECT_EQ(row.status, c.decided);
+    ASSERT_TRUE(row.tolerance_status);
+    EXPECT_EQ(*row.tolerance_status, c.tolerances_only);
+    EXPECT_EQ(decided.steps[0].counts().noise_pass,
+              c.decided == Status::kPass && c.tolerances_only == Status::kFail ? 1u : 0u);
+
+    CompareOptions options;
+    options.reference_decides = false;
+    const Row& spec = compare(dir.path(), dir.path(), options).steps[0].rows.at(0);
+    EXPECT_EQ(spec.status, c.tolerances_only);
+    EXPECT_FALSE(spec.tolerance_status);
+    EXPECT_EQ(spec.reference_verdict, c.verdict);
+
+    TempDir stored;
+    write_referenced_step(stored.path(), c.eager_error, c.compiled_error,
+                          {{"verdict", "tolerances"}});
+    EXPECT_EQ(compare(stored.path(), stored.path(), {}).steps[0].rows.at(0).status,
+              c.tolerances_only);
+  }
+  // What the reader sees: the verdict, both errors and the tolerances' own outcome.
+  TempDir dir;
+  write_referenced_step(dir.path(), 4e-3f, -4e-3f, {});
+  const std::string text = render_text(compare(dir.path(), dir.path(), {}).steps[0]);
+  EXPECT_NE(text.find("[OK] max_abs="), std::string::npos) << text;
+  EXPECT_NE(text.find("fp32: noise (rmse compiled=4.0e-03 eager=4.0e-03; tolerances fail)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("RESULT: ALL PASS  (1 pass only within reference noise; atol=1e-4"),
+            std::string::npos)
+      << text;
+}
+
+TEST(Engine, ReferenceVerdictOfNonFiniteErrors) {
+  Row row;
+  row.reference_eager = TensorMetrics{};
+  row.reference_compiled = TensorMetrics{};
+  row.reference_eager->rmse = 1e-3;
+  row.reference_compiled->rmse = NAN;
+  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "divergence");
+  row.reference_eager->rmse = INFINITY;
+  row.reference_compiled->rmse = 1e-3;
+  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "noise");
+  row.reference_eager.reset();
+  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "");
+}
+
+// Calls that got no reference (reference_missing, reference_error) are a WARN row naming why,
+// counted in the RESULT line: never a silent absence.
+TEST(Engine, CallsWithoutTheirReferenceAreAWarnRowThatSaysWhy) {
+  TempDir dir;
+  {
+    static const float values[4] = {1, 2, 3, 4};
+    formats::StepWriter writer(dir.path(), 0, {{"mode", "single_pass"}});
+    writer.write(record(Side::kEager, DType::kFloat32, {4}, values));
+    writer.write(record(Side::kCompiled, DType::kFloat32, {4}, values));
+    writer.write_module({"layers.0",
+                         {{"role", "wrapped"},
+                          {"reference_missing", "3"},
+                          {"reference_error", "NotImplementedError: no float32 kernel"}}});
+    writer.commit();
+  }
+  const StepReport step = compare(dir.path(), dir.path(), {}).steps[0];
+  const auto note = std::find_if(step.rows.begin(), step.rows.end(),
+                                 [](const Row& r) { return r.note == notes::kNoReference; });
+  ASSERT_NE(note, step.rows.end());
+  EXPECT_EQ(note->status, Status::kWarn);
+  EXPECT_NE(note->reason.find("3 call(s) without a reference"), std::string::npos);
+  EXPECT_NE(note->reason.find("no float32 kernel"), std::string::npos);
+  EXPECT_EQ(step.counts().no_reference_calls, 3u);
+  EXPECT_FALSE(step.all_pass());
+  const std::string text = render_text(step);
+  EXPECT_NE(text.find("0 FAIL, 1 WARN, 3 call(s) without a reference; atol="), std::string::npos)
+      << text;
 }
 
 }  // namespace

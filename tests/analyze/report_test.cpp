@@ -275,7 +275,8 @@ TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
   rank.comparison.steps.push_back(report);
   const std::string json = render_json({rank});
   EXPECT_NE(json.find("\"result\": {\"verdict\": \"FAILED\", \"fail\": 0, \"warn\": 2, "
-                      "\"pass\": 3, \"skip\": 0, \"compared\": 3, \"loss_fail\": false, "
+                      "\"pass\": 3, \"skip\": 0, \"compared\": 3, \"noise_pass\": 0, "
+                      "\"no_reference_calls\": 0, \"loss_fail\": false, "
                       "\"nothing_compared\": false}"),
             std::string::npos)
       << json;

@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -459,6 +461,36 @@ TEST(Recorder, FinishStepGivesTheStepAsItsFileHoldsItAndTheSameReport) {
     EXPECT_EQ(analyze::render_text(in_memory.steps[0]), analyze::render_text(from_file.steps[0]));
     EXPECT_EQ(in_memory.warnings, from_file.warnings);
   }
+}
+
+// A report of a step still being committed reads the pairs not judged in memory (here a
+// reference record) from the file once committed. It must wait for that commit before taking the
+// HDF5 lock for its reads: the background writer needs that lock to commit (modelled here by a
+// commit that takes the lock on another thread; a deadlock ends the test binary).
+TEST(Recorder, AReportReadingAPendingStepWaitsForTheCommitOutsideTheReadLock) {
+  TempDir dir;
+  Recorder recorder(dir.path(), {{"mode", "single_pass"}});
+  recorder.begin_step(0);
+  const at::Tensor x = at::randn({64});
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kReference), x.to(at::kDouble));
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kEager), x);
+  formats::PendingStep pending = recorder.finish_step();
+  pending.wait_committed = [commit = pending.wait_committed] {
+    std::thread([] { formats::ReadBatch the_writer_takes_the_lock; }).join();
+    commit();
+  };
+  auto report =
+      std::async(std::launch::async, [pending] { return analyze::compare_pending(pending, {}); });
+  if (report.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    std::fprintf(stderr, "compare_pending of a pending step deadlocked with its writer\n");
+    std::_Exit(1);  // the threads cannot be joined: end the test binary with a failure
+  }
+  const analyze::Comparison comparison = report.get();
+  const analyze::Row& row = comparison.steps.at(0).rows.at(0);
+  EXPECT_EQ(row.module, "m");
+  EXPECT_EQ(row.reference_verdict, "noise");
+  EXPECT_EQ(row.reference_dtype, "fp64");
 }
 
 TEST(Recorder, ManyStepsGiveOneFileEach) {

@@ -351,10 +351,14 @@ def test_merged_csv_row_by_row(fsdp_run):
         elif row[3] == "-":  # the spec's multi-rank example, exactly
             assert row[2:] == ["blocks.0", "-", "0", "SKIP", "N/A", "N/A", "N/A", "", "IGNORED"]
         else:
-            assert row[5] in ("PASS", "FAIL") and row[10] == ""
+            assert row[5] == "PASS", row
             assert all(float(x) >= 0 for x in row[6:9])
-            if row[1] != "bf16":
-                assert row[5] == "PASS", row
+            # bf16 (cast_dtype): a float32 reference decides each compared row, said in the note
+            # (inputs and grad_outputs are shared by the sides in single-pass: no reference).
+            if row[1] == "bf16" and row[3] in ("fwd_output", "grad_input", "param_grad"):
+                assert row[10].startswith("fp32: noise (rmse compiled="), row
+            else:
+                assert row[10] == "", row
     # Each rank's rows are its own CSV's rows (core: no note rows, so the columns agree).
     for rank in range(WORLD):
         own = _parse((out / f"precision_rank{rank}.csv").read_text())[1:]

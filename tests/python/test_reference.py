@@ -1,13 +1,18 @@
-"""The fp64 reference: is a difference a compiler problem or reduced-precision noise?
+"""The reference: is a difference a compiler problem or reduced-precision noise?
 
-Each wrapped call is re-run in float64 (reference="fp64", or only the calls whose forward output
-already fails: reference="failing"); the analyzer measures eager's and compiled's errors against
-it. Checked against an independent computation of the same RMSEs, on a fault-injection backend
-(a divergence) and, under bf16 autocast with inductor, on real reduced-precision noise that the
-fixed tolerances FAIL.
+Each wrapped call is re-run in a wider dtype (reference="fp64"/"fp32", every call; "failing", the
+calls whose forward output already fails; "auto", the default, the calls computing in bf16/fp16,
+in float32); the analyzer measures eager's and compiled's errors against it, and the verdict
+decides the row: noise passes, divergence fails (verdict="tolerances" keeps the spec's tolerance
+check). Checked against an independent computation of the same RMSEs, on fault-injection
+backends (a divergence) and, in bf16 with inductor, on real reduced-precision noise that the fixed
+tolerances FAIL; in every mode (single-pass, two-pass, whole-model), under the user's own
+autocast, and with a reference that cannot run.
 """
 
 from __future__ import annotations
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -79,11 +84,18 @@ def test_failing_runs_the_reference_only_for_calls_that_fail(tmp_path):
     assert result.modules["stage0"].get("reference_error") is None
 
 
-def test_reference_needs_single_pass_and_a_known_mode():
-    with pytest.raises(ValueError, match="needs single_pass=True"):
-        PrecisionChecker(single_pass=False, reference="fp64")
-    with pytest.raises(ValueError, match="reference must be None, 'fp64' or 'failing'"):
+def test_reference_modes_are_checked_up_front():
+    with pytest.raises(ValueError, match="reference='failing' needs single_pass=True"):
+        PrecisionChecker(single_pass=False, reference="failing")
+    with pytest.raises(ValueError, match="reference must be 'auto', 'fp64', 'fp32', 'failing' "
+                                         "or None"):
         PrecisionChecker(reference="float64")
+    with pytest.raises(ValueError, match="verdict must be 'reference'"):
+        PrecisionChecker(verdict="allclose")
+    with pytest.raises(ValueError, match="needs dump='full'"):
+        PrecisionChecker(reference="fp32", dump="stats")
+    assert PrecisionChecker().reference == "auto"
+    assert PrecisionChecker().verdict == "reference"
 
 
 class Elementwise(nn.Module):
@@ -141,15 +153,193 @@ def test_bf16_noise_that_fixed_tolerances_fail_is_told_from_a_real_fault(tmp_pat
 
     clean = next(r for r in result.rows if r.module == "clean" and r.check_type == "fwd_output")
     faulty = next(r for r in result.rows if r.module == "faulty" and r.check_type == "fwd_output")
-    assert clean.status == "FAIL", "inductor's bf16 rounding should exceed atol=1e-4"
-    assert clean.reference["verdict"] == "noise", clean.reference
+    assert clean.reference["tolerance_status"] == "FAIL", "bf16 rounding should exceed 1e-4"
+    assert clean.status == "PASS" and clean.reference["verdict"] == "noise", clean.reference
     assert faulty.status == "FAIL" and faulty.reference["verdict"] == "divergence"
+    assert result.counts["noise_pass"] >= 1
 
-    # The same dump judged with the dtype-aware floor (bf16: atol 1e-2, rtol 1.6e-2): the noise
-    # passes; the fault, at most 0.3 bf16 steps here, passes too: fixed tolerances cannot tell
-    # them apart, the reference verdict can.
-    judged = _C.compare(result.dump_dir, result.dump_dir, step=0, dtype_aware=True).steps[0]
-    rows = {(r["module"], r["check_type"]): r for r in judged.rows}
-    assert rows[("clean", "fwd_output")]["status"] == "PASS"
-    assert rows[("clean", "fwd_output")]["tolerances"] == {"atol": 1e-2, "rtol": 1.6e-2}
-    assert rows[("faulty", "fwd_output")]["reference"]["verdict"] == "divergence"
+    # The same dump judged by the tolerances alone, with the dtype-aware floor (bf16: atol 1e-2,
+    # rtol 1.6e-2): the noise passes; the fault, at most 0.3 bf16 steps here, passes too: fixed
+    # tolerances cannot tell them apart. With the reference deciding, the fault FAILs.
+    for decides, faulty_status in ((False, "PASS"), (True, "FAIL")):
+        judged = _C.compare(result.dump_dir, result.dump_dir, step=0, dtype_aware=True,
+                            reference_decides=decides).steps[0]
+        rows = {(r["module"], r["check_type"]): r for r in judged.rows}
+        assert rows[("clean", "fwd_output")]["status"] == "PASS"
+        assert rows[("clean", "fwd_output")]["tolerances"] == {"atol": 1e-2, "rtol": 1.6e-2}
+        assert rows[("faulty", "fwd_output")]["reference"]["verdict"] == "divergence"
+        assert rows[("faulty", "fwd_output")]["status"] == faulty_status
+
+
+def _scaled_gelu_backend(factor: float):
+    """aot_eager with every GELU (forward) ``factor`` times too large: a compiler bug in one
+    module."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, example_inputs):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target == torch.ops.aten.gelu.default:
+                with gm.graph.inserting_after(node):
+                    scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, factor))
+                node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler,
+                        bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+
+
+def _statuses(result, check_type="fwd_output"):
+    return {r.module: r.status for r in result.rows if r.check_type == check_type}
+
+
+def test_the_reference_decides_and_verdict_tolerances_keeps_the_spec(tmp_path, dynaprobe_cli):
+    torch.manual_seed(0)
+    model = Chain()
+    checker = PrecisionChecker(backend=_scaled_gelu_backend(1.0005), reference="fp64",
+                               dump_dir=str(tmp_path / "dump"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(_step(torch.randn(4, 8)), model)
+    # A fault inside the tolerances (5e-4 relative) is still beyond fp64-reference noise.
+    stage1 = next(r for r in result.rows if r.module == "stage1" and r.check_type == "fwd_output")
+    assert stage1.reference == {**stage1.reference, "verdict": "divergence", "dtype": "fp64",
+                                "tolerance_status": "PASS"}
+    assert stage1.status == "FAIL" and not result.all_pass
+    assert "fp64: divergence (rmse compiled=" in result.text()
+    assert "; tolerances pass)" in result.text()
+    assert result.root_cause["forward"]["module"] == "stage1"
+
+    # The spec's tolerance-only status, from the same dump: asked for at compare time ...
+    spec = _C.compare(result.dump_dir, result.dump_dir, reference_decides=False).steps[0]
+    assert spec.all_pass
+    assert "fp64: divergence" in spec.render_text()  # still shown beside the status
+    assert "; tolerances" not in spec.render_text()
+    done = subprocess.run([dynaprobe_cli, "compare", result.dump_dir, "--verdict", "tolerances"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert subprocess.run([dynaprobe_cli, "compare", result.dump_dir],
+                          capture_output=True, text=True).returncode == 1
+    # ... or at capture, stored in the dump.
+    torch._dynamo.reset()
+    checker = PrecisionChecker(backend=_scaled_gelu_backend(1.0005), reference="fp64",
+                               verdict="tolerances", dump_dir=str(tmp_path / "tolerances"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(_step(torch.randn(4, 8)), model)
+    assert result.all_pass and result.provenance["verdict"] == "tolerances"
+
+
+def test_fp32_runs_are_unchanged_by_the_default(tmp_path):
+    """The default reference ("auto") runs nothing for a float32 model: its report is the
+    tolerance check's, byte for byte."""
+    texts = {}
+    for reference in (None, "auto"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Chain()
+        checker = PrecisionChecker(backend=FORWARD_FAULT, reference=reference,
+                                   dump_dir=str(tmp_path / str(reference)))
+        checker.wrap_all_children(model, depth=0)
+        result = checker.compare(_step(torch.randn(4, 8)), model)
+        assert not any(r.reference for r in result.rows)
+        texts[reference] = (result.text(), result.csv())
+    assert texts[None] == texts["auto"]
+
+
+def _bf16_chain(seed=0):
+    torch.manual_seed(seed)
+    return Chain().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["single_pass", "two_pass", "whole_model"])
+def test_bf16_gets_an_fp32_reference_by_default_in_every_mode(mode, tmp_path):
+    """A bf16 model, default settings: every call gets a float32 reference; a clean compile
+    passes, a GELU 5% too large FAILs at stage1, the only module with a GELU."""
+    x = torch.randn(16, 8).to(torch.bfloat16)
+    for factor, expected in ((1.0, "PASS"), (1.05, "FAIL")):
+        torch._dynamo.reset()
+        model = _bf16_chain()
+        backend = _scaled_gelu_backend(factor)
+        checker = PrecisionChecker(backend=backend, single_pass=mode != "two_pass",
+                                   dump_dir=str(tmp_path / f"{mode}{factor}"))
+        checker.wrap_all_children(model, depth=0)
+        if mode == "whole_model":
+            compiled = checker.install(torch.compile(model, backend=backend))
+            result = checker.collect(_step(x)(compiled))
+            checker.uninstall()
+        else:
+            result = checker.compare(_step(x), model)
+        outputs = [r for r in result.rows if r.check_type == "fwd_output"]
+        assert outputs and all(r.reference and r.reference["dtype"] == "fp32" for r in outputs)
+        assert result.provenance["reference"] == "auto"
+        if expected == "PASS":
+            assert result.all_pass, result.text()
+        else:
+            assert _statuses(result)["stage1"] == "FAIL", result.text()
+            assert _statuses(result)["stage0"] == "PASS", result.text()
+            assert result.root_cause["forward"]["module"] == "stage1"
+            assert "beyond fp32-reference noise" in result.root_cause["next"]
+    reference = _read(result, "stage1", "fwd_output", "reference")
+    assert reference.dtype == torch.float32
+
+
+def test_the_users_own_autocast_is_detected_and_referenced(tmp_path):
+    torch.manual_seed(0)
+    model = Chain()
+    x = torch.randn(16, 8)
+
+    def step(m):
+        m.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = m(x)
+        loss.backward()
+        return loss
+
+    checker = PrecisionChecker(backend=_scaled_gelu_backend(1.05), dump_dir=str(tmp_path / "d"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(step, model)
+    assert result.provenance["autocast"] == "torch.bfloat16"
+    assert result.provenance["cast_dtype"] == "None"
+    assert "autocast=torch.bfloat16" in result.text().splitlines()[1]
+    assert _statuses(result)["stage1"] == "FAIL" and _statuses(result)["stage0"] == "PASS"
+    assert all(r.reference for r in result.rows if r.check_type == "fwd_output")
+
+    # Without a reference, what to do next speaks of the reduced precision, not of dropout.
+    torch._dynamo.reset()
+    checker = PrecisionChecker(backend=_scaled_gelu_backend(1.05), reference=None,
+                               dump_dir=str(tmp_path / "none"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(step, model)
+    assert not any(r.reference for r in result.rows)
+    assert result.root_cause["next"].startswith(
+        "in reduced precision (autocast torch.bfloat16)"), result.root_cause["next"]
+    assert "dropout" not in result.root_cause["next"]
+
+
+def test_a_reference_that_cannot_run_is_a_warn_row_that_says_why(tmp_path, dynaprobe_cli):
+    class Bf16Only(nn.Module):
+        """A kernel that exists in bf16 only (as some fused or quantized kernels do)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.dtype != torch.bfloat16:
+                raise NotImplementedError(f"no kernel for {x.dtype}")
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Bf16Only(), nn.Tanh()).to(torch.bfloat16)
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "d"))
+    checker.wrap(model[0])
+    with pytest.warns(UserWarning, match="reference could not run"):
+        result = checker.compare(lambda m: m(torch.randn(4, 8).to(torch.bfloat16)).sum(), model)
+    note = next(r for r in result.rows if r.note == "NO_REFERENCE")
+    assert note.status == "WARN" and "NotImplementedError: no kernel for torch.float32" in \
+        note.reason
+    assert result.counts["no_reference_calls"] == 1 and not result.all_pass
+    assert "1 call(s) without a reference" in result.text()
+    cli = subprocess.run([dynaprobe_cli, "compare", result.dump_dir], capture_output=True,
+                         text=True)
+    assert "NO_REFERENCE" in cli.stdout and cli.returncode == 1

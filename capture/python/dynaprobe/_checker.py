@@ -31,6 +31,7 @@ from dynaprobe._distributed import (
 )
 from dynaprobe._graphs import write_graph_files
 from dynaprobe._planning import describe_model, plan
+from dynaprobe._reference import ReferencePolicy, user_autocast
 from dynaprobe._result import CompareResult
 from dynaprobe._single_pass import SinglePass
 from dynaprobe._step import Step, Target
@@ -79,10 +80,16 @@ class PrecisionChecker:
         rtol: relative tolerance of the comparison.
         memory_budget_bytes: host memory for snapshots waiting to be written; the training
             thread waits when it is full (nothing is dropped).
-        reference: single-pass only: ``"fp64"`` re-runs every wrapped call once more in float64
-            (a copy of the module and of its inputs) and judges each difference against it
-            (noise or divergence); ``"failing"`` does so only for the calls whose forward output
-            fails the tolerances; None (default) runs no reference.
+        reference: re-run wrapped calls once more eagerly in a wider dtype (the module's
+            weights and the call's inputs upcast, autocast off) and judge each difference
+            against it: within eager's own error it is noise (a pass), beyond it a divergence
+            (a FAIL). ``"auto"`` (default): every call computing in bf16 or fp16 (weights,
+            inputs, ``cast_dtype`` or your own ``torch.autocast``), in float32; full-precision
+            calls keep the tolerances alone. ``"fp64"`` / ``"fp32"``: every call, in that dtype.
+            ``"failing"`` (single-pass): only calls whose forward output fails the tolerances.
+            None: no reference. Two-pass runs it as a third copy of the step.
+        verdict: what decides a row that has a reference verdict: ``"reference"`` (default)
+            or ``"tolerances"`` (the spec's tolerance check alone; the verdict is still shown).
         tolerances: per-pattern ``(atol, rtol)``, e.g. ``{"layers.*.mlp": (1e-3, 1e-2),
             "grad_*": (1e-3, 1e-2)}``: a pattern (shell-style) matches a row's module, its check
             type or ``<module>.<check type>``; the last matching pattern wins. Stored in the dump,
@@ -125,7 +132,8 @@ class PrecisionChecker:
         scenario: str = "",
         rtol: float = 1e-3,
         memory_budget_bytes: int = 1 << 30,
-        reference: Optional[str] = None,
+        reference: Optional[str] = "auto",
+        verdict: str = "reference",
         tolerances: Optional[Dict[str, Tuple[float, float]]] = None,
         dtype_aware_tolerances: bool = True,
         dump: str = "full",
@@ -149,12 +157,13 @@ class PrecisionChecker:
                                                                 memory_budget_bytes)
         self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
         self.reference = _options.expect_reference(reference, self.single_pass)
+        self.verdict = _options.expect_verdict(verdict)
         self.tolerances = _options.expect_tolerance_rules(tolerances)
         self.dtype_aware_tolerances = _options.expect_flag("dtype_aware_tolerances",
                                                            dtype_aware_tolerances)
         self.dump = _storage.expect_dump_mode(dump)
-        if self.reference is not None and self.dump != "full":
-            raise ValueError(f"reference={self.reference!r} needs dump='full': the fp64 reference "
+        if self.reference not in (None, "auto") and self.dump != "full":
+            raise ValueError(f"reference={self.reference!r} needs dump='full': the reference "
                              "is compared with the stored tensors of both sides")
         self._schedule = _storage.Schedule(_options.expect_positive_int("check_every", check_every),
                                            _storage.expect_steps(check_steps))
@@ -178,6 +187,7 @@ class PrecisionChecker:
         self._compiler = Compiler(backend)
         self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
         self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
+        self._model_devices: set = set()  # the devices of the model (autocast's device type)
         self._recorded_loss = None  # record_loss(): the loss of the step being checked
         # install(): the provenance, worked out before any step: a step may begin inside a region
         # Dynamo traces, which must not see the checker's own code (socket, clock).
@@ -242,6 +252,7 @@ class PrecisionChecker:
         and the model's provenance for the dump; refuses a cast_dtype autocast would drop."""
         targets, self._module_notes = plan(model, self._wrapped, self._ignored)
         self._devices = describe_model(model)
+        self._model_devices = devices_of([], model)
         _options.expect_autocast(self.cast_dtype, autocast_device_type(devices_of([], model)))
         return targets
 
@@ -266,7 +277,8 @@ class PrecisionChecker:
             vocabulary.PROVENANCE_CAST_DTYPE: str(self.cast_dtype) if self.cast_dtype is not None
             else "None",
             vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if self.capture_input else "false",
-            "reference": self.reference or "None",
+            vocabulary.PROVENANCE_REFERENCE: str(self._reference_policy().mode),
+            vocabulary.PROVENANCE_VERDICT: self.verdict,
             vocabulary.PROVENANCE_TOLERANCE_RULES: "".join(f"{atol!r} {rtol!r} {pattern}\n"
                                        for pattern, (atol, rtol) in self.tolerances.items()),
             vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
@@ -275,6 +287,17 @@ class PrecisionChecker:
             "host": socket.gethostname(),
             vocabulary.PROVENANCE_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+
+    def _reference_policy(self) -> ReferencePolicy:
+        """What ``reference`` runs: "auto" needs the stored tensors (dump="full"); under
+        "failing" or "stats" low-precision rows keep the tolerances' verdict (a warning says so
+        at the first such call)."""
+        if self.reference == "auto" and self.dump != "full":
+            return ReferencePolicy(None, unavailable=f"dump={self.dump!r} stores no tensors to "
+                                   "judge against a reference: low-precision rows are judged by "
+                                   "the dtype's tolerances alone; use dump='full' for the "
+                                   "reference's verdict")
+        return ReferencePolicy(self.reference)
 
     @property
     def dump_dir(self) -> str:
@@ -304,7 +327,12 @@ class PrecisionChecker:
             mode = {None: vocabulary.MODE_SINGLE_PASS if self.single_pass else vocabulary.MODE_TWO_PASS,
                     "eager": vocabulary.MODE_EAGER_ONLY,
                     "compiled": vocabulary.MODE_COMPILED_ONLY}[self._capture_side]
-            provenance = self._installed_provenance or self._provenance(mode)
+            provenance = dict(self._installed_provenance or self._provenance(mode))
+            # The first checked call runs inside the user's torch.autocast, if any.
+            autocast = user_autocast(self._model_devices) if self._installed is not None \
+                else None
+            if autocast is not None and self.cast_dtype is None:
+                provenance[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
             self._recorder = _C.Recorder(self.dump_dir, provenance,
                                          memory_budget_bytes=self.memory_budget_bytes,
                                          store="full" if self._capture_side else self.dump)
@@ -416,17 +444,19 @@ class PrecisionChecker:
                                   original))
             self._warn_nested_fully_shard(display, module)
         self._single_pass = SinglePass(targets, self._current_step, lambda: self._step,
-                                       self.capture_input, self.cast_dtype, self.reference,
-                                       (self.threshold, self.rtol), self.replay, self.backend)
+                                       self.capture_input, self.cast_dtype,
+                                       self._reference_policy(), (self.threshold, self.rtol),
+                                       self.replay, self.backend)
         self._installed = model
         return model
 
     def _install_whole_model(self, compiled: nn.Module) -> nn.Module:
         """install() on a model compiled whole: see install()."""
-        if self.cast_dtype is not None or self.reference is not None:
+        if self.cast_dtype is not None:
             raise ValueError("install() of a compiled model (whole-model mode) checks the model "
-                             "as it was compiled: cast_dtype and reference are not available; "
-                             "create the checker without them")
+                             "as it was compiled: cast_dtype is not available (enter "
+                             "torch.autocast around the step instead); create the checker "
+                             "without it")
         model = compiled._orig_mod
         backend = torch._dynamo.eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
         planned = self._plan(model)
@@ -438,7 +468,8 @@ class PrecisionChecker:
         self._per_module_compiler, self._compiler = self._compiler, Compiler(backend)
         self._single_pass = WholeModel(compiled, targets, type(model).__name__,
                                        self._compiler.graphs, self._current_step,
-                                       lambda: self._step, self.capture_input)
+                                       lambda: self._step, self.capture_input,
+                                       self._reference_policy(), (self.threshold, self.rtol))
         self._installed = compiled
         return compiled
 
@@ -509,7 +540,8 @@ class PrecisionChecker:
             self._single_pass.summarize(step)
         else:
             self._compiler.summarize(step, targets)
-        step.record_param_grads([(t.name, [(n, p, p) for n, p in t.params]) for t in targets])
+        step.record_param_grads([(t.name, [(n, p, p, p) for n, p in t.params])
+                                 for t in targets])
         if not whole_model:  # whole-model mode keeps no replay data (user-guide.md)
             self._single_pass.decide_replays(step, final=True)
         return self._finish_step()
@@ -564,7 +596,8 @@ class PrecisionChecker:
         step = self._begin_step([])
         try:
             by_side = run_sides(step, fn, model, sides, targets, self._compiler.compile,
-                                self.capture_input, self.cast_dtype)
+                                self.capture_input, self.cast_dtype,
+                                self._reference_policy() if compare else ReferencePolicy(None))
             if "compiled" in by_side:
                 self._compiler.summarize(step, by_side["compiled"])
             return self._finish_step(compare=compare)

@@ -102,14 +102,24 @@ def expect_backend(value):
 
 
 def expect_reference(value, single_pass: bool) -> Optional[str]:
-    """None, "fp64" or "failing"; single-pass only (two-pass sides run on inputs of their own, so
-    one reference cannot serve both)."""
-    if value not in (None, "fp64", "failing"):
-        raise ValueError(f"reference must be None, 'fp64' or 'failing', but received {value!r}")
-    if value is not None and not single_pass:
-        raise ValueError(f"reference={value!r} needs single_pass=True: the fp64 reference re-runs "
-                         "each wrapped call on the inputs both sides share, which only single-pass "
-                         "has")
+    """None, "auto", "fp64", "fp32" or "failing" (_reference.MODES). Two-pass runs its reference
+    as a third copy of the whole step, for every call or for none: "failing" needs single-pass."""
+    if value not in ("auto", "fp64", "fp32", "failing", None):
+        raise ValueError(f"reference must be 'auto', 'fp64', 'fp32', 'failing' or None, but "
+                         f"received {value!r}")
+    if value == "failing" and not single_pass:
+        raise ValueError("reference='failing' needs single_pass=True: two-pass runs the reference "
+                         "as a third copy of the whole step, for every call ('auto', 'fp32', "
+                         "'fp64') or for none (None)")
+    return value
+
+
+def expect_verdict(value) -> str:
+    """What decides a row with a reference verdict: "reference" or "tolerances"."""
+    if value not in ("reference", "tolerances"):
+        raise ValueError(f"verdict must be 'reference' (a reference verdict decides its row: "
+                         f"noise passes, divergence fails) or 'tolerances' (the spec's tolerance "
+                         f"check alone), but received {value!r}")
     return value
 
 

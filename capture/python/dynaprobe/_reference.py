@@ -1,32 +1,123 @@
-"""The fp64 reference of a module call (``PrecisionChecker(reference=...)``): the wrapped module
-re-run eagerly in float64, on a copy of the module and of the call's arguments, as
-``torch._dynamo.utils.same(..., fp64_ref=...)`` does for whole graphs. The analyzer measures
-each side's error against it: a compiled error within a small factor of eager's own is the noise
-any reordering of float arithmetic makes; beyond it, a divergence (docs/user-guide.md).
+"""The reference of a module call (``PrecisionChecker(reference=...)``): the wrapped module re-run
+eagerly in a wider dtype, autocast off, on the module's own weights and a copy of the call's
+arguments, both upcast, as ``torch._dynamo.utils.same(..., fp64_ref=...)`` does for whole graphs.
+The analyzer measures each side's error against it: a compiled error within a small factor of
+eager's own is the noise any reordering of float arithmetic makes; beyond it, a divergence, and
+the row FAILs (docs/user-guide.md, "Is it noise?").
+
+Which dtype: float32 is enough to judge a call computing in bfloat16 or float16 (its error is
+2^16 times smaller), with half the memory of float64 and at full speed on GPUs without fast
+float64; float64 judges float32 calls. ``ReferencePolicy`` decides per call.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Callable, List, Optional, Tuple
+import contextlib
+import warnings
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from dynaprobe._capture import autocast_device_type
 from dynaprobe._isolation import copy_arguments
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-def upcast(tensor: torch.Tensor) -> torch.Tensor:
-    """float64 for floating tensors, complex128 for complex ones; others as they are."""
+# PrecisionChecker(reference=...): what each value runs a reference for, in which dtype.
+#   "auto" (default): the calls computing in bf16/fp16 (weights, inputs or autocast), in float32;
+#   "fp64" / "fp32": every call, in that dtype;
+#   "failing": the calls whose forward output fails the tolerances, in float32 for bf16/fp16 calls
+#   and float64 for others; None: no reference.
+MODES = (None, "auto", "fp64", "fp32", "failing")
+
+
+def user_autocast(devices: set) -> Optional[torch.dtype]:
+    """The dtype of a torch.autocast the caller has entered on the call's device type, if it is
+    a reduced one (bf16, fp16)."""
+    device_type = autocast_device_type(devices)
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in LOW_PRECISION else None
+
+
+def low_precision(tensors: List[torch.Tensor], module: Optional[nn.Module],
+                  autocast: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The reduced dtype a call computes in: its autocast, else a bf16/fp16 floating input,
+    parameter or buffer; None in full precision."""
+    if autocast in LOW_PRECISION:
+        return autocast
+    for tensor in tensors:
+        if tensor.dtype in LOW_PRECISION:
+            return tensor.dtype
+    if module is not None:
+        for tensor in _module_tensors(module):
+            if tensor.dtype in LOW_PRECISION:
+                return tensor.dtype
+    return None
+
+
+def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+class ReferencePolicy:
+    """``reference=`` of a checker: which calls get a reference, in which dtype."""
+
+    def __init__(self, mode: Optional[str], unavailable: str = ""):
+        self.mode = mode
+        # Why "auto" runs no reference here (dump="stats"): said once, at the first call in
+        # reduced precision.
+        self.unavailable = unavailable
+        self.said_unavailable = False
+
+    def warn_unavailable(self, module: str, low: Optional[torch.dtype]) -> None:
+        if low is None or not self.unavailable or self.said_unavailable:
+            return
+        self.said_unavailable = True
+        warnings.warn(f"dynaprobe: {module} computes in {low}, but {self.unavailable}",
+                      stacklevel=4)
+
+    def dtype(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """The reference dtype of a call computing in ``low`` (None: full precision); None when
+        the call gets no reference up front ("failing" decides after the call: dtype_if_failing).
+        """
+        if self.mode == "fp64":
+            return torch.float64
+        if self.mode == "fp32":
+            return torch.float32
+        if self.mode == "auto" and low is not None:
+            return torch.float32
+        return None
+
+    def dtype_if_failing(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """reference="failing": the dtype of the reference of a call whose output fails."""
+        if self.mode != "failing":
+            return None
+        return torch.float32 if low is not None else torch.float64
+
+
+def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Floating tensors in ``dtype`` (float32 or float64), complex ones in the complex dtype of
+    that precision; others as they are. Never narrows a wider tensor."""
     if tensor.is_complex():
-        return tensor.to(torch.complex128)
-    return tensor.to(torch.float64) if tensor.is_floating_point() else tensor
+        wide = torch.complex128 if dtype == torch.float64 else torch.complex64
+        return tensor if tensor.dtype == torch.complex128 else tensor.to(wide)
+    if not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype)
 
 
-def copy_reference_arguments(args: tuple, kwargs: dict):
+def copy_reference_arguments(args: tuple, kwargs: dict, dtype: torch.dtype):
     """The call's arguments for the reference, upcast (taken before the training call, which may
     change them)."""
-    return copy_arguments(args, kwargs, lambda _, t: upcast(t.detach()).clone(), convert=upcast)
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        return upcast(tensor, dtype)
+
+    return copy_arguments(args, kwargs, lambda _, t: convert(t.detach()).clone(),
+                          convert=convert)
 
 
 def outputs_differ(eager_out, compiled_out, leaves: Callable, atol: float, rtol: float) -> bool:
@@ -51,19 +142,58 @@ class ReferenceRun:
     def __init__(self, outputs: list, leaves: List[Tuple[int, torch.Tensor]],
                  params: List[Tuple[torch.Tensor, torch.Tensor]]):
         self.outputs = outputs  # (index, tensor) of the output leaves that require grad
-        self.leaves = leaves  # (input index, float64 input leaf)
-        self.params = params  # (real parameter, its float64 copy)
+        self.leaves = leaves  # (input index, upcast input leaf)
+        self.params = params  # (real parameter, its upcast copy)
 
 
-def run_reference(module: nn.Module, forward: Callable, arguments, grad_mode: bool,
-                  requires_grad: Callable[[int], bool], leaves_of: Callable,
+@contextlib.contextmanager
+def no_autocast(devices: set):
+    """Autocast off on the call's device type (and on cpu): the reference computes in its own
+    dtype, whatever the caller entered."""
+    with contextlib.ExitStack() as stack:
+        for device_type in {autocast_device_type(devices), "cpu"}:
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def upcast_weights(module: nn.Module, dtype: torch.dtype,
+                   grad_mode: bool) -> Iterator[Dict[int, torch.Tensor]]:
+    """Puts upcast copies of ``module``'s parameters and floating buffers in place of its own
+    while the block runs (no deep copy of the module: FSDP2-sharded and other modules that cannot
+    be copied get a reference too); yields {id(real parameter): its copy}. The copies of
+    parameters that require grad are leaves of the reference's backward."""
+    copies: Dict[int, torch.Tensor] = {}
+    swapped = []
+    try:
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for name, tensor in list(table.items()):
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in copies:
+                        copy = upcast(tensor.detach(), dtype)
+                        is_parameter = table is owner._parameters
+                        if not is_parameter and copy.data_ptr() == tensor.data_ptr():
+                            copy = copy.clone()  # the reference may update a buffer in place
+                        if grad_mode and tensor.requires_grad and is_parameter:
+                            copy.requires_grad_(True)
+                        copies[id(tensor)] = copy
+                    swapped.append((table, name, tensor))
+                    table[name] = copies[id(tensor)]
+        yield copies
+    finally:
+        for table, name, tensor in reversed(swapped):
+            table[name] = tensor
+
+
+def run_reference(module: nn.Module, forward: Callable, arguments, dtype: torch.dtype,
+                  devices: set, grad_mode: bool, requires_grad: Callable[[int], bool],
+                  leaves_of: Callable,
                   map_inputs: Callable) -> Tuple[object, Optional[ReferenceRun]]:
-    """Runs ``forward`` (the module's original, uncompiled forward, a bound method) on a float64
-    deep copy of ``module`` with the upcast ``arguments``; returns the output and, in grad mode,
-    what the reference backward needs."""
-    twin = copy.deepcopy(module).to(torch.float64)
-    real = dict(module.named_parameters())
-    bound = forward.__func__.__get__(twin)
+    """Runs ``forward`` (the module's original, uncompiled forward, a bound method) with the
+    module's weights and the ``arguments`` upcast to ``dtype`` and autocast off; returns the
+    output and, in grad mode, what the reference backward needs."""
     args, kwargs, _ = arguments
     leaves = []
 
@@ -75,11 +205,12 @@ def run_reference(module: nn.Module, forward: Callable, arguments, grad_mode: bo
         return tensor
 
     args, kwargs = map_inputs(args, kwargs, as_leaf)
-    with torch.set_grad_enabled(grad_mode):
-        out = bound(*args, **kwargs)
+    real = {id(p): p for p in module.parameters() if p.requires_grad}
+    with upcast_weights(module, dtype, grad_mode) as copies, no_autocast(devices), \
+            torch.set_grad_enabled(grad_mode):
+        out = forward(*args, **kwargs)
     if not grad_mode:
         return out, None
     outputs = [(i, t) for i, (_, t) in enumerate(leaves_of(out)) if t.requires_grad]
-    params = [(real[name], p) for name, p in twin.named_parameters()
-              if name in real and real[name].requires_grad]
+    params = [(param, copies[key]) for key, param in real.items() if key in copies]
     return out, ReferenceRun(outputs, leaves, params)

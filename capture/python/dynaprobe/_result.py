@@ -44,8 +44,11 @@ class Row:
     compiled_dtype: Optional[str] = None
     metrics: dict = field(default_factory=dict)
     compiled_shape: Optional[tuple] = None  # differs from ``shape`` in a shape mismatch
-    # With PrecisionChecker(reference=...): {"verdict": "noise" | "divergence", "eager_rmse",
-    # "compiled_rmse", "eager_max_abs", "compiled_max_abs", "factor"}; None without a reference.
+    # With a reference (PrecisionChecker(reference=...), on by default in bf16/fp16):
+    # {"verdict": "noise" | "divergence", "dtype": "fp32" | "fp64", "tolerance_status": the
+    # tolerance check's "PASS"/"FAIL" when the verdict decided ``status``, else None,
+    # "eager_rmse", "compiled_rmse", "eager_max_abs", "compiled_max_abs", "factor"}; None
+    # without a reference.
     reference: Optional[dict] = None
     # {"atol", "rtol"} the row was judged with when not the step's (a tolerance rule of
     # PrecisionChecker(tolerances=...) or the dtype-aware floor), else None.
@@ -389,6 +392,21 @@ class CompareResult:
         differed; ``"unknown"``) and ``evidence`` in words. The same object as the JSON
         report's ``root_cause``; the text report ends with it."""
         return self._engine_report().root_cause
+
+    @property
+    def provenance(self) -> dict:
+        """What the dump says of the capture (the compiled side's provenance): backend, mode,
+        tolerances, ``reference``, ``verdict``, ``cast_dtype``, ``autocast`` (the user's own
+        torch.autocast, when detected), torch version, device, ... (docs/dump-format.md)."""
+        return dict(self._step_comparison().compiled_provenance)
+
+    @property
+    def counts(self) -> dict:
+        """What ``all_pass`` rests on, as the RESULT line states it (the JSON report's
+        ``result``): ``verdict``, rows by status (``pass``, ``fail``, ``warn``, ``skip``),
+        ``compared``, ``noise_pass`` (passes that fail the tolerances but are within the
+        reference's noise), ``no_reference_calls``, ``loss_fail``, ``nothing_compared``."""
+        return self._engine_report().counts
 
     @property
     def failures(self) -> list:

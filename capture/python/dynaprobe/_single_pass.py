@@ -25,10 +25,13 @@ from dynaprobe._capture import (
 from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
 from dynaprobe import _replay_store
 from dynaprobe._reference import (
+    ReferencePolicy,
     ReferenceRun,
     copy_reference_arguments,
+    low_precision,
     outputs_differ,
     run_reference,
+    user_autocast,
 )
 from dynaprobe._step import (
     PendingBackward,
@@ -50,14 +53,15 @@ class SinglePass:
 
     def __init__(self, targets: List[Target], current_step: Callable[[], Step],
                  active_step: Callable[[], object], capture_input: bool, cast_dtype,
-                 reference: Optional[str] = None, tolerances: Tuple[float, float] = (1e-4, 1e-3),
+                 reference: ReferencePolicy = ReferencePolicy(None),
+                 tolerances: Tuple[float, float] = (1e-4, 1e-3),
                  replay: str = "none", backend=None):
         self.targets = targets
         self.current_step = current_step
         self.active_step = active_step
         self.capture_input = capture_input
         self.cast_dtype = cast_dtype
-        self.reference = reference  # None, "fp64" (every call) or "failing" (_reference.py)
+        self.reference = reference  # which calls get a reference, in which dtype
         self.tolerances = tolerances  # (atol, rtol): what "failing" means
         self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
         self.backend = backend
@@ -107,7 +111,16 @@ class SinglePass:
                 args, kwargs, lambda i, t: t.detach().clone())
             if shared:
                 self._warn_shared_arguments(step, name, shared)
-            reference_args = copy_reference_arguments(args, kwargs) if self.reference else None
+            autocast = self.cast_dtype or user_autocast(devices)
+            if autocast is not None and self.cast_dtype is None:
+                step.attributes.setdefault(name, {})[vocabulary.PROVENANCE_AUTOCAST] = str(
+                    autocast)
+            low = low_precision([t for _, t in inputs], target.module, autocast)
+            self.reference.warn_unavailable(name, low)
+            reference_dtype = self.reference.dtype(low)
+            failing_dtype = self.reference.dtype_if_failing(low)
+            wanted = reference_dtype or failing_dtype
+            reference_args = copy_reference_arguments(args, kwargs, wanted) if wanted else None
             state_before = ModuleState(target.module, clone_buffers=True)
             rng_before = RngState(devices)
             # Replay data is held by reference until the call is judged (decide_replays).
@@ -155,11 +168,11 @@ class SinglePass:
             if candidate is not None:
                 step.replay_candidates[(name, call)] = candidate
             reference = None
-            if reference_args is not None and (self.reference == "fp64" or outputs_differ(
+            if reference_args is not None and (reference_dtype is not None or outputs_differ(
                     eager_out, compiled_out, tensor_leaves, *self.tolerances)):
                 rng_before.restore()
-                reference = self._reference_call(step, target, call, reference_args, grad_mode,
-                                                 inputs)
+                reference = self._reference_call(step, target, call, reference_args, wanted,
+                                                 devices, grad_mode, inputs, eager_out)
         except Exception as error:
             step.note(name, vocabulary.NOTE_HOOK_ERROR,
                       f"eager re-run failed: {type(error).__name__}: {error}")
@@ -194,21 +207,30 @@ class SinglePass:
                              lambda index: self._grad_output_hook(step, pending, index))
 
     def _reference_call(self, step: Step, target: Target, call: int, arguments,
-                        grad_mode: bool, inputs: list) -> Optional[ReferenceRun]:
-        """Runs and records the fp64 reference of this call; what its backward needs. A
-        reference that cannot run (the module cannot be deep-copied, ...) is said in the dump
-        and in a warning, and checks nothing less."""
+                        dtype: torch.dtype, devices: set, grad_mode: bool,
+                        inputs: list, eager_out) -> Optional[ReferenceRun]:
+        """Runs and records the reference of this call in ``dtype``; what its backward needs. A
+        reference that cannot run (an op without a kernel for the dtype, ...) is a NO_REFERENCE
+        row of the report and a warning."""
         try:
-            out, run = run_reference(target.module, target.eager, arguments, grad_mode,
-                                     lambda index: inputs[index][1].requires_grad, tensor_leaves,
-                                     map_tensors)
+            out, run = run_reference(target.module, target.eager, arguments, dtype, devices,
+                                     grad_mode, lambda index: inputs[index][1].requires_grad,
+                                     tensor_leaves, map_tensors)
         except Exception as error:
             what = f"{type(error).__name__}: {error}"
-            step.attributes.setdefault(target.name, {})[vocabulary.ATTRIBUTE_REFERENCE_ERROR] = what
+            step.reference_missing(target.name, what)
             self._warn_once(target.name, "reference",
-                            f"dynaprobe: {target.name}: the fp64 reference could not run ({what})")
+                            f"dynaprobe: {target.name}: the {dtype} reference could not run "
+                            f"({what}); its rows are judged by the tolerances alone")
             return None
-        for index, (label, tensor) in enumerate(tensor_leaves(out)):
+        leaves = tensor_leaves(out)
+        shapes = [tuple(t.shape) for _, t in leaves]
+        expected = [tuple(t.shape) for _, t in tensor_leaves(eager_out)]
+        if shapes != expected:
+            step.reference_missing(target.name, f"its outputs have shapes {shapes}, eager's "
+                                   f"{expected} (does the module's path depend on the dtype?)")
+            return None
+        for index, (label, tensor) in enumerate(leaves):
             step.record(target.name, call, "fwd_output", index, "reference", tensor, label)
         return run
 

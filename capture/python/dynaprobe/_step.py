@@ -40,8 +40,8 @@ class Step:
         self.recorder = recorder
         self.index = index
         self.pending: List[PendingBackward] = []
-        # Summed per side, keyed by id(parameter); "reference" (the fp64 reference's gradients)
-        # is keyed by the real parameter, as "compiled" is.
+        # Summed per side, keyed by id(parameter); "reference" (the reference's gradients) is
+        # keyed by the real parameter in single-pass, by the reference copy's in two-pass.
         self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {
             "eager": {}, "compiled": {}, "reference": {}}
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
@@ -90,15 +90,16 @@ class Step:
 
     def record_param_grads(self, pairs) -> None:
         """The summed parameter gradients of each target. ``pairs``: (target name,
-        [(param name, eager param, compiled param)]), a side's param None when it has none."""
+        [(param name, eager param, compiled param, reference param)]), a side's param None when
+        it has none (single-pass and whole-model mode key every side by the real parameter)."""
         for name, params in pairs:
-            for index, (param_name, eager_param, compiled_param) in enumerate(params):
+            for index, (param_name, *by_side) in enumerate(params):
+                compiled_param = by_side[1]
                 shard = self.shards.get(id(compiled_param))
                 label = param_name if shard is None else (
                     f"{param_name} ({shard.describe()}, this rank's batch, before "
                     f"reduce-scatter)")
-                for side, param in (("eager", eager_param), ("compiled", compiled_param),
-                                    ("reference", compiled_param)):
+                for side, param in zip(("eager", "compiled", "reference"), by_side):
                     grad = None if param is None else self.param_grads[side].get(id(param))
                     if grad is not None:  # the step's own sum (add_param_grad)
                         self.record(name, 0, "param_grad", index, side, grad, label,
@@ -106,6 +107,14 @@ class Step:
 
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
+
+    def reference_missing(self, module: str, reason: str) -> None:
+        """A call of ``module`` got no (or only part of its) reference: counted, with the first
+        reason, in /modules; the report gives the module a NO_REFERENCE row."""
+        attributes = self.attributes.setdefault(module, {})
+        count = int(attributes.get(vocabulary.ATTRIBUTE_REFERENCE_MISSING, "0")) + 1
+        attributes[vocabulary.ATTRIBUTE_REFERENCE_MISSING] = str(count)
+        attributes.setdefault(vocabulary.ATTRIBUTE_REFERENCE_ERROR, reason)
 
 
 class PendingBackward:
@@ -161,7 +170,7 @@ class PendingBackward:
         self.reference = None
 
     def _run_reference(self) -> None:
-        """The fp64 reference's backward, seeded with the same grad_output (upcast)."""
+        """The reference's backward, seeded with the same grad_output (upcast)."""
         reference = self.reference
         outputs, grad_outputs = [], []
         for index, tensor in reference.outputs:
@@ -175,10 +184,9 @@ class PendingBackward:
         try:
             with _eager_backward(), torch.enable_grad():
                 grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-        except Exception as error:  # the reference is a diagnosis aid: it never fails a check
-            attributes = self.step.attributes.setdefault(self.target.name, {})
-            attributes[vocabulary.ATTRIBUTE_REFERENCE_ERROR] = (
-                f"backward: {type(error).__name__}: {error}")
+        except Exception as error:  # never break the training backward because of the checker
+            self.step.reference_missing(self.target.name,
+                                        f"backward: {type(error).__name__}: {error}")
             return
         for (index, _), grad in zip(reference.leaves, grads):
             if grad is not None:

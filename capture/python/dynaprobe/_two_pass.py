@@ -3,48 +3,68 @@ same RNG state; each side's wrapped modules record their own inputs, outputs and
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from dynaprobe._C import vocabulary
 from dynaprobe._capture import (
     RngState,
     autocast_context,
     devices_of,
     input_leaves,
+    map_tensors,
     patch_forward,
     probe_inputs,
     probe_outputs,
     tensor_leaves,
 )
+from dynaprobe._reference import (
+    ReferencePolicy,
+    low_precision,
+    no_autocast,
+    upcast,
+    user_autocast,
+)
 from dynaprobe._step import Step, Target
+
+SIDES = ("eager", "compiled", "reference")
 
 
 def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
               targets: List[Tuple[str, str]], compile_forward: Callable,
-              capture_input: bool, cast_dtype) -> Dict[str, List[Target]]:
+              capture_input: bool, cast_dtype,
+              reference: ReferencePolicy = ReferencePolicy(None)) -> Dict[str, List[Target]]:
     """Runs ``fn(side_model)`` for each (side, side_model) in turn, from ``model``'s RNG state,
     recording into ``step`` the wrapped modules of each (``targets``: (display name, path)), the
-    losses ``fn`` returns and the parameter gradients. Returns each side's targets. The side
-    models are restored afterwards, whatever happens."""
+    losses ``fn`` returns and the parameter gradients. Then, when ``reference`` asks for one
+    (every call, or "auto" with a call of the eager side in bf16/fp16), a third side: a copy of
+    ``model`` upcast to the reference dtype, its wrapped modules run with autocast off. Returns
+    each side's targets. The side models are restored afterwards, whatever happens."""
     restore = []
     by_side: Dict[str, List[Target]] = {}
+    seen_low: List[torch.dtype] = []  # the reduced dtypes the eager side's calls computed in
+
+    def patch(side: str, side_model: nn.Module, run_of: Callable, forward_of: Callable) -> None:
+        modules = dict(side_model.named_modules())
+        by_side[side] = []
+        for display, name in targets:
+            module = modules[name]
+            target = Target(display, module, run_of(display, module.forward), None)
+            by_side[side].append(target)
+            restore.append(patch_forward(module, forward_of(target)))
+            for _, param in target.params:
+                restore.append(param.register_hook(_param_hook(step, side, param)).remove)
+
     try:
         for side, side_model in sides:
-            modules = dict(side_model.named_modules())
-            by_side[side] = []
-            for display, name in targets:
-                module = modules[name]
-                original = module.forward
-                run = original if side == "eager" else compile_forward(display, original)
-                target = Target(display, module, run, None)
-                by_side[side].append(target)
-                restore.append(patch_forward(module, _one_side_forward(
-                    step, target, side, capture_input, cast_dtype)))
-                for _, param in target.params:
-                    restore.append(param.register_hook(
-                        _param_hook(step, side, param)).remove)
+            patch(side, side_model,
+                  (lambda _, forward: forward) if side == "eager" else compile_forward,
+                  lambda target, side=side: _one_side_forward(
+                      step, target, side, capture_input, cast_dtype,
+                      seen_low if side == "eager" else None))
         rng = RngState(devices_of([], model))
         for i, (side, side_model) in enumerate(sides):
             if i:
@@ -52,11 +72,17 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
             loss = fn(side_model)
             if loss is not None:
                 step.record_loss(side, loss)
+        dtype = reference.dtype(seen_low[0] if seen_low else None)
+        if seen_low:
+            reference.warn_unavailable(by_side["eager"][0].name, seen_low[0])
+        if dtype is not None and "compiled" in by_side:
+            _run_reference_side(step, fn, model, rng, dtype, patch,
+                                [display for display, _ in targets], capture_input)
         first = next(iter(by_side.values()))
         step.record_param_grads([
             (target.name, [(param_name,
                             *(by_side[s][i].params[j][1] if s in by_side else None
-                              for s in ("eager", "compiled")))
+                              for s in SIDES))
                            for j, (param_name, _) in enumerate(target.params)])
             for i, target in enumerate(first)])
         return by_side
@@ -65,30 +91,79 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
             undo()
 
 
-def _one_side_forward(step: Step, target: Target, side: str, capture_input: bool,
-                      cast_dtype) -> Callable:
+def _run_reference_side(step: Step, fn: Callable, model: nn.Module, rng: RngState,
+                        dtype: torch.dtype, patch: Callable, names: List[str],
+                        capture_input: bool) -> None:
+    """The reference side: ``fn`` once more on a copy of ``model`` in ``dtype``. A step it
+    cannot run (an op without a kernel for the dtype, ...) gives every wrapped module (``names``)
+    a NO_REFERENCE row saying why."""
+    try:
+        reference_model = copy.deepcopy(model).to(dtype)
+        patch("reference", reference_model, lambda _, forward: forward,
+              lambda target: _reference_forward(step, target, dtype, capture_input))
+        rng.restore()
+        fn(reference_model)
+    except Exception as error:  # never fail the comparison because of the reference
+        for name in names:
+            step.reference_missing(name, f"the {dtype} copy of the step failed: "
+                                   f"{type(error).__name__}: {error}")
+
+
+def _reference_forward(step: Step, target: Target, dtype: torch.dtype,
+                       capture_input: bool) -> Callable:
+    """A wrapped module of the reference copy: its inputs upcast, autocast off; records its
+    outputs and gradients as the reference side."""
     def forward(*args, **kwargs):
-        call = target.calls
-        target.calls += 1
+        args, kwargs = map_tensors(args, kwargs, lambda _, t: upcast(t, dtype))
         inputs = input_leaves(args, kwargs)
-        if capture_input:
-            for index, (label, tensor) in enumerate(inputs):
-                step.record(target.name, call, "fwd_input", index, side, tensor, label)
-        grad_mode = torch.is_grad_enabled()
-        if grad_mode:
-            args, kwargs = probe_inputs(args, kwargs, lambda index: _grad_hook(
-                step, target, call, "grad_input", index, side))
         devices = devices_of([t for _, t in inputs], target.module)
-        with autocast_context(cast_dtype, devices):
-            out = target.run(*args, **kwargs)
-        for index, (label, tensor) in enumerate(tensor_leaves(out)):
-            step.record(target.name, call, "fwd_output", index, side, tensor, label)
-        if not grad_mode:
-            return out
-        return probe_outputs(out, lambda index: _grad_hook(
-            step, target, call, "grad_output", index, side))
+        with no_autocast(devices):
+            return _recorded_call(step, target, "reference", args, kwargs, capture_input,
+                                  target.run)
 
     return forward
+
+
+def _one_side_forward(step: Step, target: Target, side: str, capture_input: bool,
+                      cast_dtype, seen_low: Optional[list]) -> Callable:
+    def forward(*args, **kwargs):
+        inputs = input_leaves(args, kwargs)
+        devices = devices_of([t for _, t in inputs], target.module)
+        autocast = cast_dtype or user_autocast(devices)
+        if seen_low is not None:
+            if autocast is not None and cast_dtype is None:
+                step.attributes.setdefault(target.name, {})[
+                    vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
+            low = low_precision([t for _, t in inputs], target.module, autocast)
+            if low is not None and not seen_low:
+                seen_low.append(low)
+        with autocast_context(cast_dtype, devices):
+            return _recorded_call(step, target, side, args, kwargs, capture_input, target.run)
+
+    return forward
+
+
+def _recorded_call(step: Step, target: Target, side: str, args: tuple, kwargs: dict,
+                   capture_input: bool, run: Callable):
+    """One call of a wrapped module on one side: its inputs (if captured), outputs and
+    gradients recorded as ``side``'s."""
+    call = target.calls
+    target.calls += 1
+    inputs = input_leaves(args, kwargs)
+    if capture_input:
+        for index, (label, tensor) in enumerate(inputs):
+            step.record(target.name, call, "fwd_input", index, side, tensor, label)
+    grad_mode = torch.is_grad_enabled()
+    if grad_mode:
+        args, kwargs = probe_inputs(args, kwargs, lambda index: _grad_hook(
+            step, target, call, "grad_input", index, side))
+    out = run(*args, **kwargs)
+    for index, (label, tensor) in enumerate(tensor_leaves(out)):
+        step.record(target.name, call, "fwd_output", index, side, tensor, label)
+    if not grad_mode:
+        return out
+    return probe_outputs(out, lambda index: _grad_hook(
+        step, target, call, "grad_output", index, side))
 
 
 def _grad_hook(step: Step, target: Target, call: int, kind: str, index: int, side: str):

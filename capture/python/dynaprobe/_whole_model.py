@@ -24,6 +24,7 @@ compiled backward; the eager graph's backward runs with that grad_output, as in 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
 import re
@@ -38,6 +39,16 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import RngState, _in_eager_backward
 from dynaprobe._graphs import GraphRecorder
+from dynaprobe._reference import (
+    LOW_PRECISION,
+    ReferencePolicy,
+    ReferenceRun,
+    low_precision,
+    no_autocast,
+    outputs_differ,
+    upcast,
+    user_autocast,
+)
 from dynaprobe._step import (
     PendingBackward,
     Step,
@@ -144,6 +155,7 @@ class _Call:
         self.params: List[int] = []  # graph inputs holding its parameters and buffers
         self.buffers: List[bool] = []  # per params entry: a buffer (cloned for the eager run)
         self.eager: Optional[fx.GraphModule] = None
+        self.widened: Dict[torch.dtype, fx.GraphModule] = {}  # the eager graph per reference dtype
         self.unchecked = ""  # why this call cannot be compared, if it cannot
         # This step's calls waiting for gradients, each with the grad_input indices received.
         self.pending: List[Tuple[PendingBackward, set]] = []
@@ -156,8 +168,12 @@ class WholeModel:
 
     def __init__(self, optimized, targets: List[Target], model_name: str, graphs: GraphRecorder,
                  current_step: Callable[[], Optional[Step]],
-                 active_step: Callable[[], Optional[Step]], capture_input: bool):
+                 active_step: Callable[[], Optional[Step]], capture_input: bool,
+                 reference: ReferencePolicy = ReferencePolicy(None),
+                 tolerances: Tuple[float, float] = (1e-4, 1e-3)):
         self.optimized = optimized
+        self.reference = reference  # which calls get a reference, in which dtype
+        self.tolerances = tolerances  # (atol, rtol): what "failing" means
         self.model: nn.Module = optimized._orig_mod
         self.targets = targets
         self.model_name = model_name
@@ -524,9 +540,11 @@ class WholeModel:
             step.note(target.name, vocabulary.NOTE_HOOK_ERROR,
                       f"eager re-run failed: {type(error).__name__}: {error}")
             return
+        compiled_out = [value(source) for source in call.outputs]
+        reference = self._reference(step, call, target, index, inputs, params, eager_out,
+                                    compiled_out, grad_mode)
         for i, label in enumerate(call.output_labels):
-            step.record(target.name, index, "fwd_output", i, "compiled", value(call.outputs[i]),
-                        label)
+            step.record(target.name, index, "fwd_output", i, "compiled", compiled_out[i], label)
             step.record(target.name, index, "fwd_output", i, "eager", eager_out[i], label)
         if not grad_mode:
             return
@@ -537,10 +555,65 @@ class WholeModel:
         own = {id(p) for _, p in target.params}
         named = [(self.tensor_names.get(id(p), ""), p) for p in params
                  if isinstance(p, nn.Parameter) and p.requires_grad and id(p) in own]
-        pending = PendingBackward(step, target, index, eager_outputs, leaves, named)
+        pending = PendingBackward(step, target, index, eager_outputs, leaves, named, reference)
         if eager_outputs:
             step.pending.append(pending)
             call.pending.append((pending, set()))
+
+    def _reference(self, step: Step, call: _Call, target: Target, index: int, inputs: list,
+                   params: list, eager_out, compiled_out: list,
+                   grad_mode: bool) -> Optional[ReferenceRun]:
+        """The call's eager graph evaluated in the reference dtype, autocast off, on the
+        compiled side's inputs and the real parameters, upcast; records its outputs and returns
+        what its backward needs. None without a reference (a failure is a NO_REFERENCE row)."""
+        devices = {t.device for t in inputs + params if isinstance(t, torch.Tensor)}
+        autocast = user_autocast(devices)
+        if autocast is not None:
+            step.attributes.setdefault(target.name, {})[vocabulary.PROVENANCE_AUTOCAST] = str(
+                autocast)
+        low = low_precision([t for t in inputs + params if isinstance(t, torch.Tensor)], None,
+                            autocast)
+        self.reference.warn_unavailable(target.name, low)
+        dtype = self.reference.dtype(low)
+        if dtype is None and outputs_differ(list(eager_out), compiled_out,
+                                            lambda out: [("", t) for t in out], *self.tolerances):
+            dtype = self.reference.dtype_if_failing(low)
+        if dtype is None:
+            return None
+        try:
+            leaves, wide_inputs = [], []
+            for i, tensor in enumerate(inputs):
+                wide = upcast(tensor.detach(), dtype).clone()
+                if grad_mode and tensor.requires_grad and (wide.is_floating_point()
+                                                           or wide.is_complex()):
+                    wide.requires_grad_(True)
+                    leaves.append((i, wide))
+                wide_inputs.append(wide)
+            wide_params, pairs = [], []
+            for param in params:
+                wide = upcast(param.detach(), dtype).clone()
+                if grad_mode and isinstance(param, nn.Parameter) and param.requires_grad:
+                    wide.requires_grad_(True)
+                    pairs.append((param, wide))
+                wide_params.append(wide)
+            if dtype not in call.widened:
+                call.widened[dtype] = _widened(call.eager, dtype)
+            with no_autocast(devices), torch.set_grad_enabled(grad_mode):
+                out = call.widened[dtype](*wide_inputs, *wide_params)
+            shapes = [tuple(t.shape) for t in out]
+            expected = [tuple(t.shape) for t in eager_out]
+            if shapes != expected:
+                raise RuntimeError(f"its outputs have shapes {shapes}, eager's {expected}")
+        except Exception as error:  # never break training because of the checker
+            step.reference_missing(target.name, f"{type(error).__name__}: {error}")
+            return None
+        for i, label in enumerate(call.output_labels):
+            step.record(target.name, index, "fwd_output", i, "reference", out[i], label)
+        if not grad_mode:
+            return None
+        own = {id(p) for _, p in target.params}
+        return ReferenceRun([(i, t) for i, t in enumerate(out) if t.requires_grad], leaves,
+                            [(param, wide) for param, wide in pairs if id(param) in own])
 
     def _receiver(self, call: _Call, kind: str, index: int) -> Callable[[torch.Tensor], None]:
         """What a tap does with the gradient: records it for the latest call of this graph that
@@ -577,3 +650,16 @@ class WholeModel:
                 if pending.target is target:
                     pending.run()
 
+
+def _widened(eager: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of a call's eager graph computing in ``dtype``: Dynamo bakes the dtypes the model
+    read (``x.to(hidden_states.dtype)``) into the graph as constants, which would narrow the
+    reference back to bf16/fp16."""
+    def widen(value):
+        return dtype if isinstance(value, torch.dtype) and value in LOW_PRECISION else value
+
+    graph = copy.deepcopy(eager.graph)
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, widen)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, widen)
+    return fx.GraphModule(eager, graph)

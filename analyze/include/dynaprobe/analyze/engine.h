@@ -54,11 +54,15 @@ struct Row {
   std::optional<TensorMetrics> metrics;  // both sides present with equal shapes
   // The tolerances it was judged with, when not the step's (a tolerance rule, the dtype floor).
   std::optional<Tolerances> tolerances;
-  // The fp64 reference (PrecisionChecker(reference=...)): each side's error against the module
-  // re-run in float64 on the same inputs, and the verdict drawn from them (see ReferenceVerdict).
+  // The reference (PrecisionChecker(reference=...), on by default in bf16/fp16): each side's
+  // error against the module re-run in a wider dtype on the same inputs, and the verdict drawn
+  // from them (kReferenceFactor). With a verdict, it decides the status (unless the dump's
+  // verdict is "tolerances"), and tolerance_status keeps what the tolerances alone said.
   std::optional<TensorMetrics> reference_eager;     // reference (a) vs eager (b)
   std::optional<TensorMetrics> reference_compiled;  // reference (a) vs compiled (b)
   std::string reference_verdict;                    // "noise", "divergence" or empty
+  std::string reference_dtype;                      // "fp32", "fp64": what the reference ran in
+  std::optional<Status> tolerance_status;           // with a verdict: the tolerance check's
   // Where its record stands in capture order (the compiled side's, else the eager side's): the
   // order in which the step ran; root_cause.h uses it.
   std::uint64_t sequence = 0;
@@ -71,10 +75,15 @@ struct Row {
   }
 };
 
-// The fp64 reference rule, as torch._dynamo.utils.same(fp64_ref=...) draws it for whole graphs:
+// The reference rule, as torch._dynamo.utils.same(fp64_ref=...) draws it for whole graphs:
 // the compiled side is noise when its RMSE against the reference is within kReferenceFactor times
 // eager's own RMSE against it, plus atol / 10; beyond that it diverges.
 inline constexpr double kReferenceFactor = 2.0;
+
+// The verdict of that rule for one row, from both sides' metrics against the reference: "noise"
+// or "divergence"; empty without both. A compiled side with NaN/Inf where the reference has none
+// diverges; an eager side with them (and a finite compiled one) cannot be beaten: noise.
+std::string reference_verdict(const Row& row, const Tolerances& step_tolerances);
 
 // Where a step's differences start: the first row in execution order that FAILs, and whether
 // the module made the difference itself or received it. See root_cause.h.
@@ -98,6 +107,11 @@ struct StepCounts {
   std::size_t warn = 0;
   std::size_t skip = 0;
   std::size_t compared = 0;  // tensor rows with both sides present (passing or failing)
+  // Passing rows that fail the tolerances but are within the reference's noise: how much of a
+  // pass was close (counted in `pass` too).
+  std::size_t noise_pass = 0;
+  // Calls that got no reference although one was asked for (NO_REFERENCE rows say why).
+  std::size_t no_reference_calls = 0;
   bool loss_failed = false;  // the LOSS check (the CSV's LOSS row) is a FAIL
 
   bool nothing_compared() const { return compared == 0; }
@@ -111,6 +125,9 @@ struct StepReport {
   bool single_pass = false;  // loss_eager is NaN by design
   bool capture_input = true;
   std::string cast_dtype;  // "torch.bfloat16" when the capture used autocast, else empty
+  std::string autocast;    // the user's own torch.autocast dtype around the modules, else empty
+  bool reference_decides = true;  // a reference verdict decides its row (dump provenance verdict)
+  std::size_t no_reference_calls = 0;  // calls without the reference asked for (NO_REFERENCE)
   Tolerances tolerances;
   std::vector<ToleranceRule> tolerance_rules;  // the dump's, then CompareOptions'
   bool dtype_aware = true;                     // the dtype-aware rtol floor applies
@@ -161,6 +178,9 @@ struct CompareOptions {
   // The dtype-aware floor: the dump's choice (dtype_aware_tolerances provenance, default on)
   // unless given.
   std::optional<bool> dtype_aware;
+  // Whether a row's reference verdict decides its status: the dump's choice (verdict provenance,
+  // default "reference") unless given; false keeps the tolerance-only status of the spec.
+  std::optional<bool> reference_decides;
   std::optional<std::int64_t> step;  // only this step
   std::string module_glob;           // only modules matching (fnmatch), empty: all
   int threads = 0;                   // 0: all cores

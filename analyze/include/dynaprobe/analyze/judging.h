@@ -39,6 +39,7 @@ struct Judging {
   Tolerances tolerances;  // the step's
   std::vector<ToleranceRule> rules;
   bool dtype_aware = true;
+  bool reference_decides = true;  // a row's reference verdict decides its status
 
   // What a row is judged with: the step's tolerances, raised to the dtype-aware floor of either
   // side, then the last rule whose pattern matches it.
@@ -46,13 +47,15 @@ struct Judging {
                             formats::DType compiled) const;
 };
 
-// The judging a dump's provenance asks for (atol, rtol, tolerance_rules, dtype_aware_tolerances),
+// The judging a dump's provenance asks for (atol, rtol, tolerance_rules, dtype_aware_tolerances,
+// verdict),
 // each value given here replacing the dump's, which is then not read (so a damaged one can be
 // replaced). Throws FormatError naming `dump` for a damaged value.
 Judging dump_judging(const formats::Provenance& provenance, const std::filesystem::path& dump,
                      std::optional<double> atol = std::nullopt,
                      std::optional<double> rtol = std::nullopt,
-                     std::optional<bool> dtype_aware = std::nullopt);
+                     std::optional<bool> dtype_aware = std::nullopt,
+                     std::optional<bool> reference_decides = std::nullopt);
 
 // Single-pass records a fwd_input and a grad_output once, for both sides (the eager re-run gets
 // the very inputs and grad_output of the compiled call): such a record is compared with itself.

@@ -166,6 +166,10 @@ class StepReader {
   // In the order they were written.
   std::vector<ModuleInfo> modules() const;
 
+  // A pending step: waits for its commit and opens the committed file, so that open() and read()
+  // wait no more (nothing for a committed step). Call it before taking the HDF5 lock for reads
+  // (ReadBatch): the background writer needs that lock to finish the commit waited for.
+  void wait_readable() const;
   // Throws FormatError when the dataset is missing or disagrees with the index or its dtype.
   TensorStream open(const RecordInfo& record) const;
   std::vector<std::byte> read(const RecordInfo& record) const;

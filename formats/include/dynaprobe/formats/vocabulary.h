@@ -22,6 +22,12 @@ inline constexpr std::string_view kRtol = "rtol";
 inline constexpr std::string_view kToleranceRules = "tolerance_rules";  // "<atol> <rtol> <glob>\n"
 inline constexpr std::string_view kDtypeAwareTolerances = "dtype_aware_tolerances";
 inline constexpr std::string_view kCreated = "created";
+// PrecisionChecker(reference=...): "auto", "fp64", "fp32", "failing" or "None".
+inline constexpr std::string_view kReference = "reference";
+// What decides a row that has a reference verdict: "reference" (default) or "tolerances".
+inline constexpr std::string_view kVerdict = "verdict";
+// The user's own torch.autocast dtype around the checked modules ("torch.bfloat16"), if any.
+inline constexpr std::string_view kAutocast = "autocast";
 }  // namespace provenance
 namespace mode {
 inline constexpr std::string_view kSinglePass = "single_pass";
@@ -42,6 +48,9 @@ inline constexpr std::string_view kGraphBreakReasons = "graph_break_reasons";
 inline constexpr std::string_view kCompileErrors = "compile_errors";
 inline constexpr std::string_view kSharedArguments = "shared_arguments";
 inline constexpr std::string_view kReferenceError = "reference_error";
+// How many calls of the module got no reference although one was asked for (reference_error
+// says why): the report's NO_REFERENCE row.
+inline constexpr std::string_view kReferenceMissing = "reference_missing";
 inline constexpr std::string_view kNestedFullyShard = "nested_fully_shard";
 // JSON: what replaying the module's calls needs besides its "replay" records (class path,
 // backend, each recorded call's argument structure; docs/dump-format.md#replay-records).
@@ -66,6 +75,8 @@ inline constexpr std::string_view kMissingBwdInEager = "MISSING_bwd_in_eager";
 inline constexpr std::string_view kNotRun = "NOT_RUN";            // the compiled copy never ran
 inline constexpr std::string_view kNotCompiled = "NOT_COMPILED";  // Dynamo compiled no graph
 inline constexpr std::string_view kHookError = "HOOK_ERROR";      // the eager re-run failed
+// A reference was asked for (or on by default in low precision) but could not be computed.
+inline constexpr std::string_view kNoReference = "NO_REFERENCE";
 }  // namespace note
 
 // What Python sees: dynaprobe._C.vocabulary.<NAME>.
@@ -80,6 +91,9 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"PROVENANCE_TOLERANCE_RULES", provenance::kToleranceRules},
     {"PROVENANCE_DTYPE_AWARE_TOLERANCES", provenance::kDtypeAwareTolerances},
     {"PROVENANCE_CREATED", provenance::kCreated},
+    {"PROVENANCE_REFERENCE", provenance::kReference},
+    {"PROVENANCE_VERDICT", provenance::kVerdict},
+    {"PROVENANCE_AUTOCAST", provenance::kAutocast},
     {"MODE_SINGLE_PASS", mode::kSinglePass},
     {"MODE_TWO_PASS", mode::kTwoPass},
     {"MODE_EAGER_ONLY", mode::kEagerOnly},
@@ -94,6 +108,7 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"ATTRIBUTE_COMPILE_ERRORS", module_attribute::kCompileErrors},
     {"ATTRIBUTE_SHARED_ARGUMENTS", module_attribute::kSharedArguments},
     {"ATTRIBUTE_REFERENCE_ERROR", module_attribute::kReferenceError},
+    {"ATTRIBUTE_REFERENCE_MISSING", module_attribute::kReferenceMissing},
     {"ATTRIBUTE_NESTED_FULLY_SHARD", module_attribute::kNestedFullyShard},
     {"ATTRIBUTE_REPLAY", module_attribute::kReplay},
     {"ROLE_WRAPPED", role::kWrapped},
@@ -108,6 +123,7 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"NOTE_NOT_RUN", note::kNotRun},
     {"NOTE_NOT_COMPILED", note::kNotCompiled},
     {"NOTE_HOOK_ERROR", note::kHookError},
+    {"NOTE_NO_REFERENCE", note::kNoReference},
 };
 
 }  // namespace dynaprobe::formats::vocabulary
