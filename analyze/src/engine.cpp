@@ -441,11 +441,33 @@ void run_tasks(std::vector<Task>& all_tasks, const CompareOptions& options) {
   }
   if (!need_tensors.empty()) throw_needs_tensors(*need_tensors.front(), need_tensors.size());
   // A step still being committed is read once committed: wait here, before the reads take the
-  // HDF5 lock, which the committing writer needs.
-  for (const Task* task : tasks) {
-    task->eager_reader->wait_readable();
-    task->compiled_reader->wait_readable();
-  }
+  // HDF5 lock, which the committing writer needs. A step whose file was not written (a capture
+  // with strict_io off) was judged in memory; the pairs it kept for the file only (reference
+  // pairs, pairs held beyond the budget) cannot be compared, and the step says why.
+  std::map<const StepReader*, std::string> unreadable;
+  const auto readable = [&](const StepReader* reader) {
+    if (unreadable.count(reader)) return false;
+    try {
+      reader->wait_readable();
+      return true;
+    } catch (const Error& error) {
+      unreadable.emplace(reader, error.what());
+      return false;
+    }
+  };
+  std::erase_if(tasks, [&](Task* task) {
+    const StepReader* lost = !readable(task->eager_reader)      ? task->eager_reader
+                             : !readable(task->compiled_reader) ? task->compiled_reader
+                                                                : nullptr;
+    if (!lost) return false;
+    task->report->not_stored = unreadable.at(lost);
+    if (task->target == Target::kRow) {
+      Row& row = task->report->rows[task->row];
+      row.status = Status::kWarn;
+      row.reason = "not compared: its tensors were kept for the step's file, which was not written";
+    }
+    return true;
+  });
   std::uint64_t total = 0;
   for (const Task* task : tasks) total += task->eager->nbytes() + task->compiled->nbytes();
   std::atomic<std::uint64_t> done{0};
@@ -616,9 +638,13 @@ Comparison compare_pending(formats::PendingStep pending, const CompareOptions& o
   fs::path partial = pending.file;
   partial += formats::schema::kPartialSuffix;
   OpenDump open;
-  // What `dynaprobe compare` of this step will warn about: other unfinished steps of the dump.
-  for (fs::path& file : formats::list_dump(dump).unfinished) {
-    if (file != partial) open.unfinished.push_back(std::move(file));
+  // What `dynaprobe compare` of this step will warn about: other unfinished steps of the dump
+  // (none when the folder is gone: a capture judges its steps in memory all the same).
+  std::error_code gone;
+  if (fs::is_directory(dump, gone)) {
+    for (fs::path& file : formats::list_dump(dump).unfinished) {
+      if (file != partial) open.unfinished.push_back(std::move(file));
+    }
   }
   const std::int64_t step = pending.step;
   open.steps.emplace(step, std::make_shared<StepReader>(std::move(pending)));

@@ -185,6 +185,9 @@ std::string render_text(const StepReport& report) {
          "atol=" + format_tolerance(report.tolerances.atol) +
          " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
   out += kRule + "\n";
+  if (!report.not_stored.empty()) {
+    out += "  NOT STORED  " + formats::printable_name(report.not_stored) + "\n";
+  }
   out += root_cause_text(report);
   if (report.single_pass) out += kSinglePassHint;
   return out;

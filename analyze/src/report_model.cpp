@@ -275,6 +275,7 @@ Value step_model(const StepReport& step) {
                        {"cast_dtype", step.cast_dtype},
                        {"autocast", step.autocast},
                        {"reference_decides", step.reference_decides},
+                       {"not_stored", step.not_stored},
                        {"tolerances", tolerances_model(step.tolerances)},
                        {"loss", loss_model(step)},
                        {"modules", modules_model(step)},

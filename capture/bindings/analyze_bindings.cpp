@@ -21,6 +21,8 @@ void bind_analyze(py::module_& m) {
       .def_readonly("loss_compiled", &analyze::StepReport::loss_compiled)
       .def_readonly("single_pass", &analyze::StepReport::single_pass)
       .def_readonly("cast_dtype", &analyze::StepReport::cast_dtype)
+      .def_readonly("not_stored", &analyze::StepReport::not_stored,
+                    "Why the step's file was not written, when its report found out; else ''")
       .def_readonly("modules", &analyze::StepReport::modules,
                     "{module: {attribute: value}} from the dump's /modules (compiled_functions, "
                     "graph_breaks, note, ...)")

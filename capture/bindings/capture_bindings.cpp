@@ -60,17 +60,20 @@ record() only snapshots the tensor into host memory and returns; compression and
 on a background thread, under a host-memory budget: record() waits (with the GIL released) while
 more than memory_budget_bytes of snapshots are queued. An error of the background thread (disk
 full, ...) is raised by the next record*() call once and by end_step(); that step is lost,
-earlier steps are intact, and the next begin_step() works normally. Calls from several threads
-take turns.
+earlier steps are intact, and the next begin_step() works normally. With strict_io=False only the
+file is lost: the step is judged in memory, finish_step() gives it and its wait_committed() raises
+why it was not stored; a folder whose lock another writer holds is never written. Calls from
+several threads take turns.
 )doc")
       .def(py::init([](const std::filesystem::path& dump_dir, fmt::Provenance provenance,
                        std::size_t memory_budget_bytes, int zstd_level, std::size_t chunk_bytes,
-                       const std::string& store) {
+                       const std::string& store, bool strict_io) {
              using dynaprobe::capture::StoreMode;
              dynaprobe::capture::RecorderOptions options;
              options.memory_budget_bytes = memory_budget_bytes;
              options.writer.zstd_level = zstd_level;
              options.writer.chunk_bytes = chunk_bytes;
+             options.strict_io = strict_io;
              if (store == "full") {
                options.store = StoreMode::kFull;
              } else if (store == "failing") {
@@ -85,7 +88,8 @@ take turns.
            }),
            py::arg("dump_dir"), py::arg("provenance"),
            py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
-           py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full")
+           py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full",
+           py::arg("strict_io") = true)
       // Every method releases the GIL before it touches the recorder: a call waiting for the
       // recorder (another thread's record() under back-pressure) must not hold the GIL.
       .def("begin_step", &Recorder::begin_step, py::arg("step"),

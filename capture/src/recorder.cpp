@@ -14,6 +14,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <pthread.h>
 #include <tbb/info.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
@@ -420,6 +422,9 @@ struct Recorder::Impl {
   fs::path dump_dir;
   formats::Provenance provenance;
   RecorderOptions options;
+  std::unique_ptr<formats::DumpLock> lock;  // one writer per folder
+  // Why nothing can be written (the folder cannot be made, its lock is held): strict_io false.
+  std::exception_ptr storage_error;
   // Keeps up to a quarter of the budget of written snapshots' memory for the next snapshots.
   std::shared_ptr<SnapshotPool> pool;
 
@@ -553,10 +558,13 @@ void Recorder::Impl::run() {
   };
   // The step being written is lost: its partial file goes, and the error reaches the caller
   // through the step's commit (and at once while the caller is still in the step).
+  // Without strict_io only the file is lost: the step is still judged in memory.
   const auto fail_writing = [&](std::exception_ptr error) {
     writer.reset();  // removes the partial file
     write_error = step_lost(error, writing_step, dump_dir);
-    if (judging_open && judging_step == writing_step && !judge_lost) fail_judging(error);
+    if (options.strict_io && judging_open && judging_step == writing_step && !judge_lost) {
+      fail_judging(error);
+    }
   };
   std::uint64_t batches = 0;
   const auto judge_batch = [&](std::vector<RecordItem>& batch) {
@@ -704,9 +712,11 @@ void Recorder::Impl::run() {
             if constexpr (std::is_same_v<T, BeginWrite>) {
               writer.reset();
               writing_step = value.step;
-              write_error = nullptr;
-              writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
-                                                             options.writer);
+              write_error = storage_error;
+              if (!write_error) {
+                writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
+                                                               options.writer);
+              }
             } else if constexpr (std::is_same_v<T, RecordsWrite>) {
               released = value.bytes;
               if (writer && !write_error) write_items(*writer, value.store, value.describe);
@@ -802,6 +812,16 @@ void Recorder::Impl::run() {
   writer.reset();
 }
 
+// Who holds a dump folder's lock, as a second writer's message names it.
+static std::string lock_holder(const formats::Provenance& provenance) {
+  const auto value = [&](std::string_view key) {
+    const std::string text = formats::provenance_value(provenance, key);
+    return text.empty() ? std::string("?") : text;
+  };
+  return "host " + value("host") + ", pid " + std::to_string(::getpid()) + ", run started " +
+         value(formats::vocabulary::provenance::kCreated);
+}
+
 Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& impl = *impl_;
@@ -814,15 +834,22 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
   if (options.writer.chunk_bytes == 0) {
     throw UsageError("RecorderOptions.writer.chunk_bytes must be positive, but is 0");
   }
-  std::error_code error;
-  fs::create_directories(dump_dir, error);
-  if (error) {
-    throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
-  }
   analyze::dump_judging(provenance, dump_dir);  // a bad tolerance fails here, not at a step
+  try {
+    std::error_code error;
+    fs::create_directories(dump_dir, error);
+    if (error) {
+      throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
+    }
+    impl.lock = std::make_unique<formats::DumpLock>(dump_dir, lock_holder(provenance));
+  } catch (const IoError&) {
+    if (options.strict_io) throw;
+    impl.storage_error = std::current_exception();
+  }
   impl.dump_dir = std::move(dump_dir);
   impl.provenance = std::move(provenance);
   impl.options = options;
+  impl.options.writer.create_folder = false;  // made above, with its lock
   if (impl.options.writer.threads == 0) {
     impl.options.writer.threads =
         std::max(1, tbb::info::default_concurrency() - at::get_num_threads());

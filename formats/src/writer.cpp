@@ -632,9 +632,13 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
     }
   }
   std::error_code error;
-  fs::create_directories(dump_dir, error);
+  if (options.create_folder) fs::create_directories(dump_dir, error);
   if (error) {
     throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
+  }
+  if (!fs::is_directory(dump_dir, error)) {
+    throw IoError("the dump folder " + dump_dir.string() +
+                  " does not exist any more (removed during the run?)");
   }
   // symlink_status: a link (even a dangling one) at the step's name is something to refuse, not
   // to follow.

@@ -14,13 +14,16 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -28,8 +31,10 @@
 
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
+#include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
+#include "formats/error_of.h"
 #include "formats/test_util.h"
 
 namespace dynaprobe::capture {
@@ -491,6 +496,80 @@ TEST(Recorder, AReportReadingAPendingStepWaitsForTheCommitOutsideTheReadLock) {
   EXPECT_EQ(row.module, "m");
   EXPECT_EQ(row.reference_verdict, "noise");
   EXPECT_EQ(row.reference_dtype, "fp64");
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// One writer per folder: a second recorder of a folder whose lock is held writes nothing there.
+// Strict, it refuses at once, naming the folder and the holder; with strict_io off it judges its
+// steps in memory, and each step's commit says why it was not stored.
+TEST(Recorder, ASecondWriterOfAFolderWritesNothingThere) {
+  TempDir dir;
+  Recorder first(dir.path(), {{"mode", "single_pass"}, {"host", "trainer-7"}});
+  const std::string holder = read_file(dir.path() / formats::DumpLock::kFileName);
+  EXPECT_NE(holder.find("host trainer-7, pid " + std::to_string(::getpid())), std::string::npos)
+      << holder;
+  const std::string busy = testing_helpers::error_of<formats::DumpBusyError>([&] {
+    Recorder second(dir.path(), {{"mode", "single_pass"}});
+  });
+  EXPECT_NE(busy.find(dir.path().string() + " is being written by another process (host "
+                                            "trainer-7, pid "),
+            std::string::npos)
+      << busy;
+
+  RecorderOptions lenient;
+  lenient.strict_io = false;
+  Recorder second(dir.path(), {{"mode", "single_pass"}}, lenient);
+  second.begin_step(0);
+  const at::Tensor x = at::randn({8});
+  second.record(key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  second.record(key("m", 0, Kind::kFwdOutput, Side::kEager), x.add(1));
+  formats::PendingStep pending = second.finish_step();
+  ASSERT_EQ(pending.metrics.size(), 1u);  // judged in memory
+  EXPECT_FALSE(pending.metrics[0].metrics.allclose);
+  EXPECT_NE(testing_helpers::error_of<formats::DumpBusyError>([&] {
+              pending.wait_committed();
+            }).find("is being written by another process"),
+            std::string::npos);
+  const analyze::Comparison report = analyze::compare_pending(pending, {});
+  EXPECT_EQ(report.steps.at(0).rows.at(0).status, analyze::Status::kFail);
+  EXPECT_FALSE(fs::exists(dir.path() / formats::step_file_name(0)));
+
+  // The first writes on, untouched.
+  first.begin_step(0);
+  first.record(key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  EXPECT_EQ(first.end_step(), dir.path() / formats::step_file_name(0));
+}
+
+// Without strict_io, a step whose file cannot be written is still judged; the next step is
+// written again once it can be (here: the folder removed, then made again by the user).
+TEST(Recorder, WithoutStrictIoALostFileLeavesTheStepJudgedAndTheNextIsWrittenAgain) {
+  TempDir dir;
+  RecorderOptions lenient;
+  lenient.strict_io = false;
+  Recorder recorder(dir.path() / "dump", {{"mode", "single_pass"}}, lenient);
+  fs::remove_all(dir.path() / "dump");
+  recorder.begin_step(0);
+  const at::Tensor x = at::randn({8});
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kEager), x);
+  formats::PendingStep lost = recorder.finish_step();
+  ASSERT_EQ(lost.metrics.size(), 1u);
+  EXPECT_TRUE(lost.metrics[0].metrics.allclose);
+  EXPECT_NE(testing_helpers::error_of<IoError>([&] {
+              lost.wait_committed();
+            }).find("does not exist any more"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(dir.path() / "dump"));  // not made again behind the user's back
+  fs::create_directories(dir.path() / "dump");
+  recorder.begin_step(1);
+  recorder.record(key("m", 0, Kind::kFwdOutput, Side::kCompiled), x);
+  EXPECT_EQ(recorder.end_step(), dir.path() / "dump" / formats::step_file_name(1));
 }
 
 TEST(Recorder, ManyStepsGiveOneFileEach) {

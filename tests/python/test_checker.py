@@ -415,11 +415,21 @@ def test_results_are_values_and_the_cli_gives_the_same_report(dynaprobe_cli):
     assert cli.stdout == results[1].text()
 
 
-def test_an_unwritable_dump_folder_fails_collect_not_training(tmp_path):
+def test_an_unwritable_dump_folder_costs_the_dump_not_training(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     model = MLP(4)
     checker = PrecisionChecker(dump_dir=str(blocker / "dump"))
+    checker.wrap(model)
+    checker.install(model)
+    result = checker.collect(train_step(model, torch.randn(2, 4)))
+    checker.uninstall()
+    assert result.all_pass and not result.stored and result.dump_file is None
+    assert "file/dump" in result.not_stored_reason
+    assert "NOT STORED" in result.text()
+    assert "step 0 was not stored" in capsys.readouterr().err
+    # strict_io=True: the error reaches collect(), as it always did.
+    checker = PrecisionChecker(dump_dir=str(blocker / "dump"), strict_io=True)
     checker.wrap(model)
     with pytest.raises(OSError, match="file/dump"):
         checker.install(model)

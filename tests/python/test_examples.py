@@ -89,8 +89,9 @@ def test_train_single_pass_checks_every_step_and_writes_to_the_default_folder(tm
     for row in ("pass  blocks.0 ", "pass  blocks.1 ", "pass  blocks.1.grad_input", "param=mlp.0.weight"):
         assert row in out, out
     run = only(tmp_path / "dynaprobe_runs" / "train_single_pass-*")
-    assert sorted(os.listdir(run)) == ["report.csv", "step_00000000.h5", "step_00000001.h5",
-                                       "step_00000002.h5"]
+    # The dump's files, and the writer's lock (docs/dump-format.md).
+    assert sorted(os.listdir(run)) == [".dynaprobe.lock", "report.csv", "step_00000000.h5",
+                                       "step_00000001.h5", "step_00000002.h5"]
     rows = list(csv.reader(open(os.path.join(run, "report.csv"))))
     assert ",".join(rows[0]) == CSV_HEADER
     assert rows[1][:4] == ["LOSS", "loss", "0", "PASS"] and rows[1][-1] == "single_pass mode"

@@ -30,6 +30,11 @@ class Chain(nn.Module):
         return self.proj(self.mlp(self.norm(x)))
 
 
+def _step_files(folder) -> list:
+    """The step files of a dump folder (its writer's lock file apart)."""
+    return sorted(f for f in os.listdir(folder) if f.startswith("step_"))
+
+
 def checked_step(tmp_path, dump, width=16, batch=8, single_pass=True, **kwargs):
     """One checked training step of Chain under `dump`; returns (result, step file)."""
     torch.manual_seed(0)
@@ -147,7 +152,7 @@ def test_check_every_and_check_steps_choose_the_steps(tmp_path):
             loss.backward()
             results.append(checker.collect(loss))
         checker.uninstall()
-        files = sorted(os.listdir(checker.dump_dir))
+        files = sorted(f for f in os.listdir(checker.dump_dir) if f.startswith("step_"))
         return [r is not None for r in results], files
 
     checked, files = run(check_every=2)
@@ -194,7 +199,7 @@ def test_a_run_reports_steps_before_their_files_are_committed_and_the_cli_agrees
     assert last.dump_file == str(tmp_path / "run" / "step_00000002.h5")
     assert os.path.exists(last.dump_file)  # dump_file waited for the commit
     checker.uninstall()
-    assert sorted(os.listdir(tmp_path / "run")) == [f"step_0000000{i}.h5" for i in range(3)]
+    assert _step_files(tmp_path / "run") == [f"step_0000000{i}.h5" for i in range(3)]
     for result in results:
         assert not result.all_pass
         proc = run_cli(dynaprobe_cli, "compare", tmp_path / "run", "--step", result.step)
@@ -227,7 +232,7 @@ def test_an_exit_right_after_collect_still_commits_the_step(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "dump")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr
-    assert sorted(os.listdir(tmp_path / "dump")) == [f"step_0000000{i}.h5" for i in range(3)]
+    assert _step_files(tmp_path / "dump") == [f"step_0000000{i}.h5" for i in range(3)]
     with h5py.File(tmp_path / "dump" / "step_00000002.h5") as f:
         assert "index" in f
 
@@ -243,7 +248,7 @@ def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):
             loss.backward()
             checker.collect(loss)
         checker.uninstall()
-        return sorted(os.listdir(checker.dump_dir)), checker
+        return _step_files(checker.dump_dir), checker
 
     files, checker = train(10 ** 9)
     # Steps after the first hold no graphs (compiled once): they all have one size.

@@ -116,6 +116,11 @@ class PrecisionChecker:
             as the report judges it (decided when the backward pass ends, or at collect());
             ``"all"``: every call; ``"none"``. None (default): ``"failing"``, except under
             ``dump="stats"`` and in two-pass, which keep none.
+        strict_io: False (default): a dump that cannot be written (no space, an I/O error, the
+            folder removed or read-only, another process writing the same ``dump_dir``) costs
+            the dump, never the training: each step is still judged in memory, ``collect()``
+            returns its result with ``stored`` False, stderr says so once, and every checked
+            step tries to write again. True: such an error is raised (``DumpIOError``).
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class PrecisionChecker:
         check_steps=None,
         disk_budget_bytes: Optional[int] = None,
         replay: Optional[str] = None,
+        strict_io: bool = False,
     ):
         self.backend = _options.expect_backend(backend)
         self.threshold = _options.expect_tolerance("threshold", threshold)
@@ -170,6 +176,8 @@ class PrecisionChecker:
         self.disk_budget_bytes = None if disk_budget_bytes is None else \
             _options.expect_positive_int("disk_budget_bytes", disk_budget_bytes)
         self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
+        self.strict_io = _options.expect_flag("strict_io", strict_io)
+        self._writes = _storage.Writes(self.strict_io)
         # install()/collect() runs print a one-line estimate after their first checked step.
         self._estimated = False
         self._committing = None  # the last ended step, while its file may still be written
@@ -335,7 +343,8 @@ class PrecisionChecker:
                 provenance[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
             self._recorder = _C.Recorder(self.dump_dir, provenance,
                                          memory_budget_bytes=self.memory_budget_bytes,
-                                         store="full" if self._capture_side else self.dump)
+                                         store="full" if self._capture_side else self.dump,
+                                         strict_io=self.strict_io)
         self._recorder.begin_step(self._step_index)
         for target in targets:
             target.calls = 0
@@ -366,43 +375,57 @@ class PrecisionChecker:
                 attributes[vocabulary.ATTRIBUTE_REASON] = reason
             self._recorder.record_module(name, attributes)
         # Ends the step once it is judged; its file is committed in the background while
-        # training goes on (raises a background error: disk full, ...).
+        # training goes on (raises a background error: disk full, ... with strict_io).
         pending = self._recorder.finish_step()
         self._step = None
         self._step_index += 1
-        # One step in flight: the one before is committed by now, or its error is raised.
-        previous, self._committing = self._committing, pending
+        commit = _storage.Commit(pending, self._writes, self.dump_dir)
+        # One step in flight: the one before is committed by now (or said not stored).
+        previous, self._committing = self._committing, commit
         _committing_checkers.add(self)
         if previous is not None:
-            previous.wait_committed()
+            previous.wait()
         in_run = self._installed is not None and not self._one_step
-        if not in_run or self.disk_budget_bytes is not None or not self._estimated:
-            # The disk budget and the first step's estimate need the file's size.
+        if (not in_run or self.disk_budget_bytes is not None or not self._estimated
+                or self._writes.failing):
+            # The disk budget and the first step's estimate need the file's size; while writes
+            # fail, the report says at once whether this step was stored.
             self.wait_committed()
-        if self.disk_budget_bytes is not None:
-            _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, pending.file)
-        if not self._estimated and in_run:
-            self._estimated = True
-            _storage.report_first_step(self.dump_dir, pending.file, self.dump, self._schedule,
-                                       step.index, self.disk_budget_bytes)
+        stored = commit.done and commit.error is None
+        try:
+            if self.disk_budget_bytes is not None and stored:
+                _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, pending.file)
+            if not self._estimated and in_run and stored:
+                self._estimated = True
+                _storage.report_first_step(self.dump_dir, pending.file, self.dump,
+                                           self._schedule, step.index, self.disk_budget_bytes)
+        except OSError as error:  # the folder went away meanwhile: the dump's loss, not training's
+            if self.strict_io:
+                raise
+            self._writes.failed(self.dump_dir, step.index, error)
         if step.error is not None:
-            raise step.error
+            if self.strict_io:
+                raise step.error
+            print(f"dynaprobe: step {step.index} was lost ({step.error}); training goes on",
+                  file=sys.stderr)
+            return None
         if not compare:
             return pending.file
         # The report comes from the step as judged in memory, the same as `dynaprobe compare`
         # of its file; pairs not judged in memory wait for the file.
         comparison = _C.compare_pending(pending)
         return CompareResult.from_report(comparison.steps[0], self.dump_dir, pending.file,
-                                         comparison, pending.wait_committed)
+                                         comparison, commit)
 
     def wait_committed(self) -> None:
         """Waits until the last checked step's file is committed. ``collect()`` returns once a
         step is judged and reported, and its file is written while training goes on; the next
-        ``collect()``, ``uninstall()`` and ``CompareResult.dump_file`` wait for it. Raises the
-        error that lost the step (disk full, ...)."""
+        ``collect()``, ``uninstall()`` and ``CompareResult.dump_file`` wait for it. With
+        ``strict_io=True`` raises the error that lost the step's file (disk full, ...); else
+        says it on stderr (once) and the step's result has ``stored`` False."""
         committing, self._committing = self._committing, None
         if committing is not None:
-            committing.wait_committed()
+            committing.wait()
 
     # ------------------------------------------------------------------ single-pass
     def install(self, model: nn.Module) -> nn.Module:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _C
+from dynaprobe import _C, _storage
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ class CompareResult:
         self._comparison = None
         self.dump_dir: Optional[str] = None
         self._dump_file: Optional[str] = None
-        self._wait_committed: Optional[Callable[[], None]] = None
+        self._commit = None  # _storage.Commit of a step collect() reported before its commit
         self.rows: List[Row] = []
         self.loss_eager = float(loss_eager)
         self.loss_compiled = float(loss_compiled)
@@ -281,21 +281,34 @@ class CompareResult:
 
     @property
     def dump_file(self) -> Optional[str]:
-        """The step's file. A step collect() reported while its file was still being written
-        is waited for here: the file is committed when this returns (or the error that lost it
-        is raised)."""
-        self._wait_for_file()
-        return self._dump_file
+        """The step's file; None when it was not stored (see ``stored``). A step collect()
+        reported while its file was still being written is waited for here: the file is
+        committed when this returns (with ``strict_io=True``, the error that lost it is
+        raised)."""
+        return self._dump_file if self.stored else None
+
+    @property
+    def stored(self) -> bool:
+        """Whether the step's file was written (waits for it like ``dump_file``). False when the
+        dump could not be written (no space, an I/O error, the folder gone or read-only, another
+        process writing the same ``dump_dir``): the step was judged in memory, and this result
+        and its report are all there is of it; ``not_stored_reason`` says why."""
+        return self.not_stored_reason is None
+
+    @property
+    def not_stored_reason(self) -> Optional[str]:
+        """Why the step's file was not written, None when it was (waits for it)."""
+        error = self._commit.wait() if self._commit is not None else None
+        return None if error is None else str(error)
 
     def _wait_for_file(self) -> None:
-        if self._wait_committed is not None:
-            self._wait_committed()
-            self._wait_committed = None
+        if self._commit is not None:
+            self._commit.wait()
 
     @classmethod
     def from_report(
         cls, report: Any, dump_dir: str, dump_file: str, comparison: Any = None,
-        wait_committed: Optional[Callable[[], None]] = None,
+        commit: Any = None,
     ) -> "CompareResult":
         """The result of one step of the engine's comparison.
 
@@ -304,12 +317,12 @@ class CompareResult:
             dump_dir: the dump folder.
             dump_file: the step's file.
             comparison: the engine's Comparison the report belongs to (else made on demand).
-            wait_committed: waits until ``dump_file`` is committed, for a step still being
+            commit: the commit of ``dump_file`` (``_storage.Commit``), for a step still being
                 written.
         """
         result = cls.__new__(cls)
         result._init_from_report(report, dump_dir, dump_file, comparison)
-        result._wait_committed = wait_committed
+        result._commit = commit
         return result
 
     def _init_from_report(
@@ -319,7 +332,7 @@ class CompareResult:
         self._comparison = comparison  # the engine's Comparison of this step (merged CSV)
         self.dump_dir = dump_dir
         self._dump_file = dump_file
-        self._wait_committed = None
+        self._commit = None
         self.rows = [_row_from_dict(d) for d in report.rows]
         # The eager loss is NaN in single-pass, which does not run the whole model eagerly.
         eager = None if report.single_pass else report.loss_eager
@@ -414,8 +427,19 @@ class CompareResult:
         return [row for row in self.rows if row.status in ("FAIL", "WARN")]
 
     def text(self) -> str:
-        """The stdout report."""
-        return self._engine_report().render_text()
+        """The stdout report. A step whose file is known not to have been written when the
+        report is made (``stored``) says so after its RESULT line."""
+        report = self._engine_report()
+        text = report.render_text()
+        commit = self._commit
+        if commit is not None and commit.done and commit.error is not None \
+                and not report.not_stored:
+            said = _storage.brief(commit.error)
+            rule = "=" * 72 + "\n"
+            head, _, tail = text.partition("  RESULT: ")
+            result_line, _, rest = tail.partition(rule)
+            text = f"{head}  RESULT: {result_line}{rule}  NOT STORED  {said}\n{rest}"
+        return text
 
     def csv(self) -> str:
         """The 9-column CSV report."""

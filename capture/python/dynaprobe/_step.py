@@ -65,7 +65,11 @@ class Step:
             with self.lock:
                 self.recorder.record(module, call, kind, index, side,
                                      local_tensor(tensor.detach()), label, handed_over)
-        except Exception as error:  # disk full, ...: reported by collect(), training goes on
+        except ValueError as error:  # this tensor cannot be recorded (meta, fake, ...): the step
+            # goes on without it, and the module's HOOK_ERROR row says why
+            self.note(module, vocabulary.NOTE_HOOK_ERROR,
+                      f"{kind}[{index}] of the {side} side not recorded: {error}")
+        except Exception as error:  # the step is lost: reported by collect(), training goes on
             self.error = error
 
     def record_loss(self, side: str, loss) -> None:

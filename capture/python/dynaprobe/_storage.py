@@ -126,3 +126,73 @@ def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedu
                           f"{_size(free)} free in {dump_dir}; set disk_budget_bytes, check fewer "
                           "steps (check_every, check_steps) or store less (dump='failing' or "
                           "'stats')", stacklevel=4)
+
+
+def brief(error: BaseException) -> str:
+    """An error on one line, its middle left out when long (HDF5's stacks end with the OS's
+    reason: "... No space left on device"), without the note that the step was discarded."""
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.startswith("(dynaprobe discarded step")]
+    text = " ".join(lines) or type(error).__name__
+    return text if len(text) <= 320 else f"{text[:100]} ... {text[-120:]}"
+
+
+class Writes:
+    """How the checker's dump writes are going (``PrecisionChecker(strict_io=...)``).
+
+    With ``strict_io=False`` (the default) a dump that cannot be written costs the dump, never
+    the training: each checked step is still judged in memory and ``collect()`` returns its
+    result, marked not stored. stderr says so once, with what to do, and again when a step is
+    written again: the recorder tries again at every checked step, so a disk that has room again
+    is written again. ``strict_io=True`` raises the error instead, as a failed write always did.
+    """
+
+    def __init__(self, strict: bool):
+        self.strict = strict
+        self.failing = False  # the last step whose outcome is known was not stored
+
+    def failed(self, dump_dir: str, step: int, error: BaseException) -> None:
+        if self.failing:
+            return
+        self.failing = True
+        print(f"dynaprobe: step {step} was not stored in {dump_dir}: {brief(error)}. Training "
+              "goes on, and "
+              "every checked step is still judged in memory: collect() returns its result "
+              "(result.stored is False) until a step is written again, which dynaprobe tries at "
+              "every checked step and will say. To store the steps: free space, give dump_dir= a "
+              "folder of its own on a disk with room, or store less (dump='failing' or 'stats', "
+              "disk_budget_bytes=, check_every=). PrecisionChecker(strict_io=True) raises "
+              "instead.", file=sys.stderr)
+
+    def wrote(self, dump_dir: str, step: int) -> None:
+        if self.failing:
+            self.failing = False
+            print(f"dynaprobe: step {step} was stored in {dump_dir}: writing works again",
+                  file=sys.stderr)
+
+
+class Commit:
+    """A checked step's file, committed in the background, as the checker and its result wait
+    for it: ``wait()`` returns why it was not stored (None once stored), and raises that error
+    with ``strict_io=True``."""
+
+    def __init__(self, pending, writes: Writes, dump_dir: str):
+        self.pending = pending
+        self.writes = writes
+        self.dump_dir = dump_dir
+        self.done = False
+        self.error: Optional[BaseException] = None
+
+    def wait(self) -> Optional[BaseException]:
+        if not self.done:
+            try:
+                self.pending.wait_committed()
+            except OSError as error:  # dynaprobe.DumpIOError: no space, I/O, folder gone, ...
+                self.error = error
+                self.writes.failed(self.dump_dir, self.pending.step, error)
+            else:
+                self.writes.wrote(self.dump_dir, self.pending.step)
+            self.done = True
+        if self.error is not None and self.writes.strict:
+            raise self.error
+        return self.error

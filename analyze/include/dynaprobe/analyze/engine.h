@@ -128,6 +128,9 @@ struct StepReport {
   std::string autocast;    // the user's own torch.autocast dtype around the modules, else empty
   bool reference_decides = true;  // a reference verdict decides its row (dump provenance verdict)
   std::size_t no_reference_calls = 0;  // calls without the reference asked for (NO_REFERENCE)
+  // Why the step's file was not written, when the report of a pending step found out (a
+  // capture with strict_io off judges such a step in memory); empty otherwise.
+  std::string not_stored;
   Tolerances tolerances;
   std::vector<ToleranceRule> tolerance_rules;  // the dump's, then CompareOptions'
   bool dtype_aware = true;                     // the dtype-aware rtol floor applies

@@ -41,6 +41,13 @@ struct RecorderOptions {
   // writer thread took 0.3 s of CPU per 124M-parameter step from training (docs/performance.md).
   formats::WriterOptions writer{.nice = 10};
   StoreMode store = StoreMode::kFull;
+  // What a dump that cannot be written costs. true: the step is lost (see Errors below). false:
+  // only the file is: a step whose file cannot be written (no space, an I/O error, a folder
+  // removed or made read-only) or a recorder that cannot write at all (its folder cannot be made,
+  // or another writer holds the folder's lock, formats::DumpLock) is judged in memory as usual,
+  // finish_step() gives it, and its PendingStep::wait_committed() throws why it was not stored.
+  // Each step tries to write again, so a disk that has room again is written again.
+  bool strict_io = true;
 };
 
 // A call of a module: (module path, call index).
@@ -69,10 +76,15 @@ formats::DType dtype_of(const at::Tensor& tensor);
 // are dropped without being copied. An error once the step is ended (its last writes, the commit)
 // is thrown by its PendingStep::wait_committed() (and end_step()). Earlier steps are intact and
 // the next begin_step() works normally. An error creating the step file (begin_step) surfaces
-// the same way, as begin_step() itself does not wait for the file.
+// the same way, as begin_step() itself does not wait for the file. With strict_io false, write
+// errors only lose the file (RecorderOptions::strict_io).
+//
+// One writer per folder: the recorder holds the folder's formats::DumpLock while it lives.
 class Recorder {
  public:
-  // `dump_dir` is created if needed; step files go there (formats::StepWriter).
+  // `dump_dir` is created if needed; step files go there (formats::StepWriter). Throws IoError
+  // when it cannot be made, DumpBusyError when another writer holds its lock (with strict_io
+  // false: the recorder judges in memory and writes nothing).
   Recorder(std::filesystem::path dump_dir, formats::Provenance provenance,
            RecorderOptions options = {});
   // Writes and commits the steps already ended; a step begun but not ended is discarded (its

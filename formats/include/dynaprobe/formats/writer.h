@@ -25,6 +25,10 @@ struct WriterOptions {
   // beside training sets it, so that the training threads keep the cores and the writing fills
   // the gaps; the threads get their own niceness back when they leave the writer.
   int nice = 0;
+  // Make the dump folder when it does not exist. A capture makes it once, with its lock
+  // (DumpLock), and turns this off: a folder removed during the run is not made again behind
+  // the user's back (its steps are then not stored).
+  bool create_folder = true;
 };
 
 // Crash safety: the step is written to "<dir>/step_<N>.h5.partial" and only commit() flushes,
