@@ -428,6 +428,11 @@ def test_an_unwritable_dump_folder_costs_the_dump_not_training(tmp_path, capsys)
     assert "file/dump" in result.not_stored_reason
     assert "NOT STORED" in result.text()
     assert "step 0 was not stored" in capsys.readouterr().err
+    # capture() exists for its file: losing it raises, whatever strict_io says.
+    checker = PrecisionChecker(dump_dir=str(blocker / "dump"))
+    checker.wrap(model)
+    with pytest.raises(OSError, match="file/dump"):
+        checker.capture(lambda m: train_step(m, torch.randn(2, 4)), model, side="eager")
     # strict_io=True: the error reaches collect(), as it always did.
     checker = PrecisionChecker(dump_dir=str(blocker / "dump"), strict_io=True)
     checker.wrap(model)

@@ -379,7 +379,9 @@ class PrecisionChecker:
         pending = self._recorder.finish_step()
         self._step = None
         self._step_index += 1
-        commit = _storage.Commit(pending, self._writes, self.dump_dir)
+        # capture() exists for its file: losing it raises, whatever strict_io says.
+        writes = self._writes if compare else _storage.Writes(strict=True)
+        commit = _storage.Commit(pending, writes, self.dump_dir)
         # One step in flight: the one before is committed by now (or said not stored).
         previous, self._committing = self._committing, commit
         _committing_checkers.add(self)
@@ -605,7 +607,8 @@ class PrecisionChecker:
         seed and inputs), then ``dynaprobe compare EAGER_DUMP COMPILED_DUMP``.
 
         ``model`` itself runs (no copy; FSDP2 models work), its wrapped modules compiled for the
-        step when ``side="compiled"``.
+        step when ``side="compiled"``. The file is what it is for: a step that cannot be written
+        raises ``DumpIOError``, whatever ``strict_io`` says.
         """
         if side not in ("eager", "compiled"):
             raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
