@@ -199,7 +199,9 @@ std::optional<NoReference> no_reference_row(const std::string& module,
   result.row.reason = std::to_string(calls) +
                       " call(s) without a reference, so judged by the "
                       "tolerances alone: " +
-                      (error ? *error : std::string("no reason recorded"));
+                      (error ? *error : std::string("no reason recorded")) +
+                      " (reference=\"fp32\" where float64 has no kernel; reference=None turns "
+                      "it off)";
   return result;
 }
 

@@ -52,7 +52,19 @@ void bind_analyze(py::module_& m) {
           [](const analyze::StepReport& r) { return to_python(analyze::root_cause_model(r)); },
           "The JSON report's root_cause: None, or {forward, backward, next}")
       .def_property_readonly("root_cause_json", &analyze::render_root_cause_json)
-      .def("render_text", &analyze::render_text);
+      .def(
+          "render_text",
+          [](const analyze::StepReport& report, const std::string& not_stored) {
+            if (not_stored.empty() || !report.not_stored.empty()) {
+              return analyze::render_text(report);
+            }
+            analyze::StepReport known = report;  // what the capture learnt after judging it
+            known.not_stored = not_stored;
+            return analyze::render_text(known);
+          },
+          py::arg("not_stored") = "",
+          "The stdout report; not_stored: why the step's file was not written, when the capture "
+          "found out after the report was made");
 
   py::class_<analyze::Comparison>(m, "Comparison")
       .def_readonly("steps", &analyze::Comparison::steps)

@@ -87,8 +87,8 @@ def test_failing_runs_the_reference_only_for_calls_that_fail(tmp_path):
 def test_reference_modes_are_checked_up_front():
     with pytest.raises(ValueError, match="reference='failing' needs single_pass=True"):
         PrecisionChecker(single_pass=False, reference="failing")
-    with pytest.raises(ValueError, match="reference must be 'auto', 'fp64', 'fp32', 'failing' "
-                                         "or None"):
+    with pytest.raises(ValueError, match="reference must be one of None, 'auto', 'fp64', "
+                                         "'fp32', 'failing'"):
         PrecisionChecker(reference="float64")
     with pytest.raises(ValueError, match="verdict must be 'reference'"):
         PrecisionChecker(verdict="allclose")

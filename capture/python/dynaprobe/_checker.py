@@ -31,7 +31,7 @@ from dynaprobe._distributed import (
 )
 from dynaprobe._graphs import write_graph_files
 from dynaprobe._planning import describe_model, plan
-from dynaprobe._reference import ReferencePolicy, user_autocast
+from dynaprobe._reference import ReferencePolicy, expect_reference, user_autocast
 from dynaprobe._result import CompareResult
 from dynaprobe._single_pass import SinglePass
 from dynaprobe._step import Step, Target
@@ -162,7 +162,7 @@ class PrecisionChecker:
         self.memory_budget_bytes = _options.expect_positive_int("memory_budget_bytes",
                                                                 memory_budget_bytes)
         self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
-        self.reference = _options.expect_reference(reference, self.single_pass)
+        self.reference = expect_reference(reference, self.single_pass)
         self.verdict = _options.expect_verdict(verdict)
         self.tolerances = _options.expect_tolerance_rules(tolerances)
         self.dtype_aware_tolerances = _options.expect_flag("dtype_aware_tolerances",
@@ -261,7 +261,7 @@ class PrecisionChecker:
         targets, self._module_notes = plan(model, self._wrapped, self._ignored)
         self._devices = describe_model(model)
         self._model_devices = devices_of([], model)
-        _options.expect_autocast(self.cast_dtype, autocast_device_type(devices_of([], model)))
+        _options.expect_autocast(self.cast_dtype, autocast_device_type(self._model_devices))
         return targets
 
     # ------------------------------------------------------------------ dump

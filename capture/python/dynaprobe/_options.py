@@ -101,19 +101,6 @@ def expect_backend(value):
     return value
 
 
-def expect_reference(value, single_pass: bool) -> Optional[str]:
-    """None, "auto", "fp64", "fp32" or "failing" (_reference.MODES). Two-pass runs its reference
-    as a third copy of the whole step, for every call or for none: "failing" needs single-pass."""
-    if value not in ("auto", "fp64", "fp32", "failing", None):
-        raise ValueError(f"reference must be 'auto', 'fp64', 'fp32', 'failing' or None, but "
-                         f"received {value!r}")
-    if value == "failing" and not single_pass:
-        raise ValueError("reference='failing' needs single_pass=True: two-pass runs the reference "
-                         "as a third copy of the whole step, for every call ('auto', 'fp32', "
-                         "'fp64') or for none (None)")
-    return value
-
-
 def expect_verdict(value) -> str:
     """What decides a row with a reference verdict: "reference" or "tolerances"."""
     if value not in ("reference", "tolerances"):

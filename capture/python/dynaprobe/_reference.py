@@ -19,6 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dynaprobe._C import vocabulary
 from dynaprobe._capture import autocast_device_type
 from dynaprobe._isolation import copy_arguments
 
@@ -30,6 +31,19 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 #   "failing": the calls whose forward output fails the tolerances, in float32 for bf16/fp16 calls
 #   and float64 for others; None: no reference.
 MODES = (None, "auto", "fp64", "fp32", "failing")
+
+
+def expect_reference(value, single_pass: bool) -> Optional[str]:
+    """One of MODES. Two-pass runs its reference as a third copy of the whole step, for every
+    call or for none: "failing" needs single-pass."""
+    if value not in MODES:
+        raise ValueError(f"reference must be one of {', '.join(map(repr, MODES))}, but received "
+                         f"{value!r}")
+    if value == "failing" and not single_pass:
+        raise ValueError("reference='failing' needs single_pass=True: two-pass runs the reference "
+                         "as a third copy of the whole step, for every call ('auto', 'fp32', "
+                         "'fp64') or for none (None)")
+    return value
 
 
 def user_autocast(devices: set) -> Optional[torch.dtype]:
@@ -56,6 +70,28 @@ def low_precision(tensors: List[torch.Tensor], module: Optional[nn.Module],
             if tensor.dtype in LOW_PRECISION:
                 return tensor.dtype
     return None
+
+
+def call_precision(step, name: str, tensors: List[torch.Tensor], module: Optional[nn.Module],
+                   cast_dtype: Optional[torch.dtype], devices: set) -> Optional[torch.dtype]:
+    """The reduced dtype a call of ``name`` computes in (see low_precision), the checker's
+    ``cast_dtype`` or else the user's own autocast counting; the latter is recorded as the
+    module's ``autocast`` attribute, so that the report can say it."""
+    autocast = cast_dtype or user_autocast(devices)
+    if autocast is not None and cast_dtype is None:
+        step.attributes.setdefault(name, {})[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
+    return low_precision(tensors, module, autocast)
+
+
+def shapes_differ(reference_leaves: list, eager_leaves: list) -> Optional[str]:
+    """Why a reference's output tensors cannot stand for eager's (their shapes differ: a path
+    that depends on the dtype), else None."""
+    shapes = [tuple(t.shape) for t in reference_leaves]
+    expected = [tuple(t.shape) for t in eager_leaves]
+    if shapes == expected:
+        return None
+    return (f"its outputs have shapes {shapes}, eager's {expected} (does the module's path "
+            "depend on the dtype?)")
 
 
 def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -429,17 +429,10 @@ class CompareResult:
     def text(self) -> str:
         """The stdout report. A step whose file is known not to have been written when the
         report is made (``stored``) says so after its RESULT line."""
-        report = self._engine_report()
-        text = report.render_text()
         commit = self._commit
-        if commit is not None and commit.done and commit.error is not None \
-                and not report.not_stored:
-            said = _storage.brief(commit.error)
-            rule = "=" * 72 + "\n"
-            head, _, tail = text.partition("  RESULT: ")
-            result_line, _, rest = tail.partition(rule)
-            text = f"{head}  RESULT: {result_line}{rule}  NOT STORED  {said}\n{rest}"
-        return text
+        known = commit is not None and commit.done and commit.error is not None
+        return self._engine_report().render_text(
+            not_stored=_storage.brief(commit.error) if known else "")
 
     def csv(self) -> str:
         """The 9-column CSV report."""

@@ -27,11 +27,11 @@ from dynaprobe import _replay_store
 from dynaprobe._reference import (
     ReferencePolicy,
     ReferenceRun,
+    call_precision,
     copy_reference_arguments,
-    low_precision,
     outputs_differ,
     run_reference,
-    user_autocast,
+    shapes_differ,
 )
 from dynaprobe._step import (
     PendingBackward,
@@ -111,11 +111,8 @@ class SinglePass:
                 args, kwargs, lambda i, t: t.detach().clone())
             if shared:
                 self._warn_shared_arguments(step, name, shared)
-            autocast = self.cast_dtype or user_autocast(devices)
-            if autocast is not None and self.cast_dtype is None:
-                step.attributes.setdefault(name, {})[vocabulary.PROVENANCE_AUTOCAST] = str(
-                    autocast)
-            low = low_precision([t for _, t in inputs], target.module, autocast)
+            low = call_precision(step, name, [t for _, t in inputs], target.module,
+                                 self.cast_dtype, devices)
             self.reference.warn_unavailable(name, low)
             reference_dtype = self.reference.dtype(low)
             failing_dtype = self.reference.dtype_if_failing(low)
@@ -224,11 +221,9 @@ class SinglePass:
                             f"({what}); its rows are judged by the tolerances alone")
             return None
         leaves = tensor_leaves(out)
-        shapes = [tuple(t.shape) for _, t in leaves]
-        expected = [tuple(t.shape) for _, t in tensor_leaves(eager_out)]
-        if shapes != expected:
-            step.reference_missing(target.name, f"its outputs have shapes {shapes}, eager's "
-                                   f"{expected} (does the module's path depend on the dtype?)")
+        differ = shapes_differ([t for _, t in leaves], [t for _, t in tensor_leaves(eager_out)])
+        if differ:
+            step.reference_missing(target.name, differ)
             return None
         for index, (label, tensor) in enumerate(leaves):
             step.record(target.name, call, "fwd_output", index, "reference", tensor, label)

@@ -9,7 +9,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dynaprobe._C import vocabulary
 from dynaprobe._capture import (
     RngState,
     autocast_context,
@@ -21,13 +20,7 @@ from dynaprobe._capture import (
     probe_outputs,
     tensor_leaves,
 )
-from dynaprobe._reference import (
-    ReferencePolicy,
-    low_precision,
-    no_autocast,
-    upcast,
-    user_autocast,
-)
+from dynaprobe._reference import ReferencePolicy, call_precision, no_autocast, upcast
 from dynaprobe._step import Step, Target
 
 SIDES = ("eager", "compiled", "reference")
@@ -129,12 +122,9 @@ def _one_side_forward(step: Step, target: Target, side: str, capture_input: bool
     def forward(*args, **kwargs):
         inputs = input_leaves(args, kwargs)
         devices = devices_of([t for _, t in inputs], target.module)
-        autocast = cast_dtype or user_autocast(devices)
         if seen_low is not None:
-            if autocast is not None and cast_dtype is None:
-                step.attributes.setdefault(target.name, {})[
-                    vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
-            low = low_precision([t for _, t in inputs], target.module, autocast)
+            low = call_precision(step, target.name, [t for _, t in inputs], target.module,
+                                 cast_dtype, devices)
             if low is not None and not seen_low:
                 seen_low.append(low)
         with autocast_context(cast_dtype, devices):

@@ -43,11 +43,11 @@ from dynaprobe._reference import (
     LOW_PRECISION,
     ReferencePolicy,
     ReferenceRun,
-    low_precision,
+    call_precision,
     no_autocast,
     outputs_differ,
+    shapes_differ,
     upcast,
-    user_autocast,
 )
 from dynaprobe._step import (
     PendingBackward,
@@ -566,13 +566,9 @@ class WholeModel:
         """The call's eager graph evaluated in the reference dtype, autocast off, on the
         compiled side's inputs and the real parameters, upcast; records its outputs and returns
         what its backward needs. None without a reference (a failure is a NO_REFERENCE row)."""
-        devices = {t.device for t in inputs + params if isinstance(t, torch.Tensor)}
-        autocast = user_autocast(devices)
-        if autocast is not None:
-            step.attributes.setdefault(target.name, {})[vocabulary.PROVENANCE_AUTOCAST] = str(
-                autocast)
-        low = low_precision([t for t in inputs + params if isinstance(t, torch.Tensor)], None,
-                            autocast)
+        tensors = [t for t in inputs + params if isinstance(t, torch.Tensor)]
+        devices = {t.device for t in tensors}
+        low = call_precision(step, target.name, tensors, None, None, devices)
         self.reference.warn_unavailable(target.name, low)
         dtype = self.reference.dtype(low)
         if dtype is None and outputs_differ(list(eager_out), compiled_out,
@@ -600,12 +596,12 @@ class WholeModel:
                 call.widened[dtype] = _widened(call.eager, dtype)
             with no_autocast(devices), torch.set_grad_enabled(grad_mode):
                 out = call.widened[dtype](*wide_inputs, *wide_params)
-            shapes = [tuple(t.shape) for t in out]
-            expected = [tuple(t.shape) for t in eager_out]
-            if shapes != expected:
-                raise RuntimeError(f"its outputs have shapes {shapes}, eager's {expected}")
         except Exception as error:  # never break training because of the checker
             step.reference_missing(target.name, f"{type(error).__name__}: {error}")
+            return None
+        differ = shapes_differ(list(out), list(eager_out))
+        if differ:
+            step.reference_missing(target.name, differ)
             return None
         for i, label in enumerate(call.output_labels):
             step.record(target.name, index, "fwd_output", i, "reference", out[i], label)
