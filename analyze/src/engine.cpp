@@ -157,6 +157,26 @@ struct Task {
   Tolerances tolerances;
 };
 
+// A gradient only one side holds: when it is all zeros, it equals the other side's absence of one
+// (all_zeros in step_rows.h), and the row passes, saying so. A file not readable (not written,
+// still being written elsewhere) leaves the row as it is.
+void judge_zero_gradient(const StepReader* reader, const RecordInfo& held, Row& row) {
+  try {
+    reader->wait_readable();
+    if (!all_zeros(*reader, held)) return;
+  } catch (const Error&) {
+    return;
+  }
+  const bool eager_held = row.eager.has_value();
+  (eager_held ? row.compiled : row.eager) = eager_held ? row.eager : row.compiled;
+  row.metrics = TensorMetrics{};
+  row.metrics->elements = held.numel();
+  row.status = Status::kPass;
+  row.note.clear();
+  row.reason = std::string(eager_held ? "compiled" : "eager") + ": no gradient; " +
+               (eager_held ? "eager" : "compiled") + ": zeros (the same gradient)";
+}
+
 bool matches(const std::string& glob, const std::string& module) {
   return fnmatch(glob.c_str(), module.c_str(), 0) == 0;
 }
@@ -278,13 +298,17 @@ void StepBuilder::add_tensor_row(const TensorKey& key, Pair pair, const StepReco
       add_tasks(pair, records, report, row, tasks);
     }
   } else {
+    const bool compiled_ran = records.calls.compiled_ran(key.module, key.call, report.single_pass);
     const Verdict verdict = one_sided_verdict(
         {pair.eager ? Side::kEager : Side::kCompiled, key.kind, records.roles.wrapped(key.module),
-         records.roles.inside_wrapped(key.module),
-         records.calls.compiled_ran(key.module, key.call, report.single_pass)});
+         records.roles.inside_wrapped(key.module), compiled_ran});
     row.status = verdict.status;
     row.note = verdict.note;
     row.reason = verdict.reason;
+    if (!is_forward(key.kind) && row.status == Status::kWarn && compiled_ran) {
+      judge_zero_gradient(pair.eager ? records.eager : records.compiled,
+                          pair.eager ? *pair.eager : *pair.compiled, row);
+    }
   }
   report.rows.push_back(std::move(row));
 }

@@ -85,7 +85,7 @@ std::string detail_text(const Row& row) {
   }
   // Why a failing row fails when the metrics alone do not say ("32 NaN/Inf only in compiled"),
   // as the CSV's note column has it.
-  if (row.status != Status::kPass && !row.reason.empty() && !row.shape_mismatch()) {
+  if (!row.reason.empty() && !row.shape_mismatch()) {
     text += "  " + formats::printable_name(row.reason);
   }
   if (row.tolerances) {

@@ -235,4 +235,20 @@ Verdict one_sided_verdict(const OneSidedCase& row) {
   return verdict;
 }
 
+bool all_zeros(const StepReader& reader, const RecordInfo& record) {
+  if (!record.stored) return false;
+  const std::size_t part = formats::dtype_size(formats::complex_part(record.dtype));
+  bool zero = true;
+  formats::stream_chunks(
+      reader.open(record), [&](formats::ChunkExtent extent, const std::byte* data) {
+        const std::size_t bytes = extent.element_count * formats::dtype_size(record.dtype);
+        // Little-endian values: each one's sign bit is the top bit of its last byte.
+        for (std::size_t i = 0; zero && i < bytes; ++i) {
+          const auto mask = (i % part == part - 1) ? std::byte{0x7f} : std::byte{0xff};
+          zero = (data[i] & mask) == std::byte{0};
+        }
+      });
+  return zero;
+}
+
 }  // namespace dynaprobe::analyze

@@ -165,4 +165,9 @@ struct Verdict {
 };
 Verdict one_sided_verdict(const OneSidedCase& row);
 
+// Whether a stored tensor holds zeros only (either sign). A gradient only one side holds that is
+// all zeros equals the other side's absence of one: a parameter or input the backward does not
+// reach has a zero gradient, which autograd leaves out and AOTAutograd may return as zeros.
+bool all_zeros(const formats::StepReader& reader, const formats::RecordInfo& record);
+
 }  // namespace dynaprobe::analyze

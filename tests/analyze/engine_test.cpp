@@ -419,6 +419,65 @@ TEST(Engine, ModuleThatRanOnTheEagerSideOnlyIsMissingItsCompiledGradients) {
   EXPECT_NE(text.find(row), std::string::npos) << text;
 }
 
+// AOTAutograd returns zeros for a parameter the backward does not reach, where eager autograd
+// returns no gradient (DeepSeek-V4's compressor on short sequences): the same gradient, so the
+// row passes and says why, whichever side holds it. A non-zero one-sided gradient still warns.
+TEST(Engine, AOneSidedGradientOfZerosEqualsTheOtherSidesNone) {
+  TempDir dir;
+  const float zeros[3] = {0.0f, -0.0f, 0.0f};
+  const float nonzero[3] = {0.0f, 1e-30f, 0.0f};
+  const std::uint16_t bf16_zeros[2] = {0x0000, 0x8000};
+  {
+    formats::StepWriter writer(dir.path(), 0, {{"mode", "single_pass"}});
+    const auto write = [&](const std::string& module, Side side, std::uint32_t index,
+                           formats::TensorView tensor) {
+      formats::Record r = record(side, tensor.dtype, tensor.shape, tensor.data);
+      r.key.module = module;
+      r.key.kind = Kind::kParamGrad;
+      r.key.tensor_index = index;
+      writer.write(r);
+    };
+    for (Side side : {Side::kCompiled, Side::kEager}) {  // both sides ran layers.0 and head
+      for (const char* module : {"layers.0", "head"}) {
+        formats::Record r = record(side, DType::kFloat32, {3}, zeros);
+        r.key.module = module;
+        writer.write(r);
+      }
+    }
+    write("layers.0", Side::kCompiled, 0, {DType::kFloat32, {3}, zeros});
+    write("layers.0", Side::kCompiled, 1, {DType::kBFloat16, {2}, bf16_zeros});
+    write("layers.0", Side::kCompiled, 2, {DType::kFloat32, {3}, nonzero});
+    write("head", Side::kEager, 0, {DType::kFloat32, {3}, zeros});  // not wrapped
+    writer.write_module({"layers.0", {{"role", "wrapped"}, {"calls", "1"}}});
+    writer.commit();
+  }
+  const Comparison result = compare(dir.path(), dir.path(), {});
+  ASSERT_EQ(result.steps.size(), 1u);
+  std::map<std::string, const Row*> grads;
+  for (const Row& row : result.steps[0].rows) {
+    if (row.kind == Kind::kParamGrad) {
+      grads[row.module + "[" + std::to_string(row.tensor_index) + "]"] = &row;
+    }
+  }
+  ASSERT_EQ(grads.size(), 4u);
+  for (const char* key : {"layers.0[0]", "layers.0[1]"}) {
+    EXPECT_EQ(grads[key]->status, Status::kPass) << key;
+    EXPECT_TRUE(grads[key]->note.empty()) << key;
+    EXPECT_EQ(grads[key]->reason, "eager: no gradient; compiled: zeros (the same gradient)");
+    ASSERT_TRUE(grads[key]->metrics);
+    EXPECT_EQ(grads[key]->metrics->max_abs, 0.0);
+  }
+  EXPECT_EQ(grads["layers.0[2]"]->status, Status::kWarn);
+  EXPECT_EQ(grads["layers.0[2]"]->note, notes::kMissingBwdInEager);
+  EXPECT_EQ(grads["head[0]"]->status, Status::kPass);
+  EXPECT_EQ(grads["head[0]"]->reason, "compiled: no gradient; eager: zeros (the same gradient)");
+  const std::string text = render_text(result.steps[0]);
+  EXPECT_NE(text.find("shape=(3,)  eager: no gradient; compiled: zeros (the same gradient)"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(result.steps[0].counts().warn, 1u) << text;
+}
+
 TEST(Engine, NoteStatusIsATableThatWarnsForEveryNoteItDoesNotKnow) {
   EXPECT_EQ(note_status(notes::kIgnored), Status::kSkip);
   EXPECT_EQ(note_status(notes::kCompiledWrapper), Status::kSkip);

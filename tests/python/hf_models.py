@@ -69,7 +69,7 @@ def _image_infer(_) -> dict:
     return {"pixel_values": torch.randn(BATCH, 3, 16, 16)}
 
 
-def _decoder(config_class, model_class, block_class, **extra) -> Family:
+def _decoder(config_class, model_class, block_class, generates=True, **extra) -> Family:
     def build():
         config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -77,12 +77,14 @@ def _decoder(config_class, model_class, block_class, **extra) -> Family:
         return model_class(config)
 
     return Family(config_class.__name__.removesuffix("Config"), build, (block_class,),
-                  _causal_lm_batch, _causal_lm_infer, generates=True)
+                  _causal_lm_batch, _causal_lm_infer, generates=generates)
 
 
 def families() -> Dict[str, Family]:
     from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
     from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer
+    from transformers.models.dory.modeling_dory import DoryDecoderLayer
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
@@ -97,6 +99,12 @@ def families() -> Dict[str, Family]:
         _decoder(t.MistralConfig, t.MistralForCausalLM, MistralDecoderLayer, sliding_window=None),
         _decoder(t.MixtralConfig, t.MixtralForCausalLM, MixtralDecoderLayer, num_local_experts=4,
                  num_experts_per_tok=2),
+        # Each layer runs twice a step with one cache: the second call reads the keys and values
+        # the first left there, so gradient flows back into the first call through them.
+        _decoder(t.DoryConfig, t.DoryForCausalLM, DoryDecoderLayer, generates=False),
+        # Its compressor's projections get no gradient in eager on short sequences, zeros compiled.
+        _decoder(t.DeepseekV4Config, t.DeepseekV4ForCausalLM, DeepseekV4DecoderLayer,
+                 generates=False),
         Family("GPT2", lambda: t.GPT2LMHeadModel(t.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)), (GPT2Block,), _causal_lm_batch, _causal_lm_infer,

@@ -322,3 +322,62 @@ def test_parameter_gradients_are_the_ones_before_training_changes_grad_in_place(
                                                 side)
             recorded = torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(shape).copy())
             torch.testing.assert_close(recorded, expected)
+
+
+class Cache:
+    """A KV cache a layer appends to: a later call reads what an earlier one left."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def update(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        if layer in self.keys:
+            keys = torch.cat([self.keys[layer], keys], dim=1)
+        self.keys[layer] = keys
+        return keys
+
+
+class CachedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(6, 6)
+        self.k = nn.Linear(6, 6)
+
+    def forward(self, x, cache: Cache):
+        keys = cache.update(0, self.k(x))
+        scores = self.q(x) @ keys.transpose(1, 2)
+        return x + scores.softmax(-1) @ keys
+
+
+def test_gradient_through_what_a_call_leaves_in_its_arguments_reaches_its_eager_backward(
+        tmp_path):
+    """A layer run twice in a step with one cache (Dory, looped transformers): the second call
+    reads the keys the first left in the cache, so the first call's gradient includes a path
+    through the second. Its eager re-run must be seeded with it too, or its grad_input and its
+    k's gradient differ from the compiled side's when nothing was miscompiled."""
+    torch.manual_seed(0)
+    model = CachedAttention()
+    x = torch.randn(2, 4, 6, requires_grad=True)
+
+    reference = copy.deepcopy(model)
+    cache = Cache()
+    out = reference(reference(x, cache), cache)
+    out.square().sum().backward()
+
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model)
+    checker.install(model)
+    cache = Cache()
+    x_checked = x.detach().clone().requires_grad_(True)
+    out = model(model(x_checked, cache), cache)
+    out.square().sum().backward()
+    result = checker.collect()
+    checker.uninstall()
+
+    assert result.all_pass, result.text()
+    grad_inputs = {row.call: row for row in result.rows if row.check_type == "grad_input"}
+    assert set(grad_inputs) == {0, 1} and all(r.status == "PASS" for r in grad_inputs.values())
+    assert torch.equal(x_checked.grad, x.grad)  # training untouched
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    assert cache.keys[0].shape == (2, 8, 6)  # appended once per call, not by the re-run

@@ -200,3 +200,72 @@ class ModuleGlobals:
                 else:
                     del space[name]
         return sorted(changed)
+
+
+def reachable_tensors(value) -> Dict[tuple, torch.Tensor]:
+    """Every tensor reachable from ``value`` through tuples, lists, dicts and object attributes,
+    by its path there (indices, keys, attribute names), the first path to each; parameters and
+    modules are not looked into. A deep copy of ``value`` has its copies at the same paths."""
+    found: Dict[tuple, torch.Tensor] = {}
+    seen: set = set()
+    stack = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if id(item) in seen or isinstance(item, (_IMMUTABLE, nn.Module, nn.Parameter)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            found[path] = item
+        elif isinstance(item, dict):
+            stack.extend(((*path, key), sub) for key, sub in reversed(item.items())
+                         if isinstance(key, (str, int)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(((*path, index), sub) for index, sub in reversed(list(enumerate(item))))
+        else:
+            members = dict(getattr(item, "__dict__", None) or {})
+            for cls in type(item).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if isinstance(slot, str) and slot not in members and hasattr(item, slot):
+                        members[slot] = getattr(item, slot)
+            stack.extend(((*path, f".{name}"), sub) for name, sub in reversed(members.items()))
+    return found
+
+
+class LeftInArguments:
+    """The tensors a call leaves in the objects it was given, for later calls to read: the keys
+    and values a KV cache appends, an entry set in a dict argument. They are outputs of the call
+    as much as what it returns: a later call that reads them (a layer run twice in a step with
+    one cache) sends gradient back into this call's graph through them. Found by mechanism:
+    tensors reachable from the arguments after the call, requiring grad, that were not there
+    before (or were written in place), other than the call's own inputs and return values."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self._before = {id(t): (t, t._version)
+                        for t in reachable_tensors((args, kwargs)).values()}
+
+    def find(self, args: tuple, kwargs: dict, returned: List[torch.Tensor],
+             inputs: List[torch.Tensor]) -> List[Tuple[tuple, torch.Tensor]]:
+        """(path, tensor) of what the call left in ``args``/``kwargs`` (as passed to it)."""
+        own = {id(t) for t in returned} | {id(t) for t in inputs}
+        left = []
+        for path, tensor in reachable_tensors((args, kwargs)).items():
+            if not tensor.requires_grad or tensor.grad_fn is None or id(tensor) in own:
+                continue
+            before = self._before.get(id(tensor))
+            if before is None or before[0]._version != before[1]:
+                left.append((path, tensor))
+        self._before = {}
+        return left
+
+
+def counterparts(left: List[Tuple[tuple, torch.Tensor]], args: tuple,
+                 kwargs: dict) -> List[Tuple[int, torch.Tensor]]:
+    """(position in ``left``, tensor) for what a re-run on copies of the arguments left at the
+    same paths, where it is a tensor of the same shape in a graph (the re-run's twin)."""
+    reached = reachable_tensors((args, kwargs))
+    twins = []
+    for position, (path, tensor) in enumerate(left):
+        twin = reached.get(path)
+        if twin is not None and twin.requires_grad and twin.shape == tensor.shape:
+            twins.append((position, twin))
+    return twins

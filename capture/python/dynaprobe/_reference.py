@@ -180,6 +180,7 @@ class ReferenceRun:
         self.outputs = outputs  # (index, tensor) of the output leaves that require grad
         self.leaves = leaves  # (input index, upcast input leaf)
         self.params = params  # (real parameter, its upcast copy)
+        self.left: List[Tuple[int, torch.Tensor]] = []  # as PendingBackward.eager_left
 
 
 @contextlib.contextmanager

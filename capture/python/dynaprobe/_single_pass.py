@@ -22,7 +22,13 @@ from dynaprobe._capture import (
     probe_outputs,
     tensor_leaves,
 )
-from dynaprobe._isolation import ModuleGlobals, ModuleState, copy_arguments
+from dynaprobe._isolation import (
+    LeftInArguments,
+    ModuleGlobals,
+    ModuleState,
+    copy_arguments,
+    counterparts,
+)
 from dynaprobe import _replay_store
 from dynaprobe._reference import (
     ReferencePolicy,
@@ -129,9 +135,16 @@ class SinglePass:
             step.note(name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
             return target.run(*args, **kwargs)
 
+        left_watch = None
         if grad_mode:
             args, kwargs = probe_inputs(
                 args, kwargs, lambda index: self._compiled_grad_input_hook(step, target, call, index))
+            try:
+                left_watch = LeftInArguments(args, kwargs)
+            except Exception as error:
+                self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
+                                f"their arguments are not followed ({type(error).__name__}: "
+                                f"{error})")
         with autocast_context(self.cast_dtype, devices):
             compiled_out = target.run(*args, **kwargs)
 
@@ -187,6 +200,9 @@ class SinglePass:
 
         compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = tensor_leaves(eager_out)
+        left, eager_left = self._left_in_arguments(
+            name, left_watch, args, kwargs, eager_args, eager_kwargs, compiled_leaves, reference,
+            reference_args)
         for index, (label, tensor) in enumerate(compiled_leaves):
             step.record(name, call, "fwd_output", index, "compiled", tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
@@ -195,13 +211,43 @@ class SinglePass:
         if not grad_mode:
             return compiled_out
         eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
-        pending = PendingBackward(step, target, call, eager_outputs, leaves, params, reference)
-        if eager_outputs:
+        pending = PendingBackward(step, target, call, eager_outputs, leaves, params, reference,
+                                  eager_left)
+        for index, tensor in left:
+            pending.hooks.append(tensor.register_hook(pending.grad_hook(index)))
+        if eager_outputs or eager_left:
             step.pending.append(pending)
             if candidate is not None:
                 candidate.pending = pending
         return probe_outputs(compiled_out,
                              lambda index: self._grad_output_hook(step, pending, index))
+
+    def _left_in_arguments(self, name: str, watch: Optional[LeftInArguments], args, kwargs,
+                           eager_args, eager_kwargs, compiled_leaves, reference,
+                           reference_args) -> Tuple[list, list]:
+        """What the compiled call left in its arguments (LeftInArguments) that requires grad, and
+        its twins left by the eager re-run (and the reference) in their copies: ``(compiled,
+        eager)`` lists of (index, tensor), indexed after the call's returned tensors. A later call
+        reading them sends gradient back into this call: it seeds the eager backward too."""
+        if watch is None:
+            return [], []
+        try:
+            found = watch.find(args, kwargs, [t for _, t in compiled_leaves],
+                               [t for _, t in input_leaves(args, kwargs)])
+            if not found:
+                return [], []
+            first = len(compiled_leaves)
+            eager = [(first + position, twin)
+                     for position, twin in counterparts(found, eager_args, eager_kwargs)]
+            if reference is not None:
+                reference.left = [(first + position, twin) for position, twin in
+                                  counterparts(found, reference_args[0], reference_args[1])]
+            paired = {index for index, _ in eager}
+            return [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired], eager
+        except Exception as error:  # never break training because of the checker
+            self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
+                            f"their arguments are not followed ({type(error).__name__}: {error})")
+            return [], []
 
     def _reference_call(self, step: Step, target: Target, call: int, arguments,
                         dtype: torch.dtype, devices: set, grad_mode: bool,

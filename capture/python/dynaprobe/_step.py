@@ -126,13 +126,17 @@ class PendingBackward:
     grad_output its compiled twin received."""
 
     def __init__(self, step: Step, target: Target, call: int, eager_outputs: list,
-                 leaves: list, params: list, reference=None):
+                 leaves: list, params: list, reference=None, eager_left: list = ()):
         self.step = step
         self.reference = reference  # _reference.ReferenceRun of this call, if any
         self.target = target
         self.call = call
         self.params = params  # the parameters this call's eager forward used
         self.eager_outputs = eager_outputs  # (index, tensor) pairs that require grad
+        # (index, tensor) the eager re-run left in its arguments (_isolation.LeftInArguments),
+        # indexed after the outputs; seeded only where their compiled twins got a gradient
+        self.eager_left = list(eager_left)
+        self.hooks: list = []  # on the compiled twins of eager_left, removed once run
         self.leaves = leaves  # (input index, eager input leaf)
         self.grads: Dict[int, torch.Tensor] = {}
         self.done = False
@@ -140,17 +144,23 @@ class PendingBackward:
     def on_output_grad(self, index: int, grad: torch.Tensor) -> None:
         self.grads[index] = grad.detach()
 
+    def grad_hook(self, index: int) -> Callable:
+        """A tensor hook keeping the gradient of output ``index``, changing nothing."""
+        def hook(grad: Optional[torch.Tensor]) -> None:
+            if grad is not None:
+                self.on_output_grad(index, grad)
+
+        return hook
+
     def run(self) -> None:
         """Runs the eager backward with the grad_output the compiled module received."""
         if self.done or not self.grads:
             return
         self.done = True
-        outputs, grad_outputs = [], []
-        for index, tensor in self.eager_outputs:
-            outputs.append(tensor)
-            grad = self.grads.get(index)
-            grad_outputs.append(grad if grad is not None and grad.shape == tensor.shape
-                                else torch.zeros_like(tensor))
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        outputs, grad_outputs = seeds(self.eager_outputs, self.eager_left, self.grads)
         params = [p for _, p in self.params]
         inputs = [leaf for _, leaf in self.leaves] + params
         if inputs:
@@ -170,18 +180,13 @@ class PendingBackward:
                                              owned=not shares_storage(grad, grad_outputs))
         if self.reference is not None:
             self._run_reference()
-        self.eager_outputs = self.leaves = self.params = []
+        self.eager_outputs = self.eager_left = self.leaves = self.params = []
         self.reference = None
 
     def _run_reference(self) -> None:
         """The reference's backward, seeded with the same grad_output (upcast)."""
         reference = self.reference
-        outputs, grad_outputs = [], []
-        for index, tensor in reference.outputs:
-            outputs.append(tensor)
-            grad = self.grads.get(index)
-            grad_outputs.append(grad.to(tensor.dtype) if grad is not None
-                                and grad.shape == tensor.shape else torch.zeros_like(tensor))
+        outputs, grad_outputs = seeds(reference.outputs, reference.left, self.grads)
         inputs = [leaf for _, leaf in reference.leaves] + [p for _, p in reference.params]
         if not outputs or not inputs:
             return
@@ -205,6 +210,24 @@ class PendingBackward:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
         eager graph, which saved them, cannot run any more."""
         return any(p.untyped_storage().size() == 0 and p.numel() > 0 for _, p in self.params)
+
+
+def seeds(outputs: list, left: list, grads: Dict[int, torch.Tensor]):
+    """The (outputs, grad_outputs) of an eager or reference backward: every output that requires
+    grad, seeded with the gradient its compiled twin received (zeros if none, or of another shape),
+    and the tensors the call left in its arguments that received one, in the output's dtype."""
+    tensors, seeded = [], []
+    for index, tensor in outputs:
+        grad = grads.get(index)
+        tensors.append(tensor)
+        seeded.append(grad.to(tensor.dtype) if grad is not None and grad.shape == tensor.shape
+                      else torch.zeros_like(tensor))
+    for index, tensor in left:
+        grad = grads.get(index)
+        if grad is not None and grad.shape == tensor.shape:
+            tensors.append(tensor)
+            seeded.append(grad.to(tensor.dtype))
+    return tensors, seeded
 
 
 def shares_storage(grad: torch.Tensor, grad_outputs: List[torch.Tensor]) -> bool:
