@@ -381,3 +381,49 @@ def test_gradient_through_what_a_call_leaves_in_its_arguments_reaches_its_eager_
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
     assert cache.keys[0].shape == (2, 8, 6)  # appended once per call, not by the re-run
+
+
+class _ScaleIgnoringWeight(torch.autograd.Function):
+    """Returns no gradient for ``weight``: autograd calls its hooks with None (AXK2's case)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        return x * 2 + weight.detach() * 0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class UndefinedWeightGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(6))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(_ScaleIgnoringWeight.apply(x, self.weight))
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_a_parameter_autograd_gives_no_gradient_breaks_nothing(single_pass, tmp_path):
+    torch.manual_seed(0)
+    model = UndefinedWeightGradient()
+    x = torch.randn(2, 6, requires_grad=True)
+    checker = PrecisionChecker(single_pass=single_pass, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model)
+    if single_pass:
+        checker.install(model)
+        model(x).sum().backward()
+        result = checker.collect()
+        assert model.weight.grad is None and model.lin.weight.grad is not None
+    else:
+        def step(m):
+            loss = m(x).sum()
+            loss.backward()
+            return loss
+
+        result = checker.compare(step, model)
+    assert result.all_pass, result.text()
+    params = {row.label for row in result.rows if row.check_type == "param_grad"}
+    assert "lin.weight" in params and "weight" not in params

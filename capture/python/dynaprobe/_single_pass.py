@@ -401,8 +401,9 @@ class SinglePass:
         return hook
 
     def _compiled_grad_input_hook(self, step: Step, target: Target, call: int, index: int):
-        def hook(grad: torch.Tensor) -> None:
-            step.record(target.name, call, "grad_input", index, "compiled", grad)
+        def hook(grad: Optional[torch.Tensor]) -> None:
+            if grad is not None:
+                step.record(target.name, call, "grad_input", index, "compiled", grad)
             # The compiled backward of this call is done: every grad_output has arrived.
             for pending in step.pending:
                 if pending.target is target and pending.call == call:

@@ -255,9 +255,10 @@ def run_pending(step: Step, unreached: str) -> None:
 def compiled_param_grad_hook(active_step: Callable[[], Optional[Step]], param: torch.Tensor):
     """A hook for ``param.register_hook``: adds the training backward's gradient of ``param`` to
     the active step's compiled-side sum (the checker's own eager backward is left out)."""
-    def hook(grad: torch.Tensor) -> None:
+    def hook(grad: Optional[torch.Tensor]) -> None:
+        # Autograd hands hooks None for a gradient it left undefined (AXK2): zero, nothing to add.
         step = active_step()
-        if step is not None and not _in_eager_backward():
+        if step is not None and grad is not None and not _in_eager_backward():
             step.add_param_grad("compiled", param, grad)
 
     return hook

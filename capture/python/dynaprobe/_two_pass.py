@@ -167,7 +167,8 @@ def _grad_hook(step: Step, target: Target, call: int, kind: str, index: int, sid
 
 
 def _param_hook(step: Step, side: str, param: torch.Tensor):
-    def hook(grad: torch.Tensor) -> None:
-        step.add_param_grad(side, param, grad)
+    def hook(grad: Optional[torch.Tensor]) -> None:
+        if grad is not None:  # None: a gradient autograd left undefined (zero)
+            step.add_param_grad(side, param, grad)
 
     return hook
