@@ -95,7 +95,7 @@ def test_replay_of_a_passing_module_reproduces_its_stored_outputs_bit_for_bit(tm
     step_file = result.dump_file
     for name in ("norm", "mlp", "proj"):
         call = load_call(checker.dump_dir, name)
-        module = call.build_module()
+        module = call.build_module(unpickle=True)  # LayerNorm needs arguments
         assert type(module) is type(dict(model.named_modules())[name])
         stored = {(r["side"], r["kind"], r["tensor_index"]): read(step_file, r)
                   for r in _C.read_step(step_file)["records"]
@@ -128,7 +128,7 @@ def test_each_call_of_a_module_called_twice_replays_bit_for_bit(tmp_path):
               if r["kind"] in ("fwd_output", "grad_input")}
     for call in (0, 1):  # the module's structure is stored once, with call 0
         replayed = load_call(checker.dump_dir, "shared", call)
-        module = replayed.build_module()
+        module = replayed.build_module(unpickle=True)
         runs = {"eager": replayed.run(module, module.forward),
                 "compiled": replayed.run(module, replayed.compiled_forward(
                     module, replayed.backend()))}
@@ -196,7 +196,14 @@ def test_a_repro_folder_reproduces_the_failing_metric_in_a_fresh_process(tmp_pat
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Net needs constructor arguments: without --unpickle nothing from the dump runs, and the
+    # message says how to opt in and what it risks.
     run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
+    assert run.returncode != 0
+    assert "cannot be built without arguments" in run.stderr and "--unpickle" in run.stderr
+    assert "runs code the dump carries" in run.stderr
+    run = subprocess.run([sys.executable, str(out / "repro.py"), "--unpickle"], cwd=elsewhere,
                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
     assert run.returncode == 1, run.stdout + run.stderr  # the failure reproduces
     recorded, replayed = run.stdout.split("replayed:\n")
@@ -207,7 +214,7 @@ def test_a_repro_folder_reproduces_the_failing_metric_in_a_fresh_process(tmp_pat
     assert line in recorded  # the same metrics the dump recorded, to the bit
 
     # Without the user's code the module cannot be rebuilt: the message says what to do.
-    run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+    run = subprocess.run([sys.executable, str(out / "repro.py"), "--unpickle"], cwd=elsewhere,
                          capture_output=True, text=True, env=env)
     assert run.returncode != 0
     assert "PYTHONPATH" in run.stderr
@@ -253,7 +260,7 @@ def _stage_list(table, partition, fw_compiler, bw_compiler):
 def test_bisection_names_the_stage_a_fault_is_injected_into(tmp_path, fault):
     checker, _, result = checked_step(tmp_path, replay="all", backend="aot_eager")
     call = load_call(checker.dump_dir, "mlp")
-    bisected = bisect_call(call, _stages(fault))
+    bisected = bisect_call(call, _stages(fault), unpickle=True)
     assert bisected.first_failing(forward=True) == fault
     assert bisected.first_changed(forward=True) == fault
     # Every stage before the fault gives eager's numbers, forward and backward, to the bit.
@@ -270,7 +277,7 @@ def test_bisection_names_the_stage_a_fault_is_injected_into(tmp_path, fault):
 @pytest.mark.slow
 def test_bisection_through_the_default_stages_and_the_cli(tmp_path):
     checker, _, result = checked_step(tmp_path, dump="failing")  # mlp fails: its call is kept
-    bisected = checker.bisect("mlp")
+    bisected = checker.bisect("mlp", unpickle=True)
     assert [s.name for s in bisected.stages] == [
         "eager", "aot_eager", "aot_eager_decomp_partition", "inductor",
         "inductor_fallback_random"]
@@ -311,7 +318,7 @@ def test_a_fault_in_an_inductor_lowering_is_named_by_compiler_bisector(tmp_path,
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         bisected = checker.bisect("0", stages=[s for s in STAGES if s.name in (
-            "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True)
+            "aot_eager_decomp_partition", "inductor")], inductor_subsystems=True, unpickle=True)
     assert bisected.first_failing() == "inductor"
     assert (bisected.inductor.backend, bisected.inductor.subsystem) == ("inductor", "lowerings")
     assert bisected.inductor.debug_info == "tanh"
@@ -368,7 +375,7 @@ def test_a_backward_only_failure_is_kept_by_default_and_reproduces_in_a_fresh_pr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, str(out / "repro.py")], cwd=elsewhere,
+    run = subprocess.run([sys.executable, str(out / "repro.py"), "--unpickle"], cwd=elsewhere,
                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
     assert run.returncode == 1, run.stdout + run.stderr
     recorded, replayed = run.stdout.split("replayed:\n")
@@ -440,7 +447,8 @@ def test_a_backward_only_failure_kept_by_default_is_bisected_to_its_stage(tmp_pa
     assert all(r.status == "PASS" for r in result.rows if r.check_type == "fwd_output")
     kept = {r["module"] for r in replay_records(result.dump_file)}
     assert "mlp" in kept and "proj" not in kept  # proj's backward comes before the fault
-    bisected = bisect_call(load_call(checker.dump_dir, "mlp"), _backward_stages(fault))
+    bisected = bisect_call(load_call(checker.dump_dir, "mlp"), _backward_stages(fault),
+                           unpickle=True)
     assert bisected.first_failing(forward=False) == fault
     assert bisected.first_changed(forward=True) is None  # the forward is eager's everywhere
     assert f"backward first changes at: {fault}; first fails the tolerances at: {fault}" in \
@@ -475,7 +483,7 @@ def test_the_cli_runs_the_python_replay_tools(tmp_path, dynaprobe_cli):
     assert made.stdout == f"Repro written to: {out / 'repro.py'}\n"
     assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
     bisected = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "mlp",
-                               "--stages", "eager,aot_eager"], capture_output=True, text=True,
+                               "--stages", "eager,aot_eager", "--unpickle"], capture_output=True, text=True,
                               env=env)
     assert bisected.returncode == 0, bisected.stderr
     assert "forward  first changes at: no stage" in bisected.stdout
@@ -492,3 +500,84 @@ def test_the_cli_runs_the_python_replay_tools(tmp_path, dynaprobe_cli):
                              text=True, env={**env, "DYNAPROBE_PYTHON": str(tmp_path / "none")})
     assert missing.returncode == 2
     assert missing.stderr.startswith("dynaprobe: error: bisect runs 'python -m dynaprobe.bisect'")
+
+
+# ---------------------------------------------------------------------- untrusted dumps
+class _Payload:
+    """Unpickled, it runs a shell command that leaves a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _with_crafted_pickle(step_file, folder, marker):
+    """The step rewritten through dynaprobe's own writer (every checksum valid), its module
+    structure replaced by a pickle that runs a command."""
+    import pickle
+
+    import numpy as np
+
+    info = _C.read_step(step_file)
+    records = []
+    for r in info["records"]:
+        if not r["stored"]:
+            continue
+        dtype, shape, data = _C.read_record(step_file, r["module"], r["call"], r["kind"],
+                                            r["tensor_index"], r["side"])
+        array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        if r["label"] == "structure:pickle":
+            array = np.frombuffer(pickle.dumps(_Payload(marker)), dtype=np.uint8)
+        records.append((r["module"], r["call"], r["kind"], r["tensor_index"], r["side"],
+                        r["label"], dtype, array))
+    return _C.write_step(str(folder), info["step"], dict(info["provenance"]), records,
+                         modules=list(info["modules"]))
+
+
+def test_a_crafted_pickle_in_a_dump_never_runs_unless_asked_for(tmp_path, dynaprobe_cli):
+    """Nothing a dump carries runs by default: not under repro, bisect, the generated script, the
+    other commands or the Python API. The opt-in (--unpickle) says what it risks."""
+    _, _, result = checked_step(tmp_path, dump="failing")
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted"
+    _with_crafted_pickle(result.dump_file, crafted, marker)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
+    out = tmp_path / "repro"
+    commands = [["compare", crafted], ["ls", crafted], ["graphs", crafted],
+                ["repro", crafted, "--module", "mlp", "-o", out],
+                ["bisect", crafted, "--module", "mlp", "--stages", "eager,aot_eager"]]
+    for command in commands:
+        run = subprocess.run([dynaprobe_cli, *map(str, command)], capture_output=True,
+                             text=True, env=env, cwd=tmp_path)
+        assert not marker.exists(), command
+        assert run.returncode in (0, 1, 2, 3), (command, run.stderr)
+    # models.MLP needs its width: the module cannot be built from its class alone, and the
+    # message offers the pickle only with its risk.
+    script = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True,
+                            text=True, env=env, cwd=tmp_path)
+    assert not marker.exists()
+    assert script.returncode != 0
+    assert "--unpickle" in script.stderr and "runs code the dump carries" in script.stderr
+    call = load_call(str(crafted), "mlp")
+    with pytest.raises(ValueError, match="runs code the dump carries"):
+        call.build_module()
+    assert not marker.exists()
+    helped = subprocess.run([sys.executable, "-m", "dynaprobe.bisect", "--help"],
+                            capture_output=True, text=True)
+    assert "--unpickle" in helped.stdout and "runs code the dump carries" in \
+        " ".join(helped.stdout.split())
+    # What the opt-in means, shown once: it runs the pickle.
+    with pytest.raises(Exception):
+        call.build_module(unpickle=True)
+    assert marker.exists()
+
+
+def test_a_dump_naming_a_class_that_is_not_a_module_is_refused(tmp_path):
+    _, _, result = checked_step(tmp_path, dump="failing")
+    call = load_call(result.dump_file, "mlp")
+    call.replay["class"] = "os.getcwd"  # a callable without arguments
+    with pytest.raises(ValueError, match="not an nn.Module class: refused"):
+        call.build_module()

@@ -632,7 +632,7 @@ class PrecisionChecker:
 
     # ------------------------------------------------------------------ replay
     def bisect(self, module: str, call: Optional[int] = None, step: Optional[int] = None,
-               stages=None, inductor_subsystems: bool = False):
+               stages=None, inductor_subsystems: bool = False, unpickle: bool = False):
         """Replays a stored call of ``module`` (kept by ``replay=``) from this checker's dump
         through torch.compile's stages (eager, aot_eager, aot_eager_decomp_partition, inductor,
         inductor with fallback_random) and returns a ``dynaprobe.bisect.BisectResult``: the
@@ -647,13 +647,16 @@ class PrecisionChecker:
                 above).
             inductor_subsystems: when inductor is the first stage to fail, name its subsystem
                 with ``torch._inductor.compiler_bisector`` (resets Dynamo; slow).
+            unpickle: rebuild the module from the pickle the dump holds when its class needs
+                constructor arguments; runs code the dump carries: only for dumps you trust.
         """
         from dynaprobe import bisect as stage_bisect  # noqa: PLC0415 - its own module
         from dynaprobe._replay import load_call  # noqa: PLC0415
 
         stored = load_call(self.dump_dir, module, call, step)
         return stage_bisect.bisect_call(stored, stages or stage_bisect.STAGES,
-                                        inductor_subsystems=inductor_subsystems)
+                                        inductor_subsystems=inductor_subsystems,
+                                        unpickle=unpickle)
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

@@ -38,6 +38,12 @@ _JUDGING_KEYS = (vocabulary.PROVENANCE_ATOL, vocabulary.PROVENANCE_RTOL,
                  vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES, vocabulary.PROVENANCE_CAST_DTYPE)
 
 
+# Said wherever the pickled module structure can be unpickled (an explicit opt-in, never the
+# default): a pickle names any callable, and unpickling calls it.
+UNPICKLE_RISK = ("unpickling runs code the dump carries, as any pickle can: use it only on dumps "
+                 "you trust")
+
+
 class ReplayError(ValueError):
     """A call cannot be replayed from this dump; the message says why and what to do."""
 
@@ -74,12 +80,13 @@ class StoredCall:
         return self.replay["calls"][str(self.call)]
 
     # ------------------------------------------------------------------ the module
-    def build_module(self, device: str = "cpu") -> nn.Module:
-        """The module with its stored weights: unpickled from its stored structure (its class
-        must be importable), else ``class()`` when the class takes no arguments. Raises
+    def build_module(self, device: str = "cpu", unpickle: bool = False) -> nn.Module:
+        """The module with its stored weights. By default nothing the dump carries runs: the
+        module is its recorded class called without arguments, which must be an ``nn.Module``
+        class importable here. ``unpickle=True`` rebuilds it from the pickled structure the dump
+        holds instead (any constructor), which runs code the dump carries (UNPICKLE_RISK). Raises
         ReplayError saying what to do otherwise."""
-        module = None
-        if self.structure is not None:
+        if unpickle and self.structure is not None:
             try:
                 module = torch.load(io.BytesIO(self.structure), weights_only=False)
             except Exception as error:
@@ -102,13 +109,29 @@ class StoredCall:
             cls = importlib.import_module(module_name)
             for part in qualname.split("."):
                 cls = getattr(cls, part)
+        except Exception as error:
+            raise ReplayError(self._cannot_build(
+                f"its class {path} cannot be imported here ({type(error).__name__}: "
+                f"{error})")) from error
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ReplayError(f"the dump names {path} as the class of the module {self.module}, "
+                              "which is not an nn.Module class: refused (a damaged or crafted "
+                              "dump)")
+        try:
             return cls()
         except Exception as error:
-            raise ReplayError(
-                f"the module {self.module} did not pickle when it was captured, and its class "
-                f"{path} cannot be built without arguments ({type(error).__name__}: {error}): "
-                "build it yourself in the repro script's build_module() and load the weights "
-                "with load_weights(module)") from error
+            raise ReplayError(self._cannot_build(
+                f"its class {path} cannot be built without arguments ({type(error).__name__}: "
+                f"{error})")) from error
+
+    def _cannot_build(self, why: str) -> str:
+        """What to do when the module cannot be built from its class alone."""
+        pickled = ("; or rebuild it from the pickle the dump holds (--unpickle; unpickle=True in "
+                   f"Python): {UNPICKLE_RISK}") if self.structure is not None else \
+            " (the module did not pickle when it was captured)"
+        return (f"the module {self.module} could not be rebuilt: {why}. Build it yourself in "
+                "the repro script's build_module() (bisect_call(module=...) in Python) and load "
+                f"the weights with load_weights(module){pickled}")
 
     def load_weights(self, module: nn.Module) -> None:
         """Sets every stored parameter and buffer of ``module`` (by name) to its stored value."""

@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dynaprobe._replay import ReplayError, StoredCall, judge, load_call, metrics_lines
+from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, judge, load_call,
+                               metrics_lines)
 from dynaprobe._result import CompareResult
 
 
@@ -142,7 +143,7 @@ def _config_patch(config: Dict[str, Any]):
 
 
 def bisect_call(call: StoredCall, stages: Sequence[Stage] = STAGES, module=None,
-                inductor_subsystems: bool = False) -> BisectResult:
+                inductor_subsystems: bool = False, unpickle: bool = False) -> BisectResult:
     """Replays ``call`` eagerly and through each stage; see the module docstring.
 
     Args:
@@ -152,8 +153,10 @@ def bisect_call(call: StoredCall, stages: Sequence[Stage] = STAGES, module=None,
         inductor_subsystems: when a stage named ``inductor`` is the first to fail, run
             ``torch._inductor.compiler_bisector`` on the replay (it resets Dynamo, and compiles
             many times: slow).
+        unpickle: rebuild the module from the pickle the dump holds (``StoredCall.build_module``;
+            runs code the dump carries: only for dumps you trust).
     """
-    module = call.build_module() if module is None else module
+    module = call.build_module(unpickle=unpickle) if module is None else module
     eager = call.run(module, module.forward)
     runs, results = [], []
     for stage in stages:
@@ -205,6 +208,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--inductor-subsystems", action="store_true",
                         help="when inductor is the first stage to fail, find its subsystem with "
                              "torch._inductor.compiler_bisector (slow)")
+    parser.add_argument("--unpickle", action="store_true",
+                        help="rebuild the module from the pickle the dump holds, when its class "
+                             f"needs constructor arguments: {UNPICKLE_RISK}")
     args = parser.parse_args(argv)
     stages = STAGES
     if args.stages:
@@ -217,7 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         stages = [by_name[n] for n in args.stages.split(",")]
     try:
         call = load_call(args.dump, args.module, args.call, args.step)
-        result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems)
+        result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
+                             unpickle=args.unpickle)
     except ReplayError as error:
         print(f"dynaprobe bisect: {error}", file=sys.stderr)
         return 2

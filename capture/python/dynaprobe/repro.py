@@ -18,7 +18,8 @@ from typing import List, Optional
 import torch
 
 from dynaprobe import _C
-from dynaprobe._replay import ReplayError, StoredCall, judge, load_call, metrics_lines
+from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, judge, load_call,
+                               metrics_lines)
 from dynaprobe._result import CompareResult
 
 DATA_FILE = "repro_data.pt"
@@ -36,10 +37,11 @@ grad mode) backward seeded with the stored grad_output, from the stored RNG stat
 the report's metrics of both next to those the dump recorded. Exit code 1 when a row FAILs, as
 `dynaprobe compare`.
 
-The module is unpickled from repro_data.pt, which needs its class to be importable here: install
-the package that defines it or put its source folder on PYTHONPATH. Unpickling runs code: only
-run repro folders you trust. If the class cannot be imported, construct the module yourself in
-build_module() below and keep `data.load_weights(module)`, which sets the stored weights by name.
+The module is its class ({cls}) called without arguments, which must be importable here:
+install the package that defines it or put its source folder on PYTHONPATH. If it needs
+arguments, construct it yourself in build_module() below and keep `data.load_weights(module)`,
+which sets the stored weights by name. `python repro.py --unpickle` rebuilds it from the pickle
+in repro_data.pt instead: {risk}.
 A custom backend is imported from where it was defined ({backend}); if that fails, set BACKEND.
 
 Handing it to PyTorch's minifier (accuracy mode, level 4: minify while the numbers differ):
@@ -62,7 +64,7 @@ data = load_repro(os.path.join(HERE, "{data_file}"))
 
 
 def build_module():
-    return data.build_module()
+    return data.build_module(unpickle="--unpickle" in sys.argv[1:])
 
 
 BACKEND = data.backend()  # the recorded backend; set it yourself if it cannot be imported
@@ -112,7 +114,8 @@ def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None
     with open(script, "w", encoding="utf-8") as f:
         f.write(_SCRIPT.format(module=module, call=stored.call, step=stored.step,
                                cls=stored.replay["class"], data_file=DATA_FILE,
-                               backend=next(iter(backend.values()), "?")))
+                               backend=next(iter(backend.values()), "?"),
+                               risk=UNPICKLE_RISK))
     return script
 
 
