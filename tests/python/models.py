@@ -126,3 +126,26 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h, _ = block(h, attn_mask=mask)
         return self.head(h)
+
+
+def rsqrt_too_large(graph: torch.fx.Graph) -> None:
+    """An inductor post-grad pass (``post_grad_custom_post_pass``) with a fault: every
+    ``aten.rsqrt`` comes out 5% too large, inside the fused kernel that computes it."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten.rsqrt.default:
+            with graph.inserting_after(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.05))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+class RMSNormMLP(nn.Module):
+    """RMSNorm (rsqrt) then a linear layer: what rsqrt_too_large breaks."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return self.proj(norm)

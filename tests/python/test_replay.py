@@ -280,13 +280,15 @@ def test_bisection_through_the_default_stages_and_the_cli(tmp_path):
     bisected = checker.bisect("mlp", unpickle=True)
     assert [s.name for s in bisected.stages] == [
         "eager", "aot_eager", "aot_eager_decomp_partition", "inductor",
-        "inductor_fallback_random"]
+        "inductor_fallback_random", "recorded"]
     # The stored call replayed through PyTorch's own stages: eager and AOTAutograd change
-    # nothing; the fault was the capture's backend, not any of these.
+    # nothing; the fault was the capture's backend, its own stage, which comes last.
     assert bisected.stages[0].max_abs(True) == 0 and bisected.stages[1].max_abs(True) == 0
-    assert bisected.first_failing(True) is None and bisected.first_failing(False) is None
+    assert not any(s.failed(True) or s.failed(False) for s in bisected.stages[:-1])
+    assert bisected.first_failing(True) == "recorded"
+    assert "the difference comes from the backend's own changes" in bisected.text()
     command = [sys.executable, "-m", "dynaprobe.bisect", checker.dump_dir, "--module", "mlp",
-               "--stages", "eager,aot_eager"]
+               "--stages", "eager,aot_eager", "--unpickle"]
     out = subprocess.run(command, capture_output=True, text=True)
     assert out.returncode == 2  # the module's class (tests/python/models.py) is not importable
     assert "Make its class importable" in out.stderr
@@ -581,3 +583,47 @@ def test_a_dump_naming_a_class_that_is_not_a_module_is_refused(tmp_path):
     call.replay["class"] = "os.getcwd"  # a callable without arguments
     with pytest.raises(ValueError, match="not an nn.Module class: refused"):
         call.build_module()
+
+
+def test_bisect_replays_the_recorded_backend_after_the_stock_stages(tmp_path, dynaprobe_cli):
+    """Inductor with a custom post-grad pass that scales rsqrt: every stock stage passes, the
+    recorded backend (inductor with that pass, resolved from the captured inductor config)
+    fails, and the bisection says the difference comes from the backend's own changes."""
+    from models import RMSNormMLP, rsqrt_too_large
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNormMLP())
+    x = torch.randn(4, 16, requires_grad=True)
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    with torch._inductor.config.patch(post_grad_custom_post_pass=rsqrt_too_large,
+                                      fx_graph_cache=False):
+        result = checker.compare(lambda m: m(x).square().sum(), model)
+    assert not result.all_pass
+    replay = json.loads(dict(_C.read_step(result.dump_file)["modules"])["0"]["replay"])
+    assert replay["inductor_config"]["post_grad_custom_post_pass"] == {
+        "import": "models:rsqrt_too_large"}
+
+    torch._dynamo.reset()
+    stock = [s for s in STAGES if s.name in ("aot_eager", "inductor")]
+    from dynaprobe.bisect import recorded_stage
+
+    call = load_call(checker.dump_dir, "0")
+    bisected = bisect_call(call, stock + [recorded_stage(call)])
+    assert [s.name for s in bisected.stages] == ["aot_eager", "inductor", "recorded"]
+    assert bisected.first_failing() == "recorded", bisected.text()
+    said = ("every stock stage passes and the recorded backend (inductor, fx_graph_cache=False, "
+            "post_grad_custom_post_pass=models:rsqrt_too_large) fails: the difference comes "
+            "from the backend's own changes")
+    assert said in " ".join(bisected.text().split()), bisected.text()
+
+    # The command line, default stages: the recorded one comes last; torch's config is untouched.
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
+    run = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "0", "--stages",
+                          "eager,recorded"], capture_output=True, text=True, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "forward  first changes at: recorded; first fails the tolerances at: recorded" in \
+        run.stdout
+    assert torch._inductor.config.post_grad_custom_post_pass is None

@@ -644,7 +644,8 @@ class PrecisionChecker:
             call: which call (default: the first one kept); step: which step (default: the
                 first keeping replay data of ``module``).
             stages: ``dynaprobe.bisect.Stage`` values in pipeline order (default: the five
-                above).
+                above, then the backend and inductor config the call was captured with, when
+                they are not stock: ``dynaprobe.bisect.recorded_stage``).
             inductor_subsystems: when inductor is the first stage to fail, name its subsystem
                 with ``torch._inductor.compiler_bisector`` (resets Dynamo; slow).
             unpickle: rebuild the module from the pickle the dump holds when its class needs
@@ -654,7 +655,7 @@ class PrecisionChecker:
         from dynaprobe._replay import load_call  # noqa: PLC0415
 
         stored = load_call(self.dump_dir, module, call, step)
-        return stage_bisect.bisect_call(stored, stages or stage_bisect.STAGES,
+        return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
                                         unpickle=unpickle)
 

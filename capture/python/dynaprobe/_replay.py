@@ -197,21 +197,35 @@ class StoredCall:
         if "name" in spec:
             return spec["name"]
         if "import" in spec:
-            module_name, _, attribute = spec["import"].partition(":")
-            try:
-                value = importlib.import_module(module_name)
-                for part in attribute.split("."):
-                    value = getattr(value, part)
-                return value
-            except Exception as error:
-                raise ReplayError(
-                    f"the backend {spec['import']} cannot be imported ({type(error).__name__}: "
-                    f"{error}): make its module importable (install its package or put its "
-                    "source folder on PYTHONPATH), or set BACKEND in the repro script "
-                    "yourself") from error
+            return _imported(spec["import"], "backend", "set BACKEND in the repro script "
+                             "yourself")
         raise ReplayError(f"the backend {spec.get('unknown', '?')} was not a registered name nor "
                           "a module-level object when captured: pass it yourself (edit BACKEND "
                           "in the repro script)")
+
+    def inductor_config(self) -> Dict[str, object]:
+        """The inductor config switches the capture had set away from their defaults (a custom
+        post-grad pass, say), as values to patch; ReplayError for one that cannot be found."""
+        config = {}
+        for key, spec in self.replay.get("inductor_config", {}).items():
+            if "value" in spec:
+                config[key] = spec["value"]
+            elif "import" in spec:
+                config[key] = _imported(spec["import"], f"inductor config {key}",
+                                        "patch it yourself (torch._inductor.config)")
+            else:
+                raise ReplayError(f"the inductor config {key} was set to "
+                                  f"{spec.get('unknown', '?')}, which has no module-level name to "
+                                  "import it by: patch it yourself (torch._inductor.config)")
+        return config
+
+    def recorded_compile(self) -> str:
+        """The recorded backend and inductor config, in words."""
+        spec = self.replay.get("backend", {})
+        text = next(iter(spec.values()), "?")
+        for key, value in self.replay.get("inductor_config", {}).items():
+            text += f", {key}={next(iter(value.values()), '?')}"
+        return text
 
     @property
     def tolerances(self) -> Tuple[float, float]:
@@ -269,6 +283,31 @@ class Run:
     outputs: List[torch.Tensor]
     grad_input: Dict[int, torch.Tensor] = field(default_factory=dict)
     param_grad: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+def _imported(path: str, what: str, otherwise: str):
+    """The object at ``module:attribute``, a name the capture recorded (code installed here,
+    named by the dump); ReplayError saying what to do when it cannot be imported."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        value = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+        return value
+    except Exception as error:
+        raise ReplayError(
+            f"the {what} {path} cannot be imported ({type(error).__name__}: {error}): make its "
+            f"module importable (install its package or put its source folder on PYTHONPATH), "
+            f"or {otherwise}") from error
+
+
+def inductor_patch(config: Dict[str, object]):
+    """``torch._inductor.config.patch(config)``; nothing for an empty one."""
+    if not config:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when needed
+
+    return inductor_config.patch(config)
 
 
 def _module_device(module: nn.Module) -> str:

@@ -74,6 +74,30 @@ def backend_spec(backend) -> Dict[str, str]:
     return {"unknown": repr(backend)[:200]}
 
 
+def inductor_config_spec() -> Dict[str, Dict]:
+    """The inductor config switches set away from their defaults, each as a replay finds it
+    again: ``{"value": v}`` for a JSON value, else as backend_spec names an object (a custom
+    post-grad pass is a module-level callable). Empty when the config cannot be read."""
+    try:
+        import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when replaying
+
+        entries = inductor_config._config
+        # Values set, torch itself sets some to their defaults once it compiles: those apart.
+        changed = {key: value for key, value in
+                   inductor_config._get_dict(skip_default=True).items()
+                   if key not in entries or value != entries[key].default}
+    except Exception:  # a torch without it: the replay uses the defaults, as it says
+        return {}
+    spec = {}
+    for key, value in sorted(changed.items()):
+        try:
+            json.dumps(value)
+            spec[key] = {"value": value}
+        except (TypeError, ValueError):
+            spec[key] = backend_spec(value)
+    return spec
+
+
 def _structure_pickle(module: nn.Module) -> Optional[bytes]:
     """The module pickled with every parameter and buffer on the meta device (its structure and
     constructor-free state, no weights); None when it does not pickle (hooks holding closures,
@@ -218,6 +242,9 @@ def record_call(step, name: str, call: int, candidate: Candidate, cast_dtype,
         structure = _structure_pickle(module)
         replay = {"class": class_path(module), "backend": backend, "calls": {},
                   "structure_call": None if structure is None else call}
+        config = inductor_config_spec()
+        if config:
+            replay["inductor_config"] = config
         if structure is not None:
             record.add(f"{STRUCTURE}:pickle",
                        torch.frombuffer(bytearray(structure), dtype=torch.uint8))

@@ -9,6 +9,8 @@ each adding one part of the pipeline to the one before:
     aot_eager_decomp_partition  + Inductor's decompositions and the min-cut partitioner
     inductor                    + Inductor's lowering, fusion and code generation
     inductor_fallback_random    inductor with eager's random number generation
+    recorded                    the backend and inductor config the call was captured with, when
+                                they are not stock (a custom backend, a custom post-grad pass)
 
 Each stage's forward outputs and gradients (seeded with the stored grad_output) are judged against
 the eager run with the report's metrics and tolerances. The first stage whose numbers change, in the
@@ -20,15 +22,14 @@ lowerings, config switches) whose switching off restores the tolerances.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, judge, load_call,
-                               metrics_lines)
+from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, inductor_patch, judge,
+                               load_call, metrics_lines)
 from dynaprobe._result import CompareResult
 
 
@@ -91,6 +92,7 @@ class BisectResult:
     step: int
     stages: List[StageResult]
     inductor: Optional[Any] = None
+    recorded: str = ""  # the backend and inductor config captured, in words
 
     def first_changed(self, forward: bool = True) -> Optional[str]:
         return next((s.name for s in self.stages if s.changed(forward)), None)
@@ -123,6 +125,14 @@ class BisectResult:
             changed, failing = self.first_changed(forward), self.first_failing(forward)
             lines.append(f"  {direction:8} first changes at: {changed or 'no stage'}; first fails "
                          f"the tolerances at: {failing or 'no stage'}")
+        stock = [s for s in self.stages if s.name != RECORDED]
+        own = next((s for s in self.stages if s.name == RECORDED), None)
+        if own is not None and own.error:
+            lines.append(f"  the recorded backend ({self.recorded}) did not run: {own.error}")
+        elif own is not None and not any(s.failed(True) or s.failed(False) for s in stock) \
+                and (own.failed(True) or own.failed(False)):
+            lines.append(f"  every stock stage passes and the recorded backend ({self.recorded}) "
+                         "fails: the difference comes from the backend's own changes")
         if self.inductor is not None:
             lines.append(f"  inductor subsystem: {self.inductor}")
         for stage in self.stages:
@@ -134,21 +144,28 @@ class BisectResult:
         return "\n".join(lines) + "\n"
 
 
-def _config_patch(config: Dict[str, Any]):
-    if not config:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when needed
-
-    return inductor_config.patch(config)
+RECORDED = "recorded"
 
 
-def bisect_call(call: StoredCall, stages: Sequence[Stage] = STAGES, module=None,
+def recorded_stage(call: StoredCall) -> Optional[Stage]:
+    """The stage of the backend and inductor config the call was captured with, resolved as the
+    repro resolves them; None when they are a stock stage's (nothing more to learn). Raises
+    ReplayError when they cannot be found here."""
+    backend = call.backend()
+    config = call.inductor_config()
+    if isinstance(backend, str) and not config and backend in {s.backend for s in STAGES}:
+        return None
+    return Stage(RECORDED, backend, config)
+
+
+def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, module=None,
                 inductor_subsystems: bool = False, unpickle: bool = False) -> BisectResult:
     """Replays ``call`` eagerly and through each stage; see the module docstring.
 
     Args:
         call: the stored call (``_replay.load_call``).
-        stages: the stages, in pipeline order (default ``STAGES``).
+        stages: the stages, in pipeline order (default ``STAGES``, then the recorded backend's
+            stage when it is not stock: ``recorded_stage``).
         module: the module to run (default: rebuilt from the stored call).
         inductor_subsystems: when a stage named ``inductor`` is the first to fail, run
             ``torch._inductor.compiler_bisector`` on the replay (it resets Dynamo, and compiles
@@ -159,20 +176,32 @@ def bisect_call(call: StoredCall, stages: Sequence[Stage] = STAGES, module=None,
     module = call.build_module(unpickle=unpickle) if module is None else module
     eager = call.run(module, module.forward)
     runs, results = [], []
+    if stages is None:
+        stages = list(STAGES)
+        try:
+            recorded = recorded_stage(call)
+        except ReplayError as error:  # said as the stage's error; the stock stages still run
+            results.append(StageResult(RECORDED, None, str(error)))
+            runs.append((Stage(RECORDED, None), None))
+            recorded = None
+        if recorded is not None:
+            stages.append(recorded)
     for stage in stages:
         try:
-            with _config_patch(stage.config):
+            with inductor_patch(stage.config):
                 runs.append((stage, call.run(module, call.compiled_forward(
                     module, stage.backend, f"bisect_{stage.name}"))))
         except Exception as error:  # a stage that cannot compile: said, the others still run
             results.append(StageResult(stage.name, None,
                                        f"{type(error).__name__}: {error}".splitlines()[0]))
             runs.append((stage, None))
+    runs.sort(key=lambda pair: pair[0].name == RECORDED)  # the recorded stage comes last
     judged = iter(judge(call, [(eager, run) for _, run in runs if run is not None]))
     failed_stages = {r.name: r for r in results}
     ordered = [failed_stages.get(stage.name) or StageResult(stage.name, next(judged))
                for stage, _ in runs]
-    result = BisectResult(call.module, call.call, call.step, ordered)
+    result = BisectResult(call.module, call.call, call.step, ordered,
+                          recorded=call.recorded_compile())
     if inductor_subsystems and "inductor" in (result.first_failing(True),
                                                result.first_failing(False)):
         result.inductor = _inductor_subsystem(call, module, eager)
@@ -204,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--call", type=int, default=None)
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--stages", default=None, help="comma-separated subset of "
-                        + ", ".join(s.name for s in STAGES))
+                        + ", ".join(s.name for s in STAGES) + f", {RECORDED} (default: all, "
+                        f"{RECORDED} when the captured backend or inductor config is not stock)")
     parser.add_argument("--inductor-subsystems", action="store_true",
                         help="when inductor is the first stage to fail, find its subsystem with "
                              "torch._inductor.compiler_bisector (slow)")
@@ -212,17 +242,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="rebuild the module from the pickle the dump holds, when its class "
                              f"needs constructor arguments: {UNPICKLE_RISK}")
     args = parser.parse_args(argv)
-    stages = STAGES
-    if args.stages:
-        by_name = {s.name: s for s in STAGES}
-        unknown = [n for n in args.stages.split(",") if n not in by_name]
-        if unknown:
-            print(f"dynaprobe bisect: unknown stage(s) {', '.join(unknown)}; the stages are "
-                  f"{', '.join(by_name)}", file=sys.stderr)
-            return 2
-        stages = [by_name[n] for n in args.stages.split(",")]
+    names = [] if not args.stages else args.stages.split(",")
+    by_name = {s.name: s for s in STAGES}
+    unknown = [n for n in names if n not in by_name and n != RECORDED]
+    if unknown:
+        print(f"dynaprobe bisect: unknown stage(s) {', '.join(unknown)}; the stages are "
+              f"{', '.join(by_name)}, {RECORDED}", file=sys.stderr)
+        return 2
     try:
         call = load_call(args.dump, args.module, args.call, args.step)
+        stages = None
+        if names:
+            recorded = recorded_stage(call) if RECORDED in names else None
+            stages = [by_name[n] if n != RECORDED else recorded for n in names]
+            stages = [s for s in stages if s is not None]
         result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
                              unpickle=args.unpickle)
     except ReplayError as error:

@@ -18,8 +18,8 @@ from typing import List, Optional
 import torch
 
 from dynaprobe import _C
-from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, judge, load_call,
-                               metrics_lines)
+from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, inductor_patch, judge,
+                               load_call, metrics_lines)
 from dynaprobe._result import CompareResult
 
 DATA_FILE = "repro_data.pt"
@@ -138,7 +138,8 @@ def replay(data: StoredCall, module: torch.nn.Module, backend, out=sys.stdout) -
     """Runs the stored call eagerly and compiled with ``backend``, prints the recorded and the
     replayed metrics; returns 1 when a replayed row FAILs, else 0."""
     eager = data.run(module, module.forward)
-    compiled = data.run(module, data.compiled_forward(module, backend))
+    with inductor_patch(data.inductor_config()):  # as captured: a custom post-grad pass, say
+        compiled = data.run(module, data.compiled_forward(module, backend))
     result = judge(data, [(eager, compiled)])[0]
     recorded = getattr(data, "recorded", None)
     if recorded:
