@@ -66,3 +66,43 @@ def test_wrap_by_policy_takes_a_bare_class_and_refuses_other_values():
 def test_a_negative_depth_is_refused():
     with pytest.raises(ValueError, match="depth must be an integer >= 0"):
         PrecisionChecker().wrap_all_children(nn.Sequential(nn.Linear(2, 2)), depth=-1)
+
+
+def _step(m):
+    return m(torch.randn(2, 4)).sum()
+
+
+@pytest.mark.parametrize("call, error, says", [
+    (lambda c, m: c.compare(m, _step), TypeError,
+     "the arguments are swapped: the step function comes first, then the model"),
+    (lambda c, m: c.compare(_step, "model"), TypeError,
+     "model must be a torch.nn.Module, but received 'model' (str)"),
+    (lambda c, m: c.compare(42, m), TypeError, "fn must be a function running one step"),
+    (lambda c, m: c.capture(m, _step, side="eager"), TypeError, "the arguments are swapped"),
+    (lambda c, m: c.install(_step), TypeError,
+     "model must be a torch.nn.Module, but received the function _step: call it as "
+     "checker.install(model)"),
+    (lambda c, m: c.wrap("layers.0"), TypeError, "call it as checker.wrap(model.layers[0])"),
+    (lambda c, m: c.wrap_by_policy(nn.Linear, m), TypeError,
+     "call it as checker.wrap_by_policy(model, (DecoderLayer,))"),
+    (lambda c, m: c.wrap_all_children(None), TypeError, "model must be a torch.nn.Module"),
+    (lambda c, m: c.ignore([m]), TypeError, "call it as checker.ignore(model.lm_head)"),
+    (lambda c, m: c.ignore_by_policy(nn.Dropout, m), TypeError, "model must be a torch.nn"),
+    (lambda c, m: c.collect(), RuntimeError,
+     "collect() needs install(model) first (single-pass), then a training or inference step: "
+     "checker.install(model); loss = step(model); checker.collect(loss)"),
+    (lambda c, m: c.record_loss("1.5"), TypeError, "loss must be the step's loss"),
+    (lambda c, m: c.record_loss(torch.ones(3)), ValueError, "a tensor of shape (3,)"),
+    (lambda c, m: c.report("ALL PASS"), TypeError,
+     "result must be what collect() or compare() returned"),
+    (lambda c, m: c.bisect(m), TypeError, "module must be the module's path as the report names "
+                                          "it (a str)"),
+])
+def test_every_entry_point_checks_its_arguments_and_shows_the_call(call, error, says, tmp_path):
+    """Mistakes outside the constructor are named with the correct call, before anything runs."""
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    model = nn.Linear(4, 4)
+    with pytest.raises(error) as raised:
+        call(checker, model)
+    assert says in str(raised.value)
+    assert not (tmp_path / "dump").exists()  # refused before any step began

@@ -209,6 +209,7 @@ class PrecisionChecker:
         modules by their path in the model given to install()/compare(), so that every process
         and every dump agrees on them.
         """
+        _options.expect_module("checker.wrap(model.layers[0])", "module", module)
         if not any(m is module for m in self._wrapped):
             self._wrapped.append(module)
         return module
@@ -216,6 +217,7 @@ class PrecisionChecker:
     def wrap_by_policy(self, model: nn.Module, module_types) -> nn.Module:
         """Marks every submodule of the given types (a class or a tuple of classes), like FSDP's
         ModuleWrapPolicy."""
+        _options.expect_module("checker.wrap_by_policy(model, (DecoderLayer,))", "model", model)
         module_types = _options.expect_module_types("module_types", module_types)
         for _, module in model.named_modules():
             if isinstance(module, module_types):
@@ -226,6 +228,7 @@ class PrecisionChecker:
         """Marks submodules ``depth`` levels below the direct children (depth=0: the direct
         children). Containers (ModuleList, ModuleDict, Sequential) are looked through without
         using up depth; modules without children are marked where the recursion reaches them."""
+        _options.expect_module("checker.wrap_all_children(model, depth=1)", "model", model)
         depth = _options.expect_depth(depth)
 
         def visit(module: nn.Module, remaining: int) -> None:
@@ -242,12 +245,14 @@ class PrecisionChecker:
 
     def ignore(self, module: nn.Module) -> nn.Module:
         """Leaves a module out of the verdict: it still runs, its rows read ``skip IGNORED``."""
+        _options.expect_module("checker.ignore(model.lm_head)", "module", module)
         if not any(m is module for m in self._ignored):
             self._ignored.append(module)
         return module
 
     def ignore_by_policy(self, model: nn.Module, module_types) -> nn.Module:
         """Ignores every submodule of the given types (a class or a tuple of classes)."""
+        _options.expect_module("checker.ignore_by_policy(model, (nn.Dropout,))", "model", model)
         module_types = _options.expect_module_types("module_types", module_types)
         for _, module in model.named_modules():
             if isinstance(module, module_types):
@@ -444,6 +449,7 @@ class PrecisionChecker:
         outputs (whole-model mode, docs/user-guide.md). ``backend`` and ``cast_dtype`` of the
         checker are then not used.
         """
+        _options.expect_module("checker.install(model)", "model", model)
         if not self.single_pass:
             if is_deepcopy_forbidden(model):
                 raise RuntimeError(
@@ -537,6 +543,7 @@ class PrecisionChecker:
             loss: the step's loss, a one-element tensor (kept detached; no device sync) or a
                 number.
         """
+        _options.expect_loss("loss", loss)
         self._recorded_loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
     def collect(self, loss: Optional[torch.Tensor] = None) -> Optional[CompareResult]:
@@ -547,7 +554,9 @@ class PrecisionChecker:
         """
         if self._installed is None:
             raise RuntimeError("collect() needs install(model) first (single-pass), then a "
-                               "training or inference step")
+                               "training or inference step: checker.install(model); loss = "
+                               "step(model); checker.collect(loss)")
+        _options.expect_loss("loss", loss)
         step = self._current_step()
         if step is None:
             self._step_index += 1
@@ -579,6 +588,7 @@ class PrecisionChecker:
         single_pass=False: runs the step on an eager and on a compiled deep copy of ``model``
         with the same RNG state; ``model`` itself is left untouched.
         """
+        _options.expect_step("checker.compare(lambda m: m(x).sum(), model)", fn, model)
         if self.single_pass:
             if self._installed is not None:
                 raise RuntimeError("compare() cannot run while install() is active; call "
@@ -610,6 +620,8 @@ class PrecisionChecker:
         step when ``side="compiled"``. The file is what it is for: a step that cannot be written
         raises ``DumpIOError``, whatever ``strict_io`` says.
         """
+        _options.expect_step('checker.capture(lambda m: m(x).sum(), model, side="eager")', fn,
+                             model)
         if side not in ("eager", "compiled"):
             raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
         self._capture_side = side
@@ -654,6 +666,10 @@ class PrecisionChecker:
         from dynaprobe import bisect as stage_bisect  # noqa: PLC0415 - its own module
         from dynaprobe._replay import load_call  # noqa: PLC0415
 
+        if not isinstance(module, str):
+            raise TypeError(f"module must be the module's path as the report names it (a str), "
+                            f"but received {type(module).__name__}: call it as "
+                            f"checker.bisect(\"model.layers.0\")")
         stored = load_call(self.dump_dir, module, call, step)
         return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
@@ -678,6 +694,10 @@ class PrecisionChecker:
                             f"the report formats are {', '.join(['csv_path', *formats])}")
         if result is None:
             return
+        if not isinstance(result, CompareResult):
+            raise TypeError(f"result must be what collect() or compare() returned (a "
+                            f"CompareResult), but received {type(result).__name__}: call it as "
+                            f"checker.report(checker.collect(loss))")
         print(result.text(), end="")
         if csv_path:
             _write_text(csv_path, result.csv())

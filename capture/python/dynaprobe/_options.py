@@ -127,3 +127,43 @@ def expect_tolerance_rules(value) -> dict:
         rules[pattern] = (expect_tolerance(f"tolerances[{pattern!r}] atol", pair[0]),
                           expect_tolerance(f"tolerances[{pattern!r}] rtol", pair[1]))
     return rules
+
+
+def _received(value) -> str:
+    if callable(value) and not isinstance(value, (torch.nn.Module, type)):
+        return f"the function {getattr(value, '__qualname__', type(value).__name__)}"
+    text = repr(value)
+    return f"{text} ({type(value).__name__})" if len(text) <= 60 else type(value).__name__
+
+
+def expect_module(call: str, name: str, value) -> torch.nn.Module:
+    """An ``nn.Module`` argument of a method; ``call`` shows the method called correctly."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, but received {_received(value)}: "
+                        f"call it as {call}")
+    return value
+
+
+def expect_step(call: str, fn, model) -> None:
+    """``(fn, model)`` of compare() and capture(): the step function first, then the model."""
+    if isinstance(fn, torch.nn.Module) and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the arguments are swapped: the step function comes first, then the "
+                        f"model: {call}")
+    if not callable(fn):
+        raise TypeError(f"fn must be a function running one step of the model and returning "
+                        f"its loss, but received {_received(fn)}: {call}")
+    expect_module(call, "model", model)
+
+
+def expect_loss(name: str, value) -> None:
+    """A loss: a one-element tensor or a real number (None: none)."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be the step's scalar loss, but received a tensor of "
+                             f"shape {tuple(value.shape)}: pass loss (or loss.mean())")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be the step's loss (a one-element tensor or a number), but "
+                        f"received {_received(value)}")
