@@ -55,6 +55,55 @@ std::string suggestion(const std::string& given, const std::vector<std::string>&
   return best.empty() ? "" : "; did you mean '" + best + "'?";
 }
 
+// Words other tools use for a command or an option, by what they mean here. The suggestion for a
+// mistake starts from meaning, then from spelling (suggestion()).
+struct Meaning {
+  const char* command;  // the command the option was given to; "" for a command word
+  const char* given;
+  const char* means;
+};
+constexpr const char* kReportFiles = "--csv PATH, --json PATH or --html PATH (a file per format)";
+constexpr Meaning kMeanings[] = {
+    {"", "report", "compare"},
+    {"", "diff", "compare"},
+    {"", "check", "compare"},
+    {"", "analyze", "compare"},
+    {"", "analyse", "compare"},
+    {"", "list", "ls"},
+    {"", "show", "ls"},
+    {"", "info", "ls"},
+    {"", "inspect", "ls"},
+    {"", "graph", "graphs"},
+    {"", "reproduce", "repro"},
+    {"", "minify", "repro"},
+    {"compare", "-o", kReportFiles},
+    {"compare", "--output", kReportFiles},
+    {"compare", "--out", kReportFiles},
+    {"compare", "--report", kReportFiles},
+    {"compare", "--save", kReportFiles},
+    {"compare", "--threshold", "--atol X (and --rtol X)"},
+    {"compare", "--tol", "--atol X and --rtol X, or --tolerance PATTERN=ATOL,RTOL"},
+    {"compare", "--steps", "--step N"},
+    {"compare", "--modules", "--module GLOB"},
+    {"compare", "--filter", "--module GLOB"},
+    {"compare", "-j", "--threads N"},
+    {"compare", "--jobs", "--threads N"},
+    {"compare", "--workers", "--threads N"},
+    {"graphs", "--out", "--output DIR (-o DIR)"},
+    {"graphs", "--dir", "--output DIR (-o DIR)"},
+};
+
+// "; did you mean X?" for a word another tool uses for X, else "".
+std::string meaning(const std::string& command, const std::string& given) {
+  for (const Meaning& m : kMeanings) {
+    if (command == m.command && given == m.given) {
+      return std::string("; did you mean ") + (command.empty() ? "'" : "") + m.means +
+             (command.empty() ? "'" : "") + "?";
+    }
+  }
+  return "";
+}
+
 // The long and short option names of `app` ("--atol", "-o") and of its parent.
 std::vector<std::string> option_names(const CLI::App* app) {
   std::vector<std::string> names;
@@ -117,7 +166,16 @@ int parse_error(const CLI::App& app, const std::string& command, const CLI::Pars
     if (!option) continue;  // a value, or a negative number
     const std::string name = arg.substr(0, arg.find('='));
     if (std::find(known.begin(), known.end(), name) != known.end()) continue;
-    return usage_error(where + "unknown option " + name + suggestion(name, known) + " ('" + help +
+    std::string guess = meaning(command, name);
+    for (const CLI::App* other : app.get_subcommands({})) {
+      if (!guess.empty() || other == sub) continue;
+      const auto theirs = option_names(other);
+      if (std::find(theirs.begin(), theirs.end(), name) != theirs.end()) {
+        guess = "; " + name + " is an option of 'dynaprobe " + other->get_name() + "'";
+      }
+    }
+    if (guess.empty()) guess = suggestion(name, known);
+    return usage_error(where + "unknown option " + name + guess + " ('" + help +
                        "' lists the options)");
   }
   if (dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr) {
@@ -174,8 +232,10 @@ int main(int argc, char** argv) {
   }
   if (!word.empty() &&
       std::find(std::begin(kCommands), std::end(kCommands), word) == std::end(kCommands)) {
-    const std::string guess =
-        suggestion(word, {"compare", "ls", "graphs", "repro", "bisect", "version", "help"});
+    std::string guess = meaning("", word);
+    if (guess.empty()) {
+      guess = suggestion(word, {"compare", "ls", "graphs", "repro", "bisect", "version", "help"});
+    }
     return usage_error("unknown command '" + word + "'" + (guess.empty() ? ";" : guess) +
                        " the commands are compare, ls, graphs, repro and bisect (dynaprobe "
                        "--help says what each does)");

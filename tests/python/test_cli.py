@@ -72,6 +72,37 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
     (["compare", "DUMP", "--step", "1.5"],
      "compare: --step: expected an integer >= 0 (such as 3), but received '1.5' "
      "('dynaprobe compare --help' lists the options)"),
+    # Suggestions from meaning: words other tools use, options another command has.
+    (["report", "DUMP"],
+     "unknown command 'report'; did you mean 'compare'? the commands are compare, ls, graphs, "
+     "repro and bisect (dynaprobe --help says what each does)"),
+    (["list", "DUMP"],
+     "unknown command 'list'; did you mean 'ls'? the commands are compare, ls, graphs, repro and "
+     "bisect (dynaprobe --help says what each does)"),
+    (["compare", "DUMP", "-o", "out.csv"],
+     "compare: unknown option -o; did you mean --csv PATH, --json PATH or --html PATH (a file per "
+     "format)? ('dynaprobe compare --help' lists the options)"),
+    (["compare", "DUMP", "--output", "out.csv"],
+     "compare: unknown option --output; did you mean --csv PATH, --json PATH or --html PATH (a "
+     "file per format)? ('dynaprobe compare --help' lists the options)"),
+    (["compare", "DUMP", "--threshold", "1e-3"],
+     "compare: unknown option --threshold; did you mean --atol X (and --rtol X)? ('dynaprobe "
+     "compare --help' lists the options)"),
+    (["compare", "DUMP", "-j", "4"],
+     "compare: unknown option -j; did you mean --threads N? ('dynaprobe compare --help' lists the "
+     "options)"),
+    (["compare", "DUMP", "--steps", "3"],
+     "compare: unknown option --steps; did you mean --step N? ('dynaprobe compare --help' lists "
+     "the options)"),
+    (["ls", "DUMP", "--module", "layers.*"],
+     "ls: unknown option --module; --module is an option of 'dynaprobe compare' ('dynaprobe ls "
+     "--help' lists the options)"),
+    (["ls", "DUMP", "--csv", "x.csv"],
+     "ls: unknown option --csv; --csv is an option of 'dynaprobe compare' ('dynaprobe ls --help' "
+     "lists the options)"),
+    (["graphs", "DUMP", "--out", "x"],
+     "graphs: unknown option --out; did you mean --output DIR (-o DIR)? ('dynaprobe graphs "
+     "--help' lists the options)"),
     (["compare"],
      "compare: DUMP is required: give a run folder, a dump folder or a step file, e.g. dynaprobe "
      "compare dynaprobe_runs/<run> ('dynaprobe compare --help' says more)"),
