@@ -1,6 +1,7 @@
-"""Real-architecture conformance: tiny random-init models of eight transformers families
-(decoder-only with RoPE and GQA, GPT-2, a mixture of experts, an encoder, an encoder-decoder, a
-vision transformer; hf_models.py), their blocks wrapped as a user would.
+"""Real-architecture conformance: tiny random-init models of ten transformers families
+(decoder-only with RoPE and GQA, GPT-2, mixtures of experts, a looped decoder sharing one cache, an
+encoder, an encoder-decoder, a vision transformer; hf_models.py), their blocks wrapped as a user
+would.
 
 For each family: a single-pass training step (aot_eager and inductor) passes with forward and
 backward rows for every block and leaves parameters, gradients, buffers and RNG exactly as the same
@@ -86,8 +87,15 @@ def _assert_every_block_checked(result, block_names, backward: bool):
         assert all(status == "PASS" for _, status in kinds), f"{name}: {kinds}"
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family_name", list(FAMILIES))
+# Dory and DeepseekV4 bring capture mechanisms (a layer run twice with one cache; a gradient
+# only the compiled side materializes), which aot_eager exercises; inductor adds compile time.
+MECHANISMS = {"Dory", "DeepseekV4"}
+
+
+@pytest.mark.parametrize("family_name, backend", [
+    *[(name, "aot_eager") for name in FAMILIES],
+    *[pytest.param(name, "inductor", marks=pytest.mark.slow) for name in FAMILIES
+      if name not in MECHANISMS]])
 def test_single_pass_training_step_passes_and_changes_nothing(family_name, backend, tmp_path):
     family = FAMILIES[family_name]
     torch.manual_seed(0)
