@@ -1,5 +1,6 @@
 // The spec's 9-column CSV (docs/report-format.md#csv-9-columns) and the merged multi-rank CSV
 // (docs/report-format.md#merged-multi-rank-csv).
+#include <algorithm>
 #include <cmath>
 
 #include "dynaprobe/analyze/report.h"
@@ -79,22 +80,40 @@ const std::vector<std::string> kCsvHeader = {"module_name",  "check_type",   "te
 
 }  // namespace
 
+// `columns` before the 9, each row's values of them from `prefix`.
+std::vector<std::string> header_with(std::vector<std::string> columns) {
+  columns.insert(columns.end(), kCsvHeader.begin(), kCsvHeader.end());
+  return columns;
+}
+
 std::string render_csv(const std::vector<StepReport>& steps) {
-  std::string out = csv_line(kCsvHeader);
+  // One step: the spec's 9 columns. Several: a leading step column, so that a script or pandas
+  // can tell the steps apart.
+  const bool several = steps.size() > 1;
+  std::string out = csv_line(several ? header_with({"step"}) : kCsvHeader);
   for (const StepReport& report : steps) {
-    for (const auto& fields : csv_rows(report, false)) out += csv_line(fields);
+    for (auto fields : csv_rows(report, false)) {
+      if (several) fields.insert(fields.begin(), std::to_string(report.step));
+      out += csv_line(fields);
+    }
   }
   return out;
 }
 
 std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
-  std::vector<std::string> header = {"rank", "scenario"};
-  header.insert(header.end(), kCsvHeader.begin(), kCsvHeader.end());
-  std::string out = csv_line(header);
+  // The spec's rank,scenario + 9 columns; a step column after them when a rank has several steps.
+  const bool several = std::any_of(ranks.begin(), ranks.end(), [](const RankComparison& rank) {
+    return rank.comparison.steps.size() > 1;
+  });
+  std::string out =
+      csv_line(header_with(several ? std::vector<std::string>{"rank", "scenario", "step"}
+                                   : std::vector<std::string>{"rank", "scenario"}));
   for (const RankComparison& rank : ranks) {
     for (const StepReport& report : rank.comparison.steps) {
       for (auto fields : csv_rows(report, true)) {
-        fields.insert(fields.begin(), {std::to_string(rank.rank), rank.scenario});
+        std::vector<std::string> leading = {std::to_string(rank.rank), rank.scenario};
+        if (several) leading.push_back(std::to_string(report.step));
+        fields.insert(fields.begin(), leading.begin(), leading.end());
         out += csv_line(fields);
       }
     }

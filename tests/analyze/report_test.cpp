@@ -369,6 +369,26 @@ TEST(Report, MergedCsvUsesTheMultiRankSpelling) {
             "1,ignore,layers.0,-,0,SKIP,N/A,N/A,N/A,,IGNORED\n");
 }
 
+// One step keeps the spec's columns; several carry the step, so that a script tells them apart.
+TEST(Report, CsvsOfSeveralStepsCarryTheStep) {
+  StepReport first = spec_example();
+  StepReport second = spec_example();
+  second.step = 7;
+  const std::string csv = render_csv({first, second});
+  EXPECT_TRUE(csv.starts_with("step,module_name,check_type,tensor_index,status,")) << csv;
+  EXPECT_NE(csv.find("\n0,LOSS,loss,0,PASS,"), std::string::npos) << csv;
+  EXPECT_NE(csv.find("\n7,layers.0,fwd_output,0,PASS,2.300000e-07,"), std::string::npos) << csv;
+  EXPECT_TRUE(render_csv({second}).starts_with("module_name,check_type,"));
+
+  RankComparison rank;
+  rank.rank = 3;
+  rank.scenario = "base";
+  rank.comparison.steps = {first, second};
+  const std::string merged = render_merged_csv({rank});
+  EXPECT_TRUE(merged.starts_with("rank,scenario,step,module_name,check_type,")) << merged;
+  EXPECT_NE(merged.find("\n3,base,7,layers.0,fwd_output,0,PASS,"), std::string::npos) << merged;
+}
+
 TEST(Report, FloatsAreSpelledAsPythonSpellsThem) {
   EXPECT_EQ(format_float(NAN, "%.3e"), "nan");
   EXPECT_EQ(format_float(-NAN, "%.6f"), "nan");
