@@ -61,6 +61,10 @@ void write_text_file(const std::filesystem::path& path, const std::string& text)
 // call on this thread, so use it once per printf.
 const char* printable(const std::string& name);
 
+// The dump a command reads: `path`, or for a folder of runs its newest run, said on stderr with
+// the others and how to pick one (analyze::newest_run).
+std::string chosen_dump(const std::string& command, const std::string& path);
+
 // The subcommands. setup_x adds the subcommand to `app`; when it is the one parsed, `selected`
 // is set to run it with the parsed options.
 struct CompareOptions {

@@ -9,6 +9,7 @@
 #include <new>
 
 #include "cli.h"
+#include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
 
@@ -93,6 +94,24 @@ CLI::Validator non_negative(const std::string& example, bool integer) {
                formats::printable_name(text) + "'";
       },
       integer ? "N >= 0" : "X >= 0", "non-negative");
+}
+
+std::string chosen_dump(const std::string& command, const std::string& path) {
+  const analyze::NewestRun newest = analyze::newest_run(path);
+  if (newest.runs.empty()) return path;
+  constexpr std::size_t kShown = 4;
+  std::string said = "dynaprobe: " + path + " holds " + std::to_string(newest.runs.size()) +
+                     " run(s); " + command + " reads the newest, " + newest.path.string();
+  for (std::size_t i = 1; i < newest.runs.size() && i <= kShown; ++i) {
+    said += (i > 1 ? ", " : "; the others: ") + newest.runs[i].filename().string();
+  }
+  if (newest.runs.size() > kShown + 1) said += ", ...";
+  if (newest.runs.size() > 1) {
+    said += " (name one to read it: dynaprobe " + command + " " +
+            (fs::path(path) / newest.runs[1].filename()).string() + ")";
+  }
+  std::fprintf(stderr, "%s\n", formats::printable_name(said).c_str());
+  return newest.path.string();
 }
 
 }  // namespace dynaprobe::cli

@@ -223,10 +223,10 @@ int run_compare(const CompareOptions& cmd) {
   options.threads = cmd.threads;
   options.progress = progress_bar();
 
-  const auto eager_ranks = analyze::find_rank_dumps(cmd.dump);
+  const auto eager_ranks = analyze::find_rank_dumps(chosen_dump("compare", cmd.dump));
   auto compiled_ranks = eager_ranks;
   if (!cmd.dump2.empty()) {
-    compiled_ranks = analyze::find_rank_dumps(cmd.dump2);
+    compiled_ranks = analyze::find_rank_dumps(chosen_dump("compare", cmd.dump2));
     if (compiled_ranks.size() != eager_ranks.size()) {
       throw UsageError(cmd.dump + " has " + std::to_string(eager_ranks.size()) + " rank(s) but " +
                        cmd.dump2 + " has " + std::to_string(compiled_ranks.size()) +

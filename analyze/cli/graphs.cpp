@@ -65,7 +65,7 @@ void setup_graphs(CLI::App& app, Command& selected) {
 }
 
 int run_graphs(const GraphsOptions& cmd) {
-  const auto ranks = analyze::find_rank_dumps(cmd.dump);
+  const auto ranks = analyze::find_rank_dumps(chosen_dump("graphs", cmd.dump));
   std::size_t written = 0;
   for (const auto& rank : ranks) {
     const fs::path folder = ranks.size() > 1

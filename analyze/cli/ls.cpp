@@ -48,7 +48,7 @@ void setup_ls(CLI::App& app, Command& selected) {
 }
 
 int run_ls(const LsOptions& cmd) {
-  for (const auto& rank : analyze::find_rank_dumps(cmd.dump)) {
+  for (const auto& rank : analyze::find_rank_dumps(chosen_dump("ls", cmd.dump))) {
     const auto files = formats::list_dump(rank.path);
     for (const auto& file : files.steps) {
       formats::StepReader reader(file);

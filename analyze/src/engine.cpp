@@ -830,4 +830,49 @@ std::vector<RankDump> find_rank_dumps(const fs::path& path) {
   return ranks;
 }
 
+namespace {
+
+// Whether `folder` holds a run or a dump: rank<R>/ folders or step files.
+bool holds_dump(const fs::path& folder) {
+  std::error_code error;
+  const std::string prefix(formats::schema::kRankDirPrefix);
+  for (const auto& entry : fs::directory_iterator(folder, error)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory(error) && name.starts_with(prefix)) return true;
+  }
+  const auto files = formats::list_dump(folder);
+  return !files.steps.empty() || !files.unfinished.empty();
+}
+
+// When the run was last written: its newest file or folder, one level into its ranks.
+fs::file_time_type last_written(const fs::path& run) {
+  std::error_code error;
+  fs::file_time_type newest = fs::last_write_time(run, error);
+  for (const auto& entry : fs::recursive_directory_iterator(run, error)) {
+    const auto time = entry.last_write_time(error);
+    if (!error && time > newest) newest = time;
+  }
+  return newest;
+}
+
+}  // namespace
+
+NewestRun newest_run(const fs::path& path) {
+  std::error_code error;
+  if (!fs::is_directory(path, error) || holds_dump(path)) return {path, {}};
+  std::vector<std::pair<fs::file_time_type, fs::path>> runs;
+  for (const auto& entry : fs::directory_iterator(path, error)) {
+    if (entry.is_directory(error) && holds_dump(entry.path())) {
+      runs.emplace_back(last_written(entry.path()), entry.path());
+    }
+  }
+  if (runs.empty()) return {path, {}};
+  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second > b.second;
+  });
+  NewestRun result{runs.front().second, {}};
+  for (const auto& [time, run] : runs) result.runs.push_back(run);
+  return result;
+}
+
 }  // namespace dynaprobe::analyze

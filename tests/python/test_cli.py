@@ -145,3 +145,27 @@ def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path, dyn
     assert proc.stderr == (
         f"dynaprobe: error: step 7 is not in {tmp_path / 'dump'}; the steps there are 0, 3; give "
         "one of them with --step, or leave --step out to compare every step\n")
+
+
+def test_a_folder_of_runs_stands_for_its_newest_run(tmp_path, dynaprobe_cli):
+    """dynaprobe_runs/, the folder a user sees: every command reads the newest run and says
+    which, naming the others and how to pick one."""
+    runs = tmp_path / "dynaprobe_runs"
+    eager = randn(4)
+    write_dump(runs / "20261201-090000-11-0" / "rank0", [Rec("m", "fwd_output", **same(eager))])
+    write_dump(runs / "20261201-100000-12-0" / "rank0",
+               [Rec("m", "fwd_output", eager=eager, compiled=eager + 1)])
+    older, newer = runs / "20261201-090000-11-0", runs / "20261201-100000-12-0"
+    os.utime(older / "rank0" / "step_00000000.h5", (1_000_000, 1_000_000))
+    said = (f"dynaprobe: {runs} holds 2 run(s); compare reads the newest, {newer}; the others: "
+            f"{older.name} (name one to read it: dynaprobe compare {older})\n")
+    proc = run_cli(dynaprobe_cli, "compare", runs)
+    assert proc.returncode == 1, proc.stderr  # the newest run fails
+    assert proc.stderr == said
+    assert "FAIL  m " in proc.stdout
+    proc = run_cli(dynaprobe_cli, "compare", older)
+    assert proc.returncode == 0 and proc.stderr == ""
+    proc = run_cli(dynaprobe_cli, "ls", runs)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == said.replace("compare", "ls")
+    assert str(newer / "rank0" / "step_00000000.h5") in proc.stdout

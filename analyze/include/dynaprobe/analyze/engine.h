@@ -222,4 +222,14 @@ struct RankDump {
 };
 std::vector<RankDump> find_rank_dumps(const std::filesystem::path& path);
 
+// A folder of runs (dynaprobe_runs/, where PrecisionChecker puts one timestamped run per
+// process) stands for its newest run, the one most recently written: `path` is that run and
+// `runs` every run it holds, newest first. Any other path (a run, a dump, a step file) is itself,
+// with `runs` empty.
+struct NewestRun {
+  std::filesystem::path path;
+  std::vector<std::filesystem::path> runs;
+};
+NewestRun newest_run(const std::filesystem::path& path);
+
 }  // namespace dynaprobe::analyze
