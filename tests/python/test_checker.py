@@ -480,3 +480,17 @@ def test_a_step_that_compared_nothing_is_not_a_pass(tmp_path):
     result = checker.collect()
     assert not result.all_pass and not result
     assert "RESULT: FAILED" in result.text() and "nothing compared" in result.text()
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_compare_says_where_its_dump_is_once(single_pass, tmp_path, capfd):
+    """compare() and capture() name their dump and the command that reads it again, on the
+    first step of a checker; result.dump_dir names it too."""
+    model = nn.Linear(4, 4)
+    checker = PrecisionChecker(single_pass=single_pass, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model)
+    results = [checker.compare(lambda m: m(torch.randn(2, 4)).sum(), model) for _ in range(2)]
+    err = capfd.readouterr().err
+    said = f"dynaprobe: step 0 written to {tmp_path / 'dump'} (dynaprobe compare {tmp_path / 'dump'})"
+    assert err.count("written to") == 1 and said in err, err
+    assert all(r.dump_dir == str(tmp_path / "dump") for r in results)

@@ -178,7 +178,8 @@ class PrecisionChecker:
         self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
         self.strict_io = _options.expect_flag("strict_io", strict_io)
         self._writes = _storage.Writes(self.strict_io)
-        # install()/collect() runs print a one-line estimate after their first checked step.
+        # The first stored step says where the dump is: install()/collect() runs with an estimate
+        # of the run's disk use, compare() and capture() with the command that reads it again.
         self._estimated = False
         self._committing = None  # the last ended step, while its file may still be written
         self._one_step = False  # compare(): a step on its own, not a run of steps
@@ -406,6 +407,10 @@ class PrecisionChecker:
                 self._estimated = True
                 _storage.report_first_step(self.dump_dir, pending.file, self.dump,
                                            self._schedule, step.index, self.disk_budget_bytes)
+            elif not self._estimated and not in_run and stored:  # compare(), capture()
+                self._estimated = True
+                print(f"dynaprobe: step {step.index} written to {self.dump_dir} "
+                      f"(dynaprobe compare {self.dump_dir})", file=sys.stderr)
         except OSError as error:  # the folder went away meanwhile: the dump's loss, not training's
             if self.strict_io:
                 raise
