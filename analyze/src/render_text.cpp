@@ -63,6 +63,12 @@ std::string display_name(const Row& row, bool backward) {
   return name;
 }
 
+// Whether an output's label (its pytree key path: "[0]", "['logits']", ".hidden") names a dict
+// key or an attribute, which the index alone does not say; tuple positions are the index.
+bool names_a_key(const std::string& label) {
+  return label.find_first_of("'.\"") != std::string::npos;
+}
+
 std::string detail_text(const Row& row) {
   if (!row.note.empty()) {
     return formats::printable_name(row.note) +
@@ -82,6 +88,8 @@ std::string detail_text(const Row& row) {
   }
   if (row.kind == Kind::kParamGrad && !row.label.empty()) {
     text += "  param=" + formats::printable_name(row.label);
+  } else if (row.kind == Kind::kFwdOutput && names_a_key(row.label)) {
+    text += "  output=" + formats::printable_name(row.label);
   }
   // Why a failing row fails when the metrics alone do not say ("32 NaN/Inf only in compiled"),
   // as the CSV's note column has it.

@@ -494,3 +494,18 @@ def test_compare_says_where_its_dump_is_once(single_pass, tmp_path, capfd):
     said = f"dynaprobe: step 0 written to {tmp_path / 'dump'} (dynaprobe compare {tmp_path / 'dump'})"
     assert err.count("written to") == 1 and said in err, err
     assert all(r.dump_dir == str(tmp_path / "dump") for r in results)
+
+
+def test_dict_and_dataclass_outputs_are_labelled_by_key_in_the_text_report(tmp_path):
+    from test_isolation import DictAndDataclassOutputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(DictAndDataclassOutputs())
+    x, r = torch.randn(2, 6), torch.randn(2, 6)
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    result = checker.compare(lambda m: m[0](x, r)["out"].sum(), model)
+    outputs = [line for line in result.text().splitlines() if "shape=(2, 6)" in line
+               and ("FORWARD OUTPUT" in line or "output=" in line)]
+    labels = [line.split("output=")[1] for line in outputs]
+    assert sorted(labels) == ["['nested'].first", "['nested'].second", "['out']"], outputs
