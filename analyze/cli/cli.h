@@ -86,6 +86,7 @@ int run_compare(const CompareOptions& options);
 
 struct LsOptions {
   std::string dump;
+  bool json = false;  // one JSON object per step file, module attributes as stored
 };
 void setup_ls(CLI::App& app, Command& selected);
 int run_ls(const LsOptions& options);

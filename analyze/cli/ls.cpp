@@ -4,6 +4,7 @@
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/report_model.h"
 #include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::cli {
@@ -24,6 +25,54 @@ std::string human_bytes(std::uint64_t bytes) {
   return buffer;
 }
 
+// An attribute as the listing shows it: key=value, with a JSON value (a call's replay
+// description runs to hundreds of characters) as its size, which --json shows whole.
+std::string attribute_text(const std::string& key, const std::string& value) {
+  const bool json = !value.empty() && (value.front() == '{' || value.front() == '[');
+  return formats::printable_name(key) + "=" +
+         (json ? "<JSON, " + std::to_string(value.size()) + " characters: ls --json shows it>"
+               : formats::printable_name(value));
+}
+
+// A step file's listing as JSON: what the text shows, module attributes as stored.
+analyze::Value step_file_model(const std::string& file, const formats::StepReader& reader) {
+  using analyze::Value;
+  Value::Object provenance, modules;
+  for (const auto& [key, value] : reader.provenance()) provenance.emplace_back(key, value);
+  for (const auto& module : reader.modules()) {
+    Value::Object attributes;
+    for (const auto& [key, value] : module.attributes) attributes.emplace_back(key, value);
+    modules.emplace_back(module.module, std::move(attributes));
+  }
+  Value::Array records, graphs;
+  for (const auto& record : reader.records()) {
+    Value::Array shape;
+    for (auto extent : record.shape) shape.emplace_back(extent);
+    records.push_back(Value::Object{{"module", record.key.module},
+                                    {"call", record.key.call},
+                                    {"kind", formats::kind_name(record.key.kind)},
+                                    {"tensor_index", record.key.tensor_index},
+                                    {"side", formats::side_name(record.key.side)},
+                                    {"label", record.label},
+                                    {"dtype", formats::dtype_name(record.dtype)},
+                                    {"shape", std::move(shape)},
+                                    {"bytes", record.nbytes()},
+                                    {"stored", record.stored},
+                                    {"stored_bytes", record.stored_bytes}});
+  }
+  for (const auto& graph : reader.graphs()) {
+    graphs.push_back(
+        Value::Object{{"name", graph.name}, {"kind", graph.kind}, {"bytes", graph.text.size()}});
+  }
+  return Value::Object{{"file", file},
+                       {"step", reader.step()},
+                       {"format_version", reader.format_version()},
+                       {"provenance", std::move(provenance)},
+                       {"modules", std::move(modules)},
+                       {"records", std::move(records)},
+                       {"graphs", std::move(graphs)}};
+}
+
 }  // namespace
 
 void setup_ls(CLI::App& app, Command& selected) {
@@ -42,6 +91,9 @@ void setup_ls(CLI::App& app, Command& selected) {
   sub->add_option("DUMP", options->dump, "Run folder, dump folder or step file")
       ->type_name("")
       ->required();
+  sub->add_flag("--json", options->json,
+                "Print one JSON object per step file (provenance, modules with their attributes "
+                "as stored, records, graphs)");
   sub->final_callback([options, &selected] {
     selected = {options->dump, [options] { return run_ls(*options); }};
   });
@@ -52,6 +104,10 @@ int run_ls(const LsOptions& cmd) {
     const auto files = formats::list_dump(rank.path);
     for (const auto& file : files.steps) {
       formats::StepReader reader(file);
+      if (cmd.json) {
+        std::printf("%s\n", analyze::to_json(step_file_model(file.string(), reader)).c_str());
+        continue;
+      }
       std::printf("%s  (step %lld, format %s)\n", file.c_str(),
                   static_cast<long long>(reader.step()), printable(reader.format_version()));
       for (const auto& [key, value] : reader.provenance()) {
@@ -63,8 +119,7 @@ int run_ls(const LsOptions& cmd) {
         for (const auto& module : modules) {
           std::string attributes;
           for (const auto& [key, value] : module.attributes) {
-            attributes += (attributes.empty() ? "" : ", ") + formats::printable_name(key) + "=" +
-                          formats::printable_name(value);
+            attributes += (attributes.empty() ? "" : ", ") + attribute_text(key, value);
           }
           std::printf("    %-40s %s\n", printable(module.module), attributes.c_str());
         }
@@ -103,6 +158,7 @@ int run_ls(const LsOptions& cmd) {
       }
     }
     for (const auto& file : files.unfinished) {
+      if (cmd.json) continue;
       std::printf("%s  (unfinished: the writer stopped during this step; it is skipped)\n",
                   file.c_str());
     }

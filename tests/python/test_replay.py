@@ -627,3 +627,23 @@ def test_bisect_replays_the_recorded_backend_after_the_stock_stages(tmp_path, dy
     assert "forward  first changes at: recorded; first fails the tolerances at: recorded" in \
         run.stdout
     assert torch._inductor.config.post_grad_custom_post_pass is None
+
+
+def test_ls_shows_attributes_as_key_value_and_the_raw_form_with_json(tmp_path, dynaprobe_cli):
+    """The replay description is hundreds of characters of JSON: the listing says how long it is
+    and `ls --json` gives it whole, with everything else the listing shows."""
+    _, _, result = checked_step(tmp_path, dump="failing")
+    dump = os.path.dirname(result.dump_file)
+    listed = subprocess.run([dynaprobe_cli, "ls", dump], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    line = next(l for l in listed.stdout.splitlines() if l.strip().startswith("mlp ")
+                and "role=" in l)
+    replay = dict(_C.read_step(result.dump_file)["modules"])["mlp"]["replay"]
+    assert f"replay=<JSON, {len(replay)} characters: ls --json shows it>" in line
+    assert len(line) < 300, line
+    raw = subprocess.run([dynaprobe_cli, "ls", dump, "--json"], capture_output=True, text=True)
+    assert raw.returncode == 0, raw.stderr
+    step = json.loads(raw.stdout)
+    assert step["file"] == result.dump_file and step["step"] == 0
+    assert json.loads(step["modules"]["mlp"]["replay"])["class"] == "models.MLP"
+    assert {r["kind"] for r in step["records"]} >= {"fwd_output", "replay"}
