@@ -91,6 +91,13 @@ struct LsOptions {
 void setup_ls(CLI::App& app, Command& selected);
 int run_ls(const LsOptions& options);
 
+struct RunsOptions {
+  std::string folder;               // a folder of runs (dynaprobe_runs)
+  std::optional<std::size_t> keep;  // remove all but the newest N runs
+};
+void setup_runs(CLI::App& app, Command& selected);
+int run_runs(const RunsOptions& options);
+
 struct GraphsOptions {
   std::string dump;
   std::string output;

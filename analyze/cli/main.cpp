@@ -18,7 +18,7 @@ namespace schema = dynaprobe::formats::schema;
 
 namespace {
 
-constexpr const char* kCommands[] = {"compare", "ls", "graphs", "repro", "bisect"};
+constexpr const char* kCommands[] = {"compare", "ls", "graphs", "runs", "repro", "bisect"};
 
 // "dynaprobe 0.1.0" and the dump format versions this build reads and writes.
 std::string version_text() {
@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
   cli::setup_compare(app, command);
   cli::setup_ls(app, command);
   cli::setup_graphs(app, command);
+  cli::setup_runs(app, command);
   cli::setup_python_tools(app);
 
   std::vector<std::string> args = arguments(argc, argv);
@@ -234,10 +235,11 @@ int main(int argc, char** argv) {
       std::find(std::begin(kCommands), std::end(kCommands), word) == std::end(kCommands)) {
     std::string guess = meaning("", word);
     if (guess.empty()) {
-      guess = suggestion(word, {"compare", "ls", "graphs", "repro", "bisect", "version", "help"});
+      guess = suggestion(word,
+                         {"compare", "ls", "graphs", "runs", "repro", "bisect", "version", "help"});
     }
     return usage_error("unknown command '" + word + "'" + (guess.empty() ? ";" : guess) +
-                       " the commands are compare, ls, graphs, repro and bisect (dynaprobe "
+                       " the commands are compare, ls, graphs, runs, repro and bisect (dynaprobe "
                        "--help says what each does)");
   }
   if (cli::is_python_tool(word)) {

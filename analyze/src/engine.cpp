@@ -844,7 +844,8 @@ bool holds_dump(const fs::path& folder) {
   return !files.steps.empty() || !files.unfinished.empty();
 }
 
-// When the run was last written: its newest file or folder, one level into its ranks.
+}  // namespace
+
 fs::file_time_type last_written(const fs::path& run) {
   std::error_code error;
   fs::file_time_type newest = fs::last_write_time(run, error);
@@ -854,8 +855,6 @@ fs::file_time_type last_written(const fs::path& run) {
   }
   return newest;
 }
-
-}  // namespace
 
 NewestRun newest_run(const fs::path& path) {
   std::error_code error;

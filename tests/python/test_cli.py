@@ -51,10 +51,10 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
 @pytest.mark.parametrize("args, message", [
     (["comapre", "DUMP"],
      "unknown command 'comapre'; did you mean 'compare'? the commands are compare, ls, graphs, "
-     "repro and bisect (dynaprobe --help says what each does)"),
+     "runs, repro and bisect (dynaprobe --help says what each does)"),
     (["frobnicate"],
-     "unknown command 'frobnicate'; the commands are compare, ls, graphs, repro and bisect "
-     "(dynaprobe --help says what each does)"),
+     "unknown command 'frobnicate'; the commands are compare, ls, graphs, runs, repro and "
+     "bisect (dynaprobe --help says what each does)"),
     ([], "a command is required: compare, ls or graphs (e.g. dynaprobe compare DUMP); run "
          "'dynaprobe --help' for what each does"),
     (["compare", "DUMP", "--atoll", "1e-3"],
@@ -75,10 +75,10 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
     # Suggestions from meaning: words other tools use, options another command has.
     (["report", "DUMP"],
      "unknown command 'report'; did you mean 'compare'? the commands are compare, ls, graphs, "
-     "repro and bisect (dynaprobe --help says what each does)"),
+     "runs, repro and bisect (dynaprobe --help says what each does)"),
     (["list", "DUMP"],
-     "unknown command 'list'; did you mean 'ls'? the commands are compare, ls, graphs, repro and "
-     "bisect (dynaprobe --help says what each does)"),
+     "unknown command 'list'; did you mean 'ls'? the commands are compare, ls, graphs, runs, "
+     "repro and bisect (dynaprobe --help says what each does)"),
     (["compare", "DUMP", "-o", "out.csv"],
      "compare: unknown option -o; did you mean --csv PATH, --json PATH or --html PATH (a file per "
      "format)? ('dynaprobe compare --help' lists the options)"),
@@ -169,3 +169,44 @@ def test_a_folder_of_runs_stands_for_its_newest_run(tmp_path, dynaprobe_cli):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == said.replace("compare", "ls")
     assert str(newer / "rank0" / "step_00000000.h5") in proc.stdout
+
+
+def test_runs_lists_the_runs_newest_first_and_keep_removes_the_older(tmp_path, dynaprobe_cli):
+    import fcntl
+
+    runs = tmp_path / "dynaprobe_runs"
+    eager = randn(4)
+    names = ["20261201-080000-10-0", "20261201-090000-11-0", "20261201-100000-12-0"]
+    write_dump(runs / names[0] / "rank0", [Rec("m", "fwd_output", **same(eager))])
+    write_dump(runs / names[1] / "rank0", [Rec("m", "fwd_output", **same(eager))], step=0)
+    write_dump(runs / names[1] / "rank0", [Rec("m", "fwd_output", **same(eager))], step=1)
+    write_dump(runs / names[2] / "rank0",
+               [Rec("m", "fwd_output", eager=eager, compiled=eager + 1)])
+    # Another process is writing the oldest run: it holds its dump's lock.
+    lock = open(runs / names[0] / "rank0" / ".dynaprobe.lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for age, name in enumerate(reversed(names)):  # the newest is the last written
+        for path in [runs / name, *(runs / name).rglob("*")]:
+            os.utime(path, (2_000_000 - age * 1000, 2_000_000 - age * 1000))
+    try:
+        listed = run_cli(dynaprobe_cli, "runs", runs)
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        assert lines[0].split() == ["run", "written", "ranks", "steps", "size", "verdict"]
+        pattern = r"(\S+) +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d +(\d+) +(\d+) +[\d.]+ KiB  (.+)"
+        rows = [re.fullmatch(pattern, line).groups() for line in lines[1:]]
+        assert rows == [(names[2], "1", "1", "FAILED"), (names[1], "1", "2", "ALL PASS"),
+                        (names[0], "1", "1", "ALL PASS")]
+        kept = run_cli(dynaprobe_cli, "runs", runs, "--keep", "1")
+    finally:
+        lock.close()
+    assert kept.returncode == 0, kept.stderr
+    assert re.search(rf"^{names[1]} +removed \(8\.\d KiB\)$", kept.stdout, re.M), kept.stdout
+    assert re.search(rf"^{names[0]} +kept: being written \(", kept.stdout, re.M), kept.stdout
+    assert kept.stdout.endswith("removed 1 run(s), " + kept.stdout.split("removed (")[1]
+                                .split(")")[0] + "\n")
+    assert sorted(p.name for p in runs.iterdir()) == [names[0], names[2]]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = run_cli(dynaprobe_cli, "runs", empty)
+    assert nothing.returncode == 2 and "no runs in it" in nothing.stderr, nothing.stderr

@@ -232,4 +232,7 @@ struct NewestRun {
 };
 NewestRun newest_run(const std::filesystem::path& path);
 
+// When a run (or any folder) was last written: its newest file or folder, the folder included.
+std::filesystem::file_time_type last_written(const std::filesystem::path& run);
+
 }  // namespace dynaprobe::analyze
