@@ -427,3 +427,39 @@ def test_a_parameter_autograd_gives_no_gradient_breaks_nothing(single_pass, tmp_
     assert result.all_pass, result.text()
     params = {row.label for row in result.rows if row.check_type == "param_grad"}
     assert "lin.weight" in params and "weight" not in params
+
+
+class MaskedNorms(nn.Module):
+    """Its caller multiplies each norm's output by a mask in place, as XLM does after every
+    layer norm: autograd then routes the gradient around a view of the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(6) for _ in range(2))
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x, mask):
+        for norm in self.norms:
+            x = norm(self.proj(x))
+            x *= mask
+        return x
+
+
+def test_an_output_its_caller_changes_in_place_still_gets_its_backward_compared(tmp_path):
+    torch.manual_seed(0)
+    model = MaskedNorms()
+    x, mask = torch.randn(2, 4, 6), (torch.rand(2, 4, 1) > 0.3).float()
+    reference = copy.deepcopy(model)
+    reference(x, mask).square().sum().backward()
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, nn.LayerNorm)
+    checker.install(model)
+    model(x, mask).square().sum().backward()
+    result = checker.collect()
+    checker.uninstall()
+    assert result.all_pass, result.text()
+    for name in ("norms.0", "norms.1"):
+        kinds = {(r.check_type, r.status) for r in result.rows if r.module == name}
+        assert {("grad_output", "PASS"), ("grad_input", "PASS"), ("param_grad", "PASS")} <= kinds
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name  # training untouched

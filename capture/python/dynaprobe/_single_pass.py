@@ -219,8 +219,10 @@ class SinglePass:
             step.pending.append(pending)
             if candidate is not None:
                 candidate.pending = pending
-        return probe_outputs(compiled_out,
-                             lambda index: self._grad_output_hook(step, pending, index))
+        probed = probe_outputs(compiled_out,
+                               lambda index: self._grad_output_hook(step, pending, index))
+        self._hook_outputs_themselves(step, pending, compiled_leaves, args, kwargs, inputs)
+        return probed
 
     def _left_in_arguments(self, name: str, watch: Optional[LeftInArguments], args, kwargs,
                            eager_args, eager_kwargs, compiled_leaves, reference,
@@ -389,10 +391,34 @@ class SinglePass:
 
         return hook
 
+    def _hook_outputs_themselves(self, step: Step, pending: PendingBackward, compiled_leaves,
+                                 args, kwargs, inputs) -> None:
+        """The caller may change an output in place (XLM: ``tensor *= mask`` after a layer
+        norm). Autograd then takes the gradient around the probe's view, whose hook never fires.
+        The compiled output itself gets that gradient (the value before the change was the
+        module's output), and otherwise the same one as the view, whose only consumer it is; a
+        hook on it stands in when the view's did not fire. Not for an output that is one of the
+        call's inputs or is returned twice: other paths reach those."""
+        try:
+            counts: Dict[int, int] = {}
+            for _, tensor in compiled_leaves:
+                counts[id(tensor)] = counts.get(id(tensor), 0) + 1
+            given = {id(t) for _, t in inputs} | {id(t) for _, t in input_leaves(args, kwargs)}
+            for index, (_, tensor) in enumerate(compiled_leaves):
+                if tensor.requires_grad and counts[id(tensor)] == 1 and id(tensor) not in given:
+                    pending.hooks.append(tensor.register_hook(
+                        self._grad_output_hook(step, pending, index, unless_seen=True)))
+        except Exception as error:  # never break training because of the checker
+            self._warn_once(pending.target.name, "outputs", f"dynaprobe: {pending.target.name}: "
+                            f"outputs changed in place are not followed ({error})")
+
     @staticmethod
-    def _grad_output_hook(step: Step, pending: PendingBackward, index: int):
+    def _grad_output_hook(step: Step, pending: PendingBackward, index: int,
+                          unless_seen: bool = False):
+        """Keeps output ``index``'s gradient; ``unless_seen``: only if none was kept for it yet
+        (the stand-in of _hook_outputs_themselves)."""
         def hook(grad: torch.Tensor) -> None:
-            if grad is None:
+            if grad is None or (unless_seen and index in pending.grads):
                 return
             pending.on_output_grad(index, grad)
             # Seeds both sides' backward: recorded once, for both.
