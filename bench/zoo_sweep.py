@@ -41,7 +41,7 @@ KINDS = {  # kind -> (transformers mapping of model type to class name, auto cla
 }
 # Generic tiny sizes, under every name configs give them; only names a config has are set.
 SIZES = {
-    "vocab_size": 128, "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64,
+    "vocab_size": 128, "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "emb_dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
     "n_inner": 128, "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2,
     "encoder_layers": 2, "decoder_layers": 2, "num_decoder_layers": 2,
@@ -65,15 +65,17 @@ def tiny_config(config_class):
 
 def layer_classes(model) -> tuple:
     """The classes of the repeated layers a user wraps: the members of the outermost
-    ModuleLists holding two or more modules with parameters."""
+    ModuleLists holding two or more modules with parameters (containers are looked into)."""
     import torch.nn as nn
 
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
     found, inside = [], []
     for name, module in model.named_modules():
         if any(name.startswith(prefix) for prefix in inside):
             continue
         if isinstance(module, nn.ModuleList) and len(module) >= 2 and all(
-                any(True for _ in m.parameters()) for m in module):
+                any(True for _ in m.parameters()) and not isinstance(m, containers)
+                for m in module):
             inside.append(name + ".")
             found.extend(type(m) for m in module if type(m) not in found)
     return tuple(found)
