@@ -17,7 +17,9 @@ markdown table and the totals; --json keeps one line per family.
 
     .venv/bin/python bench/zoo_sweep.py [--kinds causal-lm,masked-lm,seq2seq,vision]
         [--only llama,dory] [--dtypes float32,bfloat16] [--jobs 2] [--timeout 600]
-        [--memory-gb 8] [--json results.jsonl]
+        [--memory-gb 16] [--json results.jsonl]
+    .venv/bin/python bench/zoo_sweep.py --coverage results.jsonl   (the docs' coverage section;
+        the latest line of a family wins, so rerunning some families appends to the file)
 """
 
 from __future__ import annotations
@@ -303,6 +305,28 @@ def table(entries: list, dtypes: list) -> str:
     return "\n".join(lines)
 
 
+def coverage(entries: list) -> str:
+    """docs/real-models.md's coverage section: totals per kind for the installed transformers,
+    then every family short of fully checked, with why."""
+    import transformers
+
+    kinds = sorted({e["kind"] for e in entries})
+    lines = [f"transformers {transformers.__version__}, torch "
+             f"{__import__('torch').__version__}:", "",
+             "| kind | families | fully checked | short | not checkable |", "|---|---|---|---|---|"]
+    for kind in kinds + ["all"]:
+        mine = [e for e in entries if kind in ("all", e["kind"])]
+        count = {s: sum(e["status"] == s for e in mine) for s in (CHECKED, SHORT, NOT_CHECKABLE)}
+        lines.append(f"| {kind} | {len(mine)} | {count[CHECKED]} | {count[SHORT]} | "
+                     f"{count[NOT_CHECKABLE]} |")
+    lines += ["", "| kind | family | status | why |", "|---|---|---|---|"]
+    for e in sorted(entries, key=lambda e: (e["status"], e["kind"], e["family"])):
+        if e["status"] != CHECKED:
+            why = " ".join(e.get("why", "").split()).replace("|", "/")[:160]
+            lines.append(f"| {e['kind']} | {e['family']} | {e['status']} | {why} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kinds", default=",".join(KINDS))
@@ -312,12 +336,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per family")
     parser.add_argument("--memory-gb", type=int, default=16, help="address space per family")
     parser.add_argument("--json", help="also write one JSON line per family here")
+    parser.add_argument("--coverage", metavar="JSONL",
+                        help="print docs/real-models.md's coverage section from a --json file")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "MODEL_TYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
     if args.worker:
         print(json.dumps(check_family(*args.worker, dtypes)), flush=True)
+        return
+    if args.coverage:
+        with open(args.coverage) as f:
+            latest = {(e["kind"], e["family"]): e for e in map(json.loads, f)}
+        print(coverage(list(latest.values())))
         return
     todo = families([k for k in args.kinds.split(",") if k],
                     {o for o in args.only.split(",") if o})

@@ -324,7 +324,7 @@ def test_parameter_gradients_are_the_ones_before_training_changes_grad_in_place(
             torch.testing.assert_close(recorded, expected)
 
 
-class Cache:
+class KeyCache:
     """A KV cache a layer appends to: a later call reads what an earlier one left."""
 
     def __init__(self):
@@ -343,7 +343,7 @@ class CachedAttention(nn.Module):
         self.q = nn.Linear(6, 6)
         self.k = nn.Linear(6, 6)
 
-    def forward(self, x, cache: Cache):
+    def forward(self, x, cache: KeyCache):
         keys = cache.update(0, self.k(x))
         scores = self.q(x) @ keys.transpose(1, 2)
         return x + scores.softmax(-1) @ keys
@@ -360,14 +360,14 @@ def test_gradient_through_what_a_call_leaves_in_its_arguments_reaches_its_eager_
     x = torch.randn(2, 4, 6, requires_grad=True)
 
     reference = copy.deepcopy(model)
-    cache = Cache()
+    cache = KeyCache()
     out = reference(reference(x, cache), cache)
     out.square().sum().backward()
 
     checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
     checker.wrap(model)
     checker.install(model)
-    cache = Cache()
+    cache = KeyCache()
     x_checked = x.detach().clone().requires_grad_(True)
     out = model(model(x_checked, cache), cache)
     out.square().sum().backward()
