@@ -104,7 +104,9 @@ def families() -> Dict[str, Family]:
         _decoder(t.DoryConfig, t.DoryForCausalLM, DoryDecoderLayer, generates=False),
         # Its compressor's projections get no gradient in eager on short sequences, zeros compiled.
         _decoder(t.DeepseekV4Config, t.DeepseekV4ForCausalLM, DeepseekV4DecoderLayer,
-                 generates=False),
+                 generates=False, head_dim=16, qk_rope_head_dim=8, q_lora_rank=32,
+                 o_lora_rank=32, n_routed_experts=4, moe_intermediate_size=32, index_n_heads=4,
+                 index_head_dim=16, index_topk=4),
         Family("GPT2", lambda: t.GPT2LMHeadModel(t.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)), (GPT2Block,), _causal_lm_batch, _causal_lm_infer,

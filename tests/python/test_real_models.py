@@ -87,8 +87,9 @@ def _assert_every_block_checked(result, block_names, backward: bool):
         assert all(status == "PASS" for _, status in kinds), f"{name}: {kinds}"
 
 
-# Dory and DeepseekV4 bring capture mechanisms (a layer run twice with one cache; a gradient
-# only the compiled side materializes), which aot_eager exercises; inductor adds compile time.
+# Dory and DeepseekV4 bring capture mechanisms of training (a layer run twice with one cache; a
+# gradient only the compiled side materializes), which an aot_eager training step exercises;
+# inductor and two-pass inference add compile time and nothing more (the zoo sweep runs them).
 MECHANISMS = {"Dory", "DeepseekV4"}
 
 
@@ -123,7 +124,7 @@ def test_single_pass_training_step_passes_and_changes_nothing(family_name, backe
     _assert_same_state(_state(model), reference_state)
 
 
-@pytest.mark.parametrize("family_name", list(FAMILIES))
+@pytest.mark.parametrize("family_name", [name for name in FAMILIES if name not in MECHANISMS])
 def test_two_pass_inference_passes(family_name, tmp_path):
     family = FAMILIES[family_name]
     torch.manual_seed(0)
