@@ -463,3 +463,30 @@ def test_an_output_its_caller_changes_in_place_still_gets_its_backward_compared(
         assert {("grad_output", "PASS"), ("grad_input", "PASS"), ("param_grad", "PASS")} <= kinds
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name  # training untouched
+
+
+class Mixes(nn.Module):
+    """Takes its input twice, as NeoMME's first layer does (hidden and initial hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.mix = nn.Parameter(torch.tensor([0.9, 0.1]))
+
+    def forward(self, hidden, initial):
+        return self.lin(self.mix[0] * hidden + self.mix[1] * initial.tanh())
+
+
+def test_a_tensor_passed_twice_gets_a_gradient_per_argument_on_both_sides(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Mixes())
+    x = torch.randn(2, 6, requires_grad=True)
+    checker = PrecisionChecker(dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    checker.install(model)
+    model[0](x, x).square().sum().backward()
+    result = checker.collect()
+    checker.uninstall()
+    assert result.all_pass, result.text()
+    grads = {r.tensor_index: r for r in result.rows if r.check_type == "grad_input"}
+    assert sorted(grads) == [0, 1] and all(r.status == "PASS" for r in grads.values())
