@@ -83,6 +83,22 @@ def layer_classes(model) -> tuple:
     return tuple(found)
 
 
+def layers_run(model, classes: tuple, step) -> set:
+    """The names of the layers of ``classes`` that ``step(model)`` runs: those a user wraps (a
+    text batch leaves a multimodal model's vision layers out)."""
+    ran, handles = set(), []
+    for name, module in model.named_modules():
+        if isinstance(module, classes):
+            handles.append(module.register_forward_pre_hook(
+                lambda *_, name=name: ran.add(name)))
+    try:
+        step(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ran
+
+
 def batch_for(kind: str, model, train: bool) -> dict:
     import torch
 
@@ -183,13 +199,15 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
         if kind == "vision":
             batch["pixel_values"] = batch["pixel_values"].to(dtype)
         try:
-            train_step(copy.deepcopy(base), batch)
+            ran = layers_run(copy.deepcopy(base), classes, lambda m: train_step(m, batch))
+            if not ran:
+                return outcome(NOT_CHECKABLE, "its training step runs none of its repeated layers")
         except Exception as error:
             return outcome(NOT_CHECKABLE, f"{dtype_name} eager training fails at tiny sizes: "
                            f"{type(error).__name__}: {error}", **results)
         compiled = copy.deepcopy(base)
-        for module in compiled.modules():
-            if isinstance(module, classes):
+        for name, module in compiled.named_modules():
+            if name in ran:
                 module.forward = torch.compile(module.forward, backend="aot_eager")
         torch._dynamo.reset()
         try:
@@ -198,10 +216,12 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
             return outcome(NOT_CHECKABLE, f"{dtype_name}: torch cannot compile its layers "
                            f"without the checker: {type(error).__name__}: {error}", **results)
         torch._dynamo.reset()
-        layer_names = [n for n, m in base.named_modules() if isinstance(m, classes)]
+        layer_names = sorted(ran)
         with tempfile.TemporaryDirectory() as dump:
             checker = PrecisionChecker(dump_dir=dump)
-            checker.wrap_by_policy(base, classes)
+            for name, module in base.named_modules():
+                if name in ran:
+                    checker.wrap(module)
             checker.install(base)
             try:
                 got = train_step(base, batch)
@@ -215,12 +235,12 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
         why = short_reason(result, layer_names) or (
             "" if not (d := same_training(got, expected)) else f"training changed: {d}")
         results[dtype_name] = CHECKED if not why else f"{SHORT}: {why}"
-    results["inference"] = two_pass_inference(kind, model, classes)
+    results["inference"] = two_pass_inference(kind, model, ran)
     shorts = [f"{k}: {v.split(': ', 1)[1]}" for k, v in results.items() if v != CHECKED]
     return outcome(SHORT if shorts else CHECKED, "; ".join(shorts), **results)
 
 
-def two_pass_inference(kind: str, model, classes) -> str:
+def two_pass_inference(kind: str, model, ran: set) -> str:
     import torch
 
     from dynaprobe import PrecisionChecker
@@ -237,7 +257,9 @@ def two_pass_inference(kind: str, model, classes) -> str:
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as dump:
         checker = PrecisionChecker(single_pass=False, dump_dir=dump)
-        checker.wrap_by_policy(model, classes)
+        for name, module in model.named_modules():
+            if name in ran:
+                checker.wrap(module)
         try:
             result = checker.compare(step, model)
         except Exception as error:

@@ -143,8 +143,21 @@ def probe(tensor: torch.Tensor, hook: Callable) -> torch.Tensor:
 
 def probe_inputs(args: tuple, kwargs: dict, hook_for: Callable[[int], Callable]):
     """(args, kwargs) with each input tensor that requires grad probed by ``hook_for(index)``
-    (grad_input), indexed as input_leaves."""
-    return map_tensors(args, kwargs, lambda index, tensor: probe(tensor, hook_for(index)))
+    (grad_input), indexed as input_leaves.
+
+    A tensor passed as several arguments (Funnel's query, key and value; NeoMME's hidden and
+    initial states) is probed once, at its first position, and that one view goes to every
+    position: Dynamo sees one input, as without the checker (probing each position would make it
+    several inputs, and the compiled backward would sum their gradients in another order). Its
+    grad_input is the gradient through all of them, at its first index."""
+    probed: dict = {}
+
+    def probe_once(index: int, tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in probed:
+            probed[id(tensor)] = probe(tensor, hook_for(index))
+        return probed[id(tensor)]
+
+    return map_tensors(args, kwargs, probe_once)
 
 
 def probe_outputs(value: Any, hook_for: Callable[[int], Callable]) -> Any:

@@ -47,8 +47,8 @@ def copy_arguments(args: tuple, kwargs: dict,
     """A copy of a call's arguments for the eager re-run: ``(args, kwargs, shared)``.
 
     ``copy_tensor(index, tensor)`` copies each tensor reached by pytree, indexed as
-    ``_capture.input_leaves`` indexes them; the same tensor passed again gets a tensor object of
-    its own over the same copy, and reached again inside another object, the same copy. Tensors inside other objects are detached, cloned and passed through
+    ``_capture.input_leaves`` indexes them; the same tensor reached again inside another object
+    gets the same copy. Tensors inside other objects are detached, cloned and passed through
     ``convert`` (the fp64 reference upcasts them). ``shared`` names the arguments that could not
     be copied (their type and why): the re-run gets them as they are.
     """
@@ -56,21 +56,16 @@ def copy_arguments(args: tuple, kwargs: dict,
     memo: dict = {}
     index = 0
     objects = []
-    copied = list(leaves)
     for position, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            if id(leaf) in memo:
-                # The same tensor passed again (NeoMME's first layer gets its input twice): a
-                # tensor object of its own over the same copy, so that each argument gets its own
-                # gradient, as each gets its own probe on the compiled side.
-                copied[position] = memo[id(leaf)].detach()
-            else:
-                memo[id(leaf)] = copied[position] = copy_tensor(index, leaf)
+            if id(leaf) not in memo:
+                memo[id(leaf)] = copy_tensor(index, leaf)
             index += 1
         elif not isinstance(leaf, _IMMUTABLE):
             objects.append(position)
     if not objects:
-        return (*pytree.tree_unflatten(copied, spec), [])
+        return (*pytree.tree_unflatten([memo.get(id(x), x) for x in leaves], spec), [])
+    copied = [memo.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
     shared = []
     for position in objects:
         leaf = leaves[position]

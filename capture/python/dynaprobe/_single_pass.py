@@ -169,7 +169,8 @@ class SinglePass:
                 if grad_mode and original.requires_grad and (tensor.is_floating_point()
                                                              or tensor.is_complex()):
                     tensor.requires_grad_(True)
-                    leaves.append((index, tensor))
+                    if all(leaf is not tensor for _, leaf in leaves):  # see probe_inputs
+                        leaves.append((index, tensor))
                 return tensor
 
             eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
