@@ -158,10 +158,11 @@ def short_reason(result, layer_names) -> str:
     kinds = {}
     for row in result.rows:
         kinds.setdefault(row.module, set()).add(row.check_type)
-    for name in layer_names:
-        missing = {"fwd_output", "grad_input", "param_grad"} - kinds.get(name, set())
-        if missing:
-            return f"{name}: no {', '.join(sorted(missing))} rows"
+    for name in layer_names:  # a first layer given pixels or ids has no grad_input: its
+        # parameters' gradients are its backward then
+        have = kinds.get(name, set())
+        if "fwd_output" not in have or not have & {"grad_input", "param_grad"}:
+            return f"{name}: no forward or no backward rows ({', '.join(sorted(have))})"
     return ""
 
 
