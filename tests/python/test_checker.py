@@ -484,8 +484,8 @@ def test_a_step_that_compared_nothing_is_not_a_pass(tmp_path):
 
 @pytest.mark.parametrize("single_pass", [True, False])
 def test_compare_says_where_its_dump_is_once(single_pass, tmp_path, capfd):
-    """compare() and capture() name their dump and the command that reads it again, on the
-    first step of a checker; result.dump_dir names it too."""
+    """compare() names its dump and the command that reads it again, on the first step of a
+    checker; result.dump_dir names it too."""
     model = nn.Linear(4, 4)
     checker = PrecisionChecker(single_pass=single_pass, dump_dir=str(tmp_path / "dump"))
     checker.wrap(model)

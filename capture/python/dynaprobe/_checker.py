@@ -179,7 +179,8 @@ class PrecisionChecker:
         self.strict_io = _options.expect_flag("strict_io", strict_io)
         self._writes = _storage.Writes(self.strict_io)
         # The first stored step says where the dump is: install()/collect() runs with an estimate
-        # of the run's disk use, compare() and capture() with the command that reads it again.
+        # of the run's disk use, compare() with the command that reads it again (capture()
+        # returns its file).
         self._estimated = False
         self._committing = None  # the last ended step, while its file may still be written
         self._one_step = False  # compare(): a step on its own, not a run of steps
@@ -407,7 +408,7 @@ class PrecisionChecker:
                 self._estimated = True
                 _storage.report_first_step(self.dump_dir, pending.file, self.dump,
                                            self._schedule, step.index, self.disk_budget_bytes)
-            elif not self._estimated and not in_run and stored:  # compare(), capture()
+            elif not self._estimated and not in_run and stored and compare:  # compare()
                 self._estimated = True
                 print(f"dynaprobe: step {step.index} written to {self.dump_dir} "
                       f"(dynaprobe compare {self.dump_dir})", file=sys.stderr)
