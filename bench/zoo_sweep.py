@@ -174,6 +174,11 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
     from dynaprobe import PrecisionChecker
 
     torch.set_num_threads(1)
+    # The unchecked baseline compiles each layer's forward, all instances sharing one code object:
+    # past Dynamo's recompile limit (8) later layers would run eagerly, unlike under the checker,
+    # which compiles each layer through its own. A higher limit compiles them all.
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     mapping = getattr(modeling_auto, KINDS[kind][0])
     entry = {"kind": kind, "family": model_type, "class": mapping[model_type]}
 
