@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "build-fuzz"
 SEEDS = REPO / "tests" / "data" / "fuzz_seeds"
-SECONDS = 60
+SECONDS = 30  # thousands of executions on two cores; longer runs are for a fuzzing job, not the suite
 
 
 def build_fuzzer():
@@ -36,7 +36,7 @@ def build_fuzzer():
 
 
 @pytest.mark.slow
-def test_libfuzzer_finds_no_crash_in_a_minute_over_the_seed_corpus(tmp_path):
+def test_libfuzzer_finds_no_crash_in_half_a_minute_over_the_seed_corpus(tmp_path):
     fuzzer = build_fuzzer()
     seeds = sorted(SEEDS.glob("*.h5"))
     assert len(seeds) >= 2
