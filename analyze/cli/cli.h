@@ -61,6 +61,9 @@ void write_text_file(const std::filesystem::path& path, const std::string& text)
 // call on this thread, so use it once per printf.
 const char* printable(const std::string& name);
 
+// A size for people: "512 B", "3.4 KiB", "1.2 MiB", "2.05 GiB".
+std::string human_bytes(std::uint64_t bytes);
+
 // The dump a command reads: `path`, or for a folder of runs its newest run, said on stderr with
 // the others and how to pick one (analyze::newest_run).
 std::string chosen_dump(const std::string& command, const std::string& path);

@@ -114,4 +114,18 @@ std::string chosen_dump(const std::string& command, const std::string& path) {
   return newest.path.string();
 }
 
+std::string human_bytes(std::uint64_t bytes) {
+  char buffer[32];
+  if (bytes < 1024) {
+    std::snprintf(buffer, sizeof(buffer), "%llu B", static_cast<unsigned long long>(bytes));
+  } else if (bytes < (1u << 20)) {
+    std::snprintf(buffer, sizeof(buffer), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
+  } else if (bytes < (1u << 30)) {
+    std::snprintf(buffer, sizeof(buffer), "%.1f MiB", static_cast<double>(bytes) / 1048576.0);
+  } else {
+    std::snprintf(buffer, sizeof(buffer), "%.2f GiB", static_cast<double>(bytes) / 1073741824.0);
+  }
+  return buffer;
+}
+
 }  // namespace dynaprobe::cli

@@ -11,20 +11,6 @@ namespace dynaprobe::cli {
 
 namespace {
 
-std::string human_bytes(std::uint64_t bytes) {
-  char buffer[32];
-  if (bytes < 1024) {
-    std::snprintf(buffer, sizeof(buffer), "%llu B", static_cast<unsigned long long>(bytes));
-  } else if (bytes < (1u << 20)) {
-    std::snprintf(buffer, sizeof(buffer), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
-  } else if (bytes < (1u << 30)) {
-    std::snprintf(buffer, sizeof(buffer), "%.1f MiB", static_cast<double>(bytes) / 1048576.0);
-  } else {
-    std::snprintf(buffer, sizeof(buffer), "%.2f GiB", static_cast<double>(bytes) / 1073741824.0);
-  }
-  return buffer;
-}
-
 // An attribute as the listing shows it: key=value, with a JSON value (a call's replay
 // description runs to hundreds of characters) as its size, which --json shows whole.
 std::string attribute_text(const std::string& key, const std::string& value) {

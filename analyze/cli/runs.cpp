@@ -29,19 +29,6 @@ std::string local_time(fs::file_time_type time) {
   return text;
 }
 
-std::string size_text(std::uint64_t bytes) {
-  char text[32];
-  const double value = static_cast<double>(bytes);
-  if (bytes < (1u << 20)) {
-    std::snprintf(text, sizeof(text), "%.1f KiB", value / 1024.0);
-  } else if (bytes < (1u << 30)) {
-    std::snprintf(text, sizeof(text), "%.1f MiB", value / 1048576.0);
-  } else {
-    std::snprintf(text, sizeof(text), "%.2f GiB", value / 1073741824.0);
-  }
-  return text;
-}
-
 std::uint64_t folder_bytes(const fs::path& folder) {
   std::uint64_t total = 0;
   std::error_code error;
@@ -147,16 +134,16 @@ int run_runs(const RunsOptions& cmd) {
         ++removed;
       }
       std::printf("%-40s %s\n", printable(run.filename().string()),
-                  (kept.empty() ? "removed (" + size_text(bytes) + ")" : kept).c_str());
+                  (kept.empty() ? "removed (" + human_bytes(bytes) + ")" : kept).c_str());
       continue;
     }
     const RunSummary summary = summarize(run);
     std::printf("%-40s %-19s %5zu %6zu %10s  %s\n", printable(run.filename().string()),
                 local_time(analyze::last_written(run)).c_str(), summary.ranks, summary.steps,
-                size_text(bytes).c_str(), summary.verdict.c_str());
+                human_bytes(bytes).c_str(), summary.verdict.c_str());
   }
   if (removed > 0) {
-    std::printf("removed %zu run(s), %s\n", removed, size_text(removed_bytes).c_str());
+    std::printf("removed %zu run(s), %s\n", removed, human_bytes(removed_bytes).c_str());
   }
   return kExitPass;
 }
