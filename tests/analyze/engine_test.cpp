@@ -414,8 +414,8 @@ TEST(Engine, ModuleThatRanOnTheEagerSideOnlyIsMissingItsCompiledGradients) {
   const std::string text = render_text(result.steps[0]);
   EXPECT_EQ(text.find("SKIP_compiled_wrapper"), std::string::npos) << text;
   const std::string row = "  WARN  " + std::string("layers.1.grad_input").append(32, ' ') +
-                          "  MISSING_bwd_in_compiled  the compiled model did not run this call, "
-                          "so it has no gradients\n";
+                          "  MISSING_bwd_in_compiled\n        the compiled model did not run "
+                          "this call, so it has no gradients\n";
   EXPECT_NE(text.find(row), std::string::npos) << text;
 }
 
@@ -472,8 +472,9 @@ TEST(Engine, AOneSidedGradientOfZerosEqualsTheOtherSidesNone) {
   EXPECT_EQ(grads["head[0]"]->status, Status::kPass);
   EXPECT_EQ(grads["head[0]"]->reason, "compiled: no gradient; eager: zeros (the same gradient)");
   const std::string text = render_text(result.steps[0]);
-  EXPECT_NE(text.find("shape=(3,)  eager: no gradient; compiled: zeros (the same gradient)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("shape=(3,)\n        eager: no gradient; compiled: zeros (the same gradient)"),
+      std::string::npos)
       << text;
   EXPECT_EQ(result.steps[0].counts().warn, 1u) << text;
 }

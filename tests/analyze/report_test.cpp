@@ -95,22 +95,30 @@ TEST(Report, CsvIsTheSpecExample) {
   EXPECT_EQ(render_csv({report}), expected);
 }
 
-TEST(Report, SinglePassShowsNanEagerLossAndCompiledOnlyLossRow) {
+// The Loss line says why eager is nan where the reader sees it; the spec's two-pass line
+// (StdoutIsTheSpecExample) stays as it is.
+TEST(Report, SinglePassLossLineSaysWhyEagerIsNanAndLossRowIsCompiledOnly) {
   StepReport report;
   report.single_pass = true;
   report.loss_compiled = 0.333408;
   const std::string text = render_text(report);
-  EXPECT_NE(text.find("  Loss  eager=nan  compiled=0.333408  diff=nan\n"), std::string::npos)
+  EXPECT_NE(text.find("\n  Loss  eager=nan  compiled=0.333408  diff=nan  (single-pass: no "
+                      "whole-model eager run)\n"),
+            std::string::npos)
       << text;
+  report.cast_dtype = "torch.bfloat16";
+  EXPECT_NE(render_text(report).find("  diff=nan  cast_dtype=torch.bfloat16  (single-pass: no "
+                                     "whole-model eager run)\n"),
+            std::string::npos);
   EXPECT_EQ(render_csv({report}),
             "module_name,check_type,tensor_index,status,max_abs_diff,mean_abs_diff,max_rel_diff,"
             "shape,note\n"
             "LOSS,loss,0,PASS,N/A,N/A,N/A,compiled=0.333408,single_pass mode\n");
 }
 
-// The spec's hint (提示) below a single-pass report, where the user looks; a two-pass report,
-// such as the spec's example, ends with its RESULT block.
-TEST(Report, SinglePassReportEndsWithTheHintAboutNanAndSharedTensors) {
+// Below a single-pass report, what its zero rows are (the Loss line says why eager is nan); a
+// two-pass report, such as the spec's example, ends with its RESULT block.
+TEST(Report, SinglePassReportEndsWithTheHintAboutSharedTensors) {
   StepReport report;
   report.single_pass = true;
   report.loss_compiled = 0.333408;
@@ -119,10 +127,9 @@ TEST(Report, SinglePassReportEndsWithTheHintAboutNanAndSharedTensors) {
   const std::string ending =
       "  RESULT: ALL PASS  (atol=1e-4 rtol=1e-3)\n"
       "========================================================================\n"
-      "  single-pass: eager=nan is expected (no whole-model eager run); FORWARD INPUT and\n"
-      "  grad_output are the tensors both sides share (0 by design): FORWARD OUTPUT and "
-      "grad_input\n"
-      "  are what compares the two sides.\n";
+      "  single-pass: FORWARD INPUT and grad_output are the tensors both sides share (0 by "
+      "design);\n"
+      "  FORWARD OUTPUT and grad_input are what compares the two sides.\n";
   ASSERT_GE(text.size(), ending.size());
   EXPECT_EQ(text.substr(text.size() - ending.size()), ending);
   const std::string two_pass = render_text(spec_example());
@@ -132,8 +139,8 @@ TEST(Report, SinglePassReportEndsWithTheHintAboutNanAndSharedTensors) {
       << two_pass;
 }
 
-// Why a row fails, when its metrics do not say it (NaN/Inf on one side), is on its stdout line as
-// in the CSV's note column.
+// Why a row fails, when its metrics do not say it (NaN/Inf on one side), is on the stdout line
+// below the row, as in the CSV's note column.
 TEST(Report, FailingRowShowsItsReasonOnStdout) {
   StepReport report;
   report.loss_eager = 1.0;
@@ -143,8 +150,8 @@ TEST(Report, FailingRowShowsItsReasonOnStdout) {
   row.reason = "32 NaN/Inf only in compiled";
   report.rows.push_back(row);
   const std::string text = render_text(report);
-  EXPECT_NE(text.find("[!!] max_abs=nan  mean_abs=nan  max_rel=nan  shape=(2, 128, 4096)  32 "
-                      "NaN/Inf only in compiled\n"),
+  EXPECT_NE(text.find("[!!] max_abs=nan  mean_abs=nan  max_rel=nan  shape=(2, 128, 4096)\n"
+                      "        32 NaN/Inf only in compiled\n"),
             std::string::npos)
       << text;
   EXPECT_NE(render_csv({report}).find(",32 NaN/Inf only in compiled\n"), std::string::npos);
@@ -308,7 +315,7 @@ TEST(Report, NamesAreEscapedInTextCsvAndJson) {
   const std::string text = render_text(report);
   EXPECT_NE(text.find("  pass  evil\\x0Amodule\\xCF   "), std::string::npos) << text;
   EXPECT_NE(text.find("  WARN  note\\x0D   "), std::string::npos) << text;
-  EXPECT_NE(text.find("NOT_COMPILED  why\\x0A\\xFF\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("NOT_COMPILED\n        why\\x0A\\xFF\n"), std::string::npos) << text;
   const std::string csv = render_csv({report});
   EXPECT_NE(csv.find("\nevil\\x0Amodule\\xCF,fwd_output,0,PASS,"), std::string::npos) << csv;
   EXPECT_NE(csv.find("\nnote\\x0D,note,0,WARN,,,,,NOT_COMPILED: why\\x0A\\xFF\n"),
@@ -347,6 +354,52 @@ TEST(Report, SeveralTensorsOfAModuleEachGetALine) {
                 "[!!] max_abs=1.000e+00  mean_abs=5.000e-01  max_rel=2.000e+00  shape=(7,)\n"),
       std::string::npos)
       << text;
+}
+
+// A row's details (reason, its own tolerances, the reference verdict, a note's reason) are on
+// lines of their own below it, indented and wrapped to 120 columns; the row itself is the spec's.
+TEST(Report, RowDetailsGoBelowTheRowAndFitA120ColumnTerminal) {
+  StepReport report = spec_example();
+  Row& row = report.rows[1];
+  row.status = Status::kFail;
+  row.reason = "3 NaN/Inf only in compiled";
+  row.tolerances = Tolerances{0.01, 0.016};
+  row.reference_verdict = "divergence";
+  row.reference_dtype = "fp32";
+  row.reference_eager = TensorMetrics{};
+  row.reference_eager->rmse = 1.0e-3;
+  row.reference_compiled = TensorMetrics{};
+  row.reference_compiled->rmse = 3.1e-2;
+  row.tolerance_status = Status::kPass;
+  report.rows.push_back(note_row("layers.1", Status::kWarn, "NOT_COMPILED"));
+  report.rows.back().reason = "some calls were not compared: " + std::string(40, 'a') + " " +
+                              std::string(60, 'b') + " " + std::string(30, 'c');
+  const std::string text = render_text(report);
+  EXPECT_NE(
+      text.find(
+          "\n  FAIL  layers.0                                             [!!] max_abs=2.300e-07  "
+          "mean_abs=1.200e-08  max_rel=5.100e-06  shape=(2, 128, 4096)\n"
+          "        3 NaN/Inf only in compiled  tol: atol=0.01 rtol=0.016\n"
+          "        fp32: divergence (rmse compiled=3.1e-02 eager=1.0e-03; tolerances pass)\n"),
+      std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\n  WARN  layers.1                                             "
+                      "NOT_COMPILED\n"
+                      "        some calls were not compared: " +
+                      std::string(40, 'a') + "\n        " + std::string(60, 'b') + " " +
+                      std::string(30, 'c') + "\n"),
+            std::string::npos)
+      << text;
+  // Every line but the spec's rows (their layout is the spec's: 144 columns with this shape).
+  std::size_t start = 0;
+  while (start < text.size()) {
+    const std::size_t end = text.find('\n', start);
+    const std::string line = text.substr(start, end - start);
+    if (line.find("shape=(2, 128, 4096)") == std::string::npos) {
+      EXPECT_LE(line.size(), 120u) << line;
+    }
+    start = end + 1;
+  }
 }
 
 TEST(Report, MergedCsvUsesTheMultiRankSpelling) {

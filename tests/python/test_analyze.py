@@ -566,12 +566,13 @@ def test_further_tensors_of_a_module_continue_under_its_line(tmp_path, dynaprobe
     assert lines[first + 1] == " " * 61 + "[!!] max_abs=1.000e+00  mean_abs=1.000e+00  max_rel=1.000e+00  shape=(2, 3)"
 
 
-def test_single_pass_loss_line_has_nan_eager(tmp_path, dynaprobe_cli):
+def test_single_pass_loss_line_has_nan_eager_and_says_why(tmp_path, dynaprobe_cli):
     write_dump(tmp_path / "dump", loss_recs(compiled=0.333408) + [Rec("layers.0", "fwd_output", **same(randn(4)))],
                provenance=single_pass())
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
     assert proc.returncode == 0
-    assert proc.stdout.splitlines()[1] == "  Loss  eager=nan  compiled=0.333408  diff=nan"
+    assert proc.stdout.splitlines()[1] == ("  Loss  eager=nan  compiled=0.333408  diff=nan"
+                                           "  (single-pass: no whole-model eager run)")
 
 
 def test_csv_reproduces_the_spec_example_lines(tmp_path, dynaprobe_cli):
@@ -716,7 +717,8 @@ def test_module_note_is_a_warning_that_fails_the_result(tmp_path, dynaprobe_cli)
                         ("layers.2", {"role": "wrapped", "note": "NOT_COMPILED", "reason": "graph break in forward"})])
     proc, lines, csv = compare_rows(dynaprobe_cli, tmp_path, tmp_path / "dump")
     assert proc.returncode == 1
-    assert report_row("WARN", "layers.2", "NOT_COMPILED  graph break in forward") in lines
+    note = lines.index(report_row("WARN", "layers.2", "NOT_COMPILED"))
+    assert lines[note + 1] == "        graph break in forward"
     assert "layers.2,note,0,WARN,,,,,NOT_COMPILED: graph break in forward" in csv
     assert "  RESULT: FAILED  (0 FAIL, 1 WARN; atol=1e-4 rtol=1e-3)" in lines
 

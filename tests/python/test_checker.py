@@ -65,7 +65,7 @@ def test_spec_training_quickstart(capsys):
 
     out = capsys.readouterr().out
     assert out.startswith("=" * 72 + "\n  Loss  eager=nan  compiled=")
-    assert "diff=nan\n" in out
+    assert "diff=nan  (single-pass: no whole-model eager run)\n" in out
     for section in ("FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"):
         assert f"\n  {section}\n  {'-' * 68}\n" in out
     for name in ("layers.0", "layers.2"):

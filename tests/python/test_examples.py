@@ -123,7 +123,8 @@ def test_autocast_bf16_passes_with_bf16_tolerances(tmp_path):
     out = proc.stdout
     assert_report(out, ["FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"],
                   result="ALL PASS" if "0 failing row(s)" in out else "FAILED")
-    assert re.search(r"^  Loss  eager=nan  compiled=\S+  diff=nan  cast_dtype=torch.bfloat16$", out, re.M)
+    assert re.search(r"^  Loss  eager=nan  compiled=\S+  diff=nan  cast_dtype=torch.bfloat16"
+                     r"  \(single-pass: no whole-model eager run\)$", out, re.M)
     assert re.search(r"^default tolerances: \d+ failing row\(s\)$", out, re.M)
     assert "bf16 tolerances: RESULT: ALL PASS  (atol=0.01 rtol=0.016)" in out
     run = only(tmp_path / "autocast_bf16-*")
