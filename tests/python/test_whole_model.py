@@ -403,3 +403,75 @@ def test_options_whole_model_mode_cannot_honour_are_refused(tmp_path):
     checker.wrap_by_policy(model, (Layer,))
     with pytest.raises(ValueError, match="whole-model mode.*cast_dtype is not available"):
         checker.install(torch.compile(model, backend="aot_eager"))
+
+
+class _Returns(nn.Module):
+    """Returns its values in another order than it computes them, one of them in a dict beside
+    its own input: graph order is h, g; tensor_leaves order g, h, x."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = self.b(x)[:, :4]
+        return g, {"h": h, "x": x}
+
+
+class _UsesReturns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Returns()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        g, rest = self.block(x)
+        return (self.head(rest["h"]) + g.sum()).square().mean()
+
+
+def test_an_output_has_the_same_index_and_label_in_every_mode():
+    """fwd_output[n] and grad_output[n] are the n-th tensor the module returns, labelled by its
+    key path, whether the module is compiled alone (single-pass, two-pass) or inside the whole
+    model, where Dynamo's graph computes its outputs in another order."""
+    torch.manual_seed(0)
+    model = _UsesReturns()
+    x = torch.randn(2, WIDTH)
+
+    def tensors(result, check_type):
+        return {(r.tensor_index, r.label if check_type == "fwd_output" else "", r.shape)
+                for r in rows_of(result, check_type, "block")}
+
+    def step(m):
+        return _train_step(m, x)
+
+    found = {}
+    for single_pass in (True, False):
+        torch._dynamo.reset()
+        checker = PrecisionChecker(single_pass=single_pass)
+        own = copy.deepcopy(model)
+        checker.wrap(own.block)
+        found[single_pass] = checker.compare(step, own)
+    torch._dynamo.reset()
+    checker = PrecisionChecker()
+    whole_model = copy.deepcopy(model)
+    checker.wrap(whole_model.block)
+    compiled = torch.compile(whole_model, backend="aot_eager")
+    checker.install(compiled)
+    try:
+        step(compiled)
+        found["whole"] = checker.collect()
+    finally:
+        checker.uninstall()
+
+    outputs = {(0, "[0]", (2, 4)), (1, "[1]['h']", (2, WIDTH)), (2, "[1]['x']", (2, WIDTH))}
+    assert tensors(found[True], "fwd_output") == outputs
+    assert tensors(found[False], "fwd_output") == outputs
+    # The whole model's graph has no value for x (the module's own input): no row, no index.
+    assert tensors(found["whole"], "fwd_output") == outputs - {(2, "[1]['x']", (2, WIDTH))}
+    gradients = {(0, "", (2, 4)), (1, "", (2, WIDTH))}
+    assert tensors(found[True], "grad_output") == gradients
+    assert tensors(found["whole"], "grad_output") == gradients
+    for result in found.values():
+        assert result.all_pass, result.text()

@@ -8,7 +8,10 @@ that compiled module. For every graph Dynamo captures, it
    (keyed by ``id(module)``, ``@n`` for its n-th call in the frame), or, in a frame Dynamo
    started at the module itself (a graph break split it), the frame's own nodes;
 2. takes the call's boundary: the values it reads from outside (its inputs; parameters and
-   buffers apart) and the values it defines that are used outside (its outputs);
+   buffers apart) and the values it defines that are used outside (its outputs), the outputs
+   indexed as the other modes index the module's returned value (``tensor_leaves``: the n-th
+   tensor it returns is ``fwd_output[n]``, labelled by its key path; read while Dynamo traces
+   the call, ``_tag_outputs``), values used outside that it does not return after them;
 3. copies the call's nodes into a graph of their own (inputs, then parameters and buffers, as
    placeholders), which is the module's eager forward for this traced path;
 4. adds the boundary values to the graph's outputs and puts a gradient tap (``_Tap``: an identity
@@ -56,6 +59,50 @@ from dynaprobe._step import (
     compiled_param_grad_hook,
     run_pending,
 )
+
+try:
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:  # a torch without it: outputs in graph order
+    _comptime = None
+
+# node.meta key: [(id(module), tensor_leaves index, key path, tensors returned)] for each wrapped
+# module call that returned the node's value.
+_RETURNED = "dynaprobe_returned"
+
+
+def _tag_outputs(ctx) -> None:
+    """Runs inside Dynamo as it traces a wrapped module's forward hook (``comptime``): tags the
+    graph nodes the call returns with their ``tensor_leaves`` index and key path. Adds nothing to
+    the graph. A returned value Dynamo does not hold as proxies (a dataclass) is not tagged: its
+    outputs keep graph order. Must be a module-level function (comptime takes no closures)."""
+    try:
+        module = ctx.get_local("module")._i_will_not_complain_if_bc_breaks_VariableTracker().value
+        returned = ctx.get_local("output").as_proxy()
+    except Exception:
+        return
+    leaves = []
+
+    def walk(item, label: str) -> None:  # as _capture._map_nested walks a returned value
+        if isinstance(item, fx.Proxy):
+            if isinstance(item.node.meta.get("example_value"), torch.Tensor):
+                leaves.append((label, item.node))
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                walk(sub, f"{label}[{key!r}]")
+        elif isinstance(item, (list, tuple)):
+            for i, sub in enumerate(item):
+                walk(sub, f"{label}[{i}]")
+
+    walk(returned, "")
+    for index, (label, node) in enumerate(leaves):
+        node.meta.setdefault(_RETURNED, []).append((id(module), index, label, len(leaves)))
+
+
+def _mark_outputs(module: nn.Module, args, output) -> None:
+    """Forward hook of each wrapped module: nothing when it runs (outside Dynamo), ``_tag_outputs``
+    while Dynamo traces it."""
+    _comptime(_tag_outputs)
+
 
 # grad_tap key -> the function receiving the gradient. Keys are never reused.
 _TAPS: Dict[int, Callable[[torch.Tensor], None]] = {}
@@ -151,7 +198,10 @@ class _Call:
         self.inputs: List[Tuple[str, int]] = []
         self.input_labels: List[str] = []
         self.outputs: List[Tuple[str, int]] = []
-        self.output_labels: List[str] = []
+        self.output_labels: List[str] = []  # the outputs' graph nodes
+        # Per output: its index and label in the rows, as the other modes give them.
+        self.output_indices: List[int] = []
+        self.output_paths: List[str] = []
         self.params: List[int] = []  # graph inputs holding its parameters and buffers
         self.buffers: List[bool] = []  # per params entry: a buffer (cloned for the eager run)
         self.eager: Optional[fx.GraphModule] = None
@@ -194,6 +244,9 @@ class WholeModel:
         self.tap_keys: List[int] = []
         self.restore: List[Callable[[], None]] = []
         self._hook_parameters()
+        if _comptime is not None:
+            for target in targets:
+                self.restore.append(target.module.register_forward_hook(_mark_outputs).remove)
         self._swap_backend()
 
     # ------------------------------------------------------------------ install / remove
@@ -398,6 +451,18 @@ class WholeModel:
                     inputs.append(source)
         outputs = [n for n in gm.graph.nodes if n in nodes
                    and any(user not in nodes for user in n.users)]
+        # The values the module returned first, at their index in what it returned, then the
+        # others in graph order.
+        returned = {}
+        for node in outputs:
+            tag = next((t for t in node.meta.get(_RETURNED, ())
+                        if t[0] == id(call.target.module)), None)
+            if tag is not None and all(t[1] != tag[1] for t in returned.values()):
+                returned[node] = tag
+        tagged = sorted((n for n in outputs if n in returned), key=lambda n: returned[n][1])
+        others = [n for n in outputs if n not in returned]
+        outputs = tagged + others
+        count = max((t[3] for t in returned.values()), default=0)
         strange = [n.name for n in inputs + outputs if not _is_tensor_node(n)]
         changed = sorted({_mutated(n).name for n in gm.graph.nodes
                           if _mutated(n) in inputs or _mutated(n) in outputs})
@@ -426,6 +491,9 @@ class WholeModel:
         call.input_labels = [n.name for n in inputs]
         call.outputs = [where(n) for n in outputs]
         call.output_labels = [n.name for n in outputs]
+        call.output_indices = ([returned[n][1] for n in tagged]
+                               + [count + i for i in range(len(others))])
+        call.output_paths = [returned[n][2] for n in tagged] + [n.name for n in others]
         call.params = [placeholders.index(n) for n in params if n.op == "placeholder"]
         call.buffers = ["._buffers[" in n.meta["grapharg"].source.name
                         for n in params if n.op == "placeholder"]
@@ -449,7 +517,7 @@ class WholeModel:
         """A gradient tap on each output, between it and its uses outside the call (the graph's
         own outputs among them): grad_output, the gradient arriving from outside."""
         values = {n.name: n for n in gm.graph.nodes}
-        for index, label in enumerate(call.output_labels):
+        for label, index in zip(call.output_labels, call.output_indices):
             node = values[label]
             if node.meta["example_value"].requires_grad:
                 with gm.graph.inserting_after(node):
@@ -543,12 +611,13 @@ class WholeModel:
         compiled_out = [value(source) for source in call.outputs]
         reference = self._reference(step, call, target, index, inputs, params, eager_out,
                                     compiled_out, grad_mode)
-        for i, label in enumerate(call.output_labels):
-            step.record(target.name, index, "fwd_output", i, "compiled", compiled_out[i], label)
-            step.record(target.name, index, "fwd_output", i, "eager", eager_out[i], label)
+        for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
+            step.record(target.name, index, "fwd_output", at, "compiled", compiled_out[i], label)
+            step.record(target.name, index, "fwd_output", at, "eager", eager_out[i], label)
         if not grad_mode:
             return
-        eager_outputs = [(i, t) for i, t in enumerate(eager_out) if t.requires_grad]
+        eager_outputs = [(at, t) for at, t in zip(call.output_indices, eager_out)
+                         if t.requires_grad]
         # Parameter gradients are compared for the parameters the training hooks see: under FSDP2
         # the graph gets the unsharded parameters, whose gradients the eager backward gives
         # w.r.t. this rank's batch while training's are reduce-scattered: not compared.
@@ -603,12 +672,13 @@ class WholeModel:
         if differ:
             step.reference_missing(target.name, differ)
             return None
-        for i, label in enumerate(call.output_labels):
-            step.record(target.name, index, "fwd_output", i, "reference", out[i], label)
+        for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
+            step.record(target.name, index, "fwd_output", at, "reference", out[i], label)
         if not grad_mode:
             return None
         own = {id(p) for _, p in target.params}
-        return ReferenceRun([(i, t) for i, t in enumerate(out) if t.requires_grad], leaves,
+        return ReferenceRun([(at, t) for at, t in zip(call.output_indices, out) if t.requires_grad],
+                            leaves,
                             [(param, wide) for param, wide in pairs if id(param) in own])
 
     def _receiver(self, call: _Call, kind: str, index: int) -> Callable[[torch.Tensor], None]:
