@@ -58,14 +58,18 @@ def test_a_failing_call_keeps_inputs_weights_grad_output_and_structure(tmp_path)
     assert {r["module"] for r in records} == {"mlp"}  # only the call whose output fails
     assert all(r["stored"] and r["side"] == "compiled" for r in records)
     labels = {r["label"]: r for r in records}
+    # Two ways to replay it: the module's class with the call's inputs, and the graph Dynamo
+    # captured (its parameters by name, its input, the gradient its output received, the RNG).
     assert set(labels) == {"input:0", "param:up.weight", "param:up.bias", "param:down.weight",
-                           "param:down.bias", "rng:cpu", "structure:pickle", "grad_output:0"}
+                           "param:down.bias", "rng:cpu", "structure:pickle", "grad_output:0",
+                           "graph_arg:0.2", "graph_grad:0.0", "graph_rng:0.cpu"}
     assert torch.equal(read(result.dump_file, labels["param:up.weight"]), model.mlp.up.weight)
     # The input is norm's output: recomputed here from the seed's input.
     torch.manual_seed(0)
     Chain()
     x = torch.randn(8, 16)
     assert torch.equal(read(result.dump_file, labels["input:0"]), model.norm(x).detach())
+    assert torch.equal(read(result.dump_file, labels["graph_arg:0.2"]), model.norm(x).detach())
     assert read(result.dump_file, labels["grad_output:0"]).shape == (8, 16)
     info = dict(_C.read_step(result.dump_file)["modules"])
     replay = json.loads(info["mlp"]["replay"])
@@ -161,7 +165,7 @@ perturbed = aot_autograd(fw_compiler=_perturb_gelu, bw_compiler=_perturb_gelu)
 '''
 
 
-def test_a_repro_folder_reproduces_the_failing_metric_in_a_fresh_process(tmp_path):
+def test_a_repro_from_the_class_reproduces_the_failing_metric_in_a_fresh_process(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "user_model.py").write_text(USER_CODE)
@@ -188,7 +192,8 @@ def test_a_repro_folder_reproduces_the_failing_metric_in_a_fresh_process(tmp_pat
 
     out = tmp_path / "repro"
     made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", checker.dump_dir,
-                           "--module", "0", "-o", str(out)], capture_output=True, text=True)
+                           "--module", "0", "-o", str(out), "--from-class"], capture_output=True,
+                          text=True)
     assert made.returncode == 0, made.stderr
     assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
     assert "TORCHDYNAMO_REPRO_AFTER" in (out / "repro.py").read_text()
@@ -374,19 +379,39 @@ def test_a_backward_only_failure_is_kept_by_default_and_reproduces_in_a_fresh_pr
     made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", checker.dump_dir,
                            "--module", "1", "-o", str(out)], capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, str(out / "repro.py"), "--unpickle"], cwd=elsewhere,
-                         capture_output=True, text=True, env={**env, "PYTHONPATH": str(user)})
+    # Replayed from the captured graph with torch alone: dynaprobe cannot be imported there, the
+    # recorded backend's module can.
+    run = run_elsewhere(tmp_path, out, user)
     assert run.returncode == 1, run.stdout + run.stderr
-    recorded, replayed = run.stdout.split("replayed:\n")
-    lines = {line.split()[1]: line for line in replayed.splitlines()}
-    assert lines["fwd_output[0]"].split()[0] == "PASS"
-    line = lines["grad_input[0]"]
-    assert line.split()[0] == "FAIL"
-    assert f"max_abs={failing.max_abs!r} " in line and f"mean_abs={failing.mean_abs!r} " in line
-    assert line in recorded  # the metrics the dump recorded, to the bit
+    rows = replayed_rows(run.stdout)
+    assert rows["fwd_output[0]"]["status"] == "SAME"
+    assert rows["grad_input[0]"]["status"] == "DIFF"
+    assert rows["grad_input[0]"]["max_abs"] == failing.max_abs  # to the bit
+
+
+def run_elsewhere(tmp_path, repro, *path, args=()):
+    """Runs a repro folder's script from another folder, where dynaprobe cannot be imported and
+    PYTHONPATH holds only ``path``."""
+    blocked = tmp_path / "no_dynaprobe" / "dynaprobe"
+    blocked.mkdir(parents=True, exist_ok=True)
+    (blocked / "__init__.py").write_text("raise ImportError('dynaprobe is not installed here')\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(blocked.parent), *map(str, path)])
+    return subprocess.run([sys.executable, str(repro / "repro.py"), *args], cwd=elsewhere,
+                          capture_output=True, text=True, env=env)
+
+
+def replayed_rows(stdout: str) -> dict:
+    """The rows a graph repro prints after "replayed from the captured graph", by check."""
+    rows = {}
+    for line in stdout.split("replayed from the captured graph")[1].splitlines()[1:]:
+        fields = line.split()
+        metrics = dict(f.split("=", 1) for f in fields if "=" in f)
+        rows[fields[1]] = {"status": fields[0], "max_abs": float(metrics["max_abs"]),
+                           "mean_abs": float(metrics["mean_abs"]), "line": line}
+    return rows
 
 
 def test_a_passing_call_keeps_nothing_and_a_parameter_only_failure_waits_for_collect(tmp_path):
@@ -483,9 +508,10 @@ def test_the_cli_runs_the_python_replay_tools(tmp_path, dynaprobe_cli):
                            str(out)], capture_output=True, text=True, env=env)
     assert made.returncode == 0, made.stderr
     assert made.stdout == f"Repro written to: {out / 'repro.py'}\n"
-    assert sorted(os.listdir(out)) == ["repro.py", "repro_data.pt"]
+    assert sorted(os.listdir(out)) == ["graph_runner.py", "graphs.py", "repro.py",
+                                       "repro_data.pt"]
     bisected = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "mlp",
-                               "--stages", "eager,aot_eager", "--unpickle"], capture_output=True, text=True,
+                               "--stages", "eager,aot_eager"], capture_output=True, text=True,
                               env=env)
     assert bisected.returncode == 0, bisected.stderr
     assert "forward  first changes at: no stage" in bisected.stdout
@@ -547,18 +573,25 @@ def test_a_crafted_pickle_in_a_dump_never_runs_unless_asked_for(tmp_path, dynapr
     _with_crafted_pickle(result.dump_file, crafted, marker)
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
-    out = tmp_path / "repro"
+    out, out_class = tmp_path / "repro", tmp_path / "repro_class"
     commands = [["compare", crafted], ["ls", crafted], ["graphs", crafted],
                 ["repro", crafted, "--module", "mlp", "-o", out],
-                ["bisect", crafted, "--module", "mlp", "--stages", "eager,aot_eager"]]
+                ["repro", crafted, "--module", "mlp", "-o", out_class, "--from-class"],
+                ["bisect", crafted, "--module", "mlp", "--stages", "eager,aot_eager"],
+                ["bisect", crafted, "--module", "mlp", "--stages", "eager", "--from-class"]]
     for command in commands:
         run = subprocess.run([dynaprobe_cli, *map(str, command)], capture_output=True,
                              text=True, env=env, cwd=tmp_path)
         assert not marker.exists(), command
         assert run.returncode in (0, 1, 2, 3), (command, run.stderr)
+    # The repro from the captured graph runs (the fault reproduces) and unpickles nothing.
+    script = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True,
+                            text=True, env=env, cwd=tmp_path)
+    assert not marker.exists()
+    assert script.returncode == 1, script.stdout + script.stderr
     # models.MLP needs its width: the module cannot be built from its class alone, and the
     # message offers the pickle only with its risk.
-    script = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True,
+    script = subprocess.run([sys.executable, str(out_class / "repro.py")], capture_output=True,
                             text=True, env=env, cwd=tmp_path)
     assert not marker.exists()
     assert script.returncode != 0

@@ -483,7 +483,7 @@ class PrecisionChecker:
         self._single_pass = SinglePass(targets, self._current_step, lambda: self._step,
                                        self.capture_input, self.cast_dtype,
                                        self._reference_policy(), (self.threshold, self.rtol),
-                                       self.replay, self.backend)
+                                       self.replay, self.backend, self._compiler.graphs)
         self._installed = model
         return model
 
@@ -650,7 +650,8 @@ class PrecisionChecker:
 
     # ------------------------------------------------------------------ replay
     def bisect(self, module: str, call: Optional[int] = None, step: Optional[int] = None,
-               stages=None, inductor_subsystems: bool = False, unpickle: bool = False):
+               stages=None, inductor_subsystems: bool = False, unpickle: bool = False,
+               from_class: bool = False):
         """Replays a stored call of ``module`` (kept by ``replay=``) from this checker's dump
         through torch.compile's stages (eager, aot_eager, aot_eager_decomp_partition, inductor,
         inductor with fallback_random) and returns a ``dynaprobe.bisect.BisectResult``: the
@@ -666,8 +667,11 @@ class PrecisionChecker:
                 they are not stock: ``dynaprobe.bisect.recorded_stage``).
             inductor_subsystems: when inductor is the first stage to fail, name its subsystem
                 with ``torch._inductor.compiler_bisector`` (resets Dynamo; slow).
-            unpickle: rebuild the module from the pickle the dump holds when its class needs
-                constructor arguments; runs code the dump carries: only for dumps you trust.
+            from_class: replay through the module rebuilt from its class instead of the
+                graphs Dynamo captured of the call (the default; no model code needed).
+            unpickle: with ``from_class``, rebuild the module from the pickle the dump holds
+                when its class needs constructor arguments; runs code the dump carries: only
+                for dumps you trust.
         """
         from dynaprobe import bisect as stage_bisect  # noqa: PLC0415 - its own module
         from dynaprobe._replay import load_call  # noqa: PLC0415
@@ -679,7 +683,7 @@ class PrecisionChecker:
         stored = load_call(self.dump_dir, module, call, step)
         return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
-                                        unpickle=unpickle)
+                                        unpickle=unpickle, from_class=from_class or unpickle)
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

@@ -26,7 +26,10 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import tensor_leaves
 from dynaprobe._compiling import own_entry
-from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, INPUT, KIND, PARAM, RNG, STRUCTURE,
+from dynaprobe._graph_data import UntrustedGraph, graph_from_data
+from dynaprobe._graph_runner import GraphCall, replay_graphs
+from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, GRAPH_ARG, GRAPH_GRAD, GRAPH_RNG,
+                                     GRAPH_TENSOR, INPUT, KIND, PARAM, RNG, STRUCTURE,
                                      split_label)
 from dynaprobe._result import CompareResult
 from dynaprobe._storage import committed_steps
@@ -146,6 +149,64 @@ class StoredCall:
                 owner._parameters[leaf].data = value
             else:
                 owner._buffers[leaf] = value
+
+    # ------------------------------------------------------------------ the captured graphs
+    def graph_calls(self) -> List[GraphCall]:
+        """The call as the runs of the graphs Dynamo captured for it (_graph_runner.py);
+        ReplayError saying why when the dump keeps none."""
+        graphs = self.description.get("graphs")
+        if not graphs:
+            raise ReplayError(f"call {self.call} of {self.module} keeps no captured graphs (a "
+                              "dump written before dynaprobe kept them)")
+        if "unavailable" in graphs:
+            raise ReplayError(f"call {self.call} of {self.module} cannot be replayed from its "
+                              f"captured graph: {graphs['unavailable']}")
+        calls = []
+        for index, stored in enumerate(graphs["calls"]):
+            args, params = [], {}
+            for position, arg in enumerate(stored["args"]):
+                if "value" in arg:
+                    args.append(arg["value"])
+                    continue
+                role, name = next(iter(arg.items()))
+                label = {PARAM: f"{PARAM}:{name}", BUFFER: f"{BUFFER}:{name}"}.get(
+                    role, f"{GRAPH_ARG}:{index}.{position}")
+                if label not in self.tensors:
+                    raise ReplayError(f"{self.path or 'the dump'}: the replay record {label} of "
+                                      f"{self.module} call {self.call} is missing")
+                args.append(self.tensors[label])
+                if role == PARAM:
+                    params[position] = name
+            prefix = f"{GRAPH_GRAD}:{index}."
+            grads = {int(label[len(prefix):]): t for label, t in self.tensors.items()
+                     if label.startswith(prefix)}
+            rng_prefix = f"{GRAPH_RNG}:{index}.cuda:"
+            calls.append(GraphCall(
+                stored["function"], args, list(stored["names"]),
+                [int(i) for i in stored["requires_grad"]], list(stored["outputs"]), params,
+                grads, self.tensors.get(f"{GRAPH_RNG}:{index}.cpu"),
+                {int(label[len(rng_prefix):]): t for label, t in self.tensors.items()
+                 if label.startswith(rng_prefix)}))
+        return calls
+
+    def graph_modules(self) -> Dict[str, torch.fx.GraphModule]:
+        """The captured graphs the call ran, rebuilt from the dump's data (_graph_data.py:
+        nothing the dump carries runs but torch's operators)."""
+        modules = {}
+        for stored in self.description["graphs"]["calls"]:
+            function = stored["function"]
+            if function in modules:
+                continue
+            data = self.replay.get("graph_data", {}).get(function, {})
+            prefix = f"{GRAPH_TENSOR}:{function}/"
+            tensors = {label[len(prefix):]: t for label, t in self.tensors.items()
+                       if label.startswith(prefix)}
+            try:
+                modules[function] = graph_from_data(data.get("graph"), tensors)
+            except UntrustedGraph as error:
+                raise ReplayError(f"{self.path or 'the dump'}: the captured graph {function} of "
+                                  f"{self.module} is refused: {error}") from error
+        return modules
 
     # ------------------------------------------------------------------ the call
     def arguments(self, device: str = "cpu") -> Tuple[tuple, dict, List[Tuple[int, torch.Tensor]]]:
@@ -278,11 +339,80 @@ class StoredCall:
 
 @dataclass
 class Run:
-    """What one run of a call produced."""
+    """What one run of a call produced; ``labels`` names rows by (kind, index)."""
 
     outputs: List[torch.Tensor]
     grad_input: Dict[int, torch.Tensor] = field(default_factory=dict)
     param_grad: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    labels: Dict[Tuple[str, int], str] = field(default_factory=dict)
+
+
+class ClassReplay:
+    """A stored call replayed through its module, rebuilt from its class (or pickle)."""
+
+    route = "the module rebuilt from its class"
+    graph_unavailable = ""  # why the captured graph was not used, when it was not
+
+    def __init__(self, call: StoredCall, module: nn.Module):
+        self.call, self.module = call, module
+
+    def run(self, backend=None, label: str = "replay") -> Run:
+        """The call run eagerly (``backend`` None) or compiled with ``backend``."""
+        forward = self.module.forward if backend is None else self.call.compiled_forward(
+            self.module, backend, label)
+        return self.call.run(self.module, forward)
+
+
+class GraphReplay:
+    """A stored call replayed from the graphs Dynamo captured of it: runs with no model code."""
+
+    route = "the captured graph"
+
+    def __init__(self, call: StoredCall):
+        self.call = call
+        self.calls = call.graph_calls()
+        self.graphs = call.graph_modules()
+
+    def run(self, backend=None, label: str = "replay") -> Run:
+        """The graphs run by Python (``backend`` None) or each compiled with ``backend``."""
+        graphs = self.graphs if backend is None else {
+            function: torch.compile(own_entry(gm.forward, f"{label}_{function}"),
+                                    backend=backend)
+            for function, gm in self.graphs.items()}
+        description = self.call.description
+        cast = description.get("cast_dtype")
+        tensors = [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
+        replayed = replay_graphs(self.calls, graphs, bool(description["grad_mode"]),
+                                 getattr(torch, cast.replace("torch.", "")) if cast else None,
+                                 str(tensors[0].device) if tensors else "cpu")
+        run = Run([t for _, t in replayed.outputs])
+        for index, (name, _) in enumerate(replayed.outputs):
+            run.labels[("fwd_output", index)] = name
+        for index, (name, grad) in enumerate(replayed.grad_inputs):
+            run.grad_input[index] = grad
+            run.labels[("grad_input", index)] = name
+        order = [split_label(label)[1] for label in self.call.tensors
+                 if split_label(label)[0] == PARAM]  # the module's order, as the report's
+        run.param_grad = sorted(replayed.param_grads.items(),
+                                key=lambda item: order.index(item[0]) if item[0] in order else
+                                len(order))
+        return run
+
+
+def replay_of(call: StoredCall, from_class: bool = False, module: Optional[nn.Module] = None,
+              unpickle: bool = False):
+    """How to replay ``call``: from its captured graphs (the default), or through ``module`` /
+    the module rebuilt from its class (``from_class``, or when the dump keeps no usable graph:
+    ``graph_unavailable`` on the result says why)."""
+    why = ""
+    if module is None and not from_class:
+        try:
+            return GraphReplay(call)
+        except ReplayError as error:
+            why = str(error)
+    replay = ClassReplay(call, call.build_module(unpickle=unpickle) if module is None else module)
+    replay.graph_unavailable = why
+    return replay
 
 
 def _imported(path: str, what: str, otherwise: str):
@@ -370,12 +500,14 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
         raise ReplayError(f"{path}: module {module!r} keeps replay data of call(s) "
                           f"{', '.join(map(str, calls))}, not of call {call}")
     tensors, structure, outputs = {}, None, {}
+    shared_calls = {replay.get("structure_call")} | {
+        graph.get("call") for graph in replay.get("graph_data", {}).values()}
     for record in info["records"]:
         if record["module"] != module:
             continue
-        if record["kind"] == KIND and record["call"] in (call, replay.get("structure_call")):
+        if record["kind"] == KIND and (record["call"] == call or record["call"] in shared_calls):
             role, _ = split_label(record["label"])
-            if record["call"] != call and role != STRUCTURE:
+            if record["call"] != call and role not in (STRUCTURE, GRAPH_TENSOR):
                 continue
             tensor = tensor_from_bytes(*_C.read_record(path, module, record["call"], KIND,
                                                        record["tensor_index"], "compiled"))
@@ -406,9 +538,11 @@ def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] 
         recorder.begin_step(index)
         for side, run in (("eager", eager), ("compiled", other)):
             for position, tensor in enumerate(run.outputs):
-                recorder.record(call.module, call.call, "fwd_output", position, side, tensor)
+                recorder.record(call.module, call.call, "fwd_output", position, side, tensor,
+                                run.labels.get(("fwd_output", position), ""))
             for position, grad in sorted(run.grad_input.items()):
-                recorder.record(call.module, call.call, "grad_input", position, side, grad)
+                recorder.record(call.module, call.call, "grad_input", position, side, grad,
+                                run.labels.get(("grad_input", position), ""))
             for position, (name, grad) in enumerate(run.param_grad):
                 recorder.record(call.module, 0, "param_grad", position, side, grad, name)
         recorder.end_step()

@@ -19,12 +19,18 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from dynaprobe._C import vocabulary
+from dynaprobe._graph_data import UnstorableGraph, graph_to_data
 
 REPLAY_MODES = ("failing", "all", "none")
 KIND = "replay"  # Keep in sync with formats::kind_name(Kind::kReplay).
 # Labels of replay records: "<role>:<name>". Keep in sync with _replay.py.
 INPUT, GRAD_OUTPUT, PARAM, BUFFER, RNG, STRUCTURE = (
     "input", "grad_output", "param", "buffer", "rng", "structure")
+# The graphs Dynamo ran for the call: "graph_tensor:<function>/<label>" (a tensor the graph holds),
+# "graph_arg:<graph call>.<position>", "graph_grad:<graph call>.<output>",
+# "graph_rng:<graph call>.cpu" and "graph_rng:<graph call>.cuda:<index>".
+GRAPH_TENSOR, GRAPH_ARG, GRAPH_GRAD, GRAPH_RNG = ("graph_tensor", "graph_arg", "graph_grad",
+                                                  "graph_rng")
 _JSON_LEAVES = (type(None), bool, int, float, str)
 
 
@@ -164,11 +170,14 @@ class Candidate:
     call, each with its version counter (``Tensor._version``), or None for a private copy (a
     buffer the training call changed in place: its value before, copied from ``ModuleState``);
     ``rng`` the RNG state before the call (``_capture.RngState``); ``pending`` its eager
-    backward (``_step.PendingBackward``), whose grad_outputs seed a backward replay.
+    backward (``_step.PendingBackward``), whose grad_outputs seed a backward replay;
+    ``graph_calls`` the runs of the module's compiled graphs during the call
+    (``_graphs.LiveGraphCall``), for a replay from the captured graphs.
     """
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, requires_grad: List[bool],
-                 params: list, buffers: list, rng, grad_mode: bool, sharded: bool):
+                 params: list, buffers: list, rng, grad_mode: bool, sharded: bool,
+                 graph_calls: Optional[list] = None):
         self.module = module
         self.args, self.kwargs, self.requires_grad = args, kwargs, requires_grad
         self.params = params  # (name, tensor, version)
@@ -176,6 +185,7 @@ class Candidate:
         self.rng = rng
         self.grad_mode = grad_mode
         self.sharded = sharded  # FSDP2/DTensor parameters: cannot be replayed (see unavailable)
+        self.graph_calls = graph_calls or []
         self.pending = None
 
     def ready(self) -> bool:
@@ -213,7 +223,7 @@ def buffers_before(watched: list, saved: Dict[str, torch.Tensor]) -> list:
 
 
 def record_call(step, name: str, call: int, candidate: Candidate, cast_dtype,
-                backend: Dict[str, str]) -> None:
+                backend: Dict[str, str], captured: Optional[dict] = None) -> None:
     """Records what replaying call ``call`` of ``name`` needs (see Candidate) into the step."""
     attributes = step.attributes.setdefault(name, {})
     replay = json.loads(attributes.get(vocabulary.ATTRIBUTE_REPLAY) or "{}")
@@ -248,8 +258,69 @@ def record_call(step, name: str, call: int, candidate: Candidate, cast_dtype,
         if structure is not None:
             record.add(f"{STRUCTURE}:pickle",
                        torch.frombuffer(bytearray(structure), dtype=torch.uint8))
+    description["graphs"] = _record_graph_calls(record, replay, candidate, captured or {})
     replay["calls"][str(call)] = description
     attributes[vocabulary.ATTRIBUTE_REPLAY] = json.dumps(replay, sort_keys=True)
+
+
+def _record_graph_calls(record: CallRecord, replay: dict, candidate: Candidate,
+                        captured: dict) -> dict:
+    """Records the runs of the compiled graphs of the call (a replay from the captured graphs,
+    docs/dump-format.md): ``{"calls": [...]}``, or ``{"unavailable": why}``. Each graph is
+    stored once per step, as data (_graph_data.py), under the first call that ran it."""
+    if not candidate.graph_calls:
+        return {"unavailable": "Dynamo ran no compiled graph for this call"}
+    names = {id(t): (PARAM, n) for n, t in candidate.module.named_parameters()}
+    names.update({id(t): (BUFFER, n) for n, t in candidate.module.named_buffers()})
+    stored = replay.setdefault("graph_data", {})
+    calls = []
+    for index, live in enumerate(candidate.graph_calls):
+        function = live.function
+        if function not in stored:
+            try:
+                data, tensors = graph_to_data(captured[function])
+            except (UnstorableGraph, KeyError) as error:
+                stored[function] = {"unstorable": str(error)}
+            else:
+                for label, tensor in tensors.items():
+                    record.add(f"{GRAPH_TENSOR}:{function}/{label}", tensor)
+                stored[function] = {"graph": data, "call": record.call}
+        if "unstorable" in stored[function]:
+            return {"unavailable": f"its graph {function} cannot be stored as data: "
+                                   f"{stored[function]['unstorable']}"}
+        changed = live.overwritten + live.changed_since()
+        if changed:
+            return {"unavailable": f"argument(s) {', '.join(map(str, sorted(set(changed))))} of "
+                                   f"{function} were written in place, during or after the call, "
+                                   "without a copy from before"}
+        args = []
+        for position, value in enumerate(live.args):
+            if isinstance(value, torch.Tensor):
+                if position not in live.before and id(value) in names:
+                    role, name = names[id(value)]
+                    args.append({role: name})
+                else:
+                    record.add(f"{GRAPH_ARG}:{index}.{position}",
+                               live.before.get(position, value).detach())
+                    args.append({"tensor": position})
+            elif isinstance(value, (bool, int, float)):
+                args.append({"value": value})
+            else:
+                return {"unavailable": f"argument {position} of {function} is a "
+                                       f"{class_path(value)}"}
+        for position, grad in sorted(live.grads.items()):
+            record.add(f"{GRAPH_GRAD}:{index}.{position}", grad)
+        record.add(f"{GRAPH_RNG}:{index}.cpu", live.rng)
+        for device, state in live.cuda_rng.items():
+            record.add(f"{GRAPH_RNG}:{index}.cuda:{device}", state)
+        graph = captured[function].graph
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+        calls.append({"function": function, "args": args,
+                      "names": [n.target for n in graph.nodes if n.op == "placeholder"],
+                      "outputs": [getattr(n, "name", str(n)) for n in flat],
+                      "requires_grad": live.requires_grad})
+    return {"calls": calls}
 
 
 def unavailable_sharded(name: str) -> str:

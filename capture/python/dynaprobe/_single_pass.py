@@ -5,6 +5,8 @@ runs inside the real backward, seeded with the grad_output its compiled twin rec
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -61,7 +63,7 @@ class SinglePass:
                  active_step: Callable[[], object], capture_input: bool, cast_dtype,
                  reference: ReferencePolicy = ReferencePolicy(None),
                  tolerances: Tuple[float, float] = (1e-4, 1e-3),
-                 replay: str = "none", backend=None):
+                 replay: str = "none", backend=None, graphs=None):
         self.targets = targets
         self.current_step = current_step
         self.active_step = active_step
@@ -71,6 +73,7 @@ class SinglePass:
         self.tolerances = tolerances  # (atol, rtol): what "failing" means
         self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
         self.backend = backend
+        self.graphs = graphs  # the GraphRecorder: the runs of compiled graphs, for replays
         self._backend_spec = None  # how a replay finds the backend, worked out once
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
@@ -145,7 +148,9 @@ class SinglePass:
                 self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
                                 f"their arguments are not followed ({type(error).__name__}: "
                                 f"{error})")
-        with autocast_context(self.cast_dtype, devices):
+        listening = self.graphs.listen(name) if watched is not None and self.graphs is not None \
+            else contextlib.nullcontext([])
+        with autocast_context(self.cast_dtype, devices), listening as graph_calls:
             compiled_out = target.run(*args, **kwargs)
 
         leaves = []
@@ -160,7 +165,7 @@ class SinglePass:
                     [t.requires_grad for _, t in inputs], watched[0],
                     _replay_store.buffers_before(watched[1],
                                                  state_before.saved_buffers(target.module)),
-                    rng_before, grad_mode, bool(target.shards))
+                    rng_before, grad_mode, bool(target.shards), graph_calls)
             state_before.apply()
             rng_before.restore()
 
@@ -318,7 +323,8 @@ class SinglePass:
             if self._backend_spec is None:
                 self._backend_spec = _replay_store.backend_spec(self.backend)
             _replay_store.record_call(step, name, call, candidate, self.cast_dtype,
-                                      self._backend_spec)
+                                      self._backend_spec,
+                                      self.graphs.captured if self.graphs else None)
         except Exception as error:
             self._warn_once(name, "replay", f"dynaprobe: {name}: its replay data could not be "
                             f"kept ({type(error).__name__}: {error})")

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, inductor_patch, judge,
-                               load_call, metrics_lines)
+                               load_call, metrics_lines, replay_of)
 from dynaprobe._result import CompareResult
 
 
@@ -93,6 +93,8 @@ class BisectResult:
     stages: List[StageResult]
     inductor: Optional[Any] = None
     recorded: str = ""  # the backend and inductor config captured, in words
+    route: str = ""  # what was replayed: the captured graph, or the module rebuilt from its class
+    graph_unavailable: str = ""  # why the captured graph was not replayed, when it was not
 
     def first_changed(self, forward: bool = True) -> Optional[str]:
         return next((s.name for s in self.stages if s.changed(forward)), None)
@@ -105,7 +107,11 @@ class BisectResult:
 
     def text(self) -> str:
         lines = [f"Stage bisection of {self.module} call {self.call} (step {self.step}), each "
-                 "stage against eager:", ""]
+                 "stage against eager:"]
+        if self.route:
+            lines.append(f"  replayed: {self.route}" + (
+                f" ({self.graph_unavailable})" if self.graph_unavailable else ""))
+        lines.append("")
         lines.append(f"  {'stage':28} {'forward max_abs':>16} {'':4} {'backward max_abs':>16}")
         for stage in self.stages:
             if stage.error:
@@ -159,22 +165,26 @@ def recorded_stage(call: StoredCall) -> Optional[Stage]:
 
 
 def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, module=None,
-                inductor_subsystems: bool = False, unpickle: bool = False) -> BisectResult:
+                inductor_subsystems: bool = False, unpickle: bool = False,
+                from_class: bool = False) -> BisectResult:
     """Replays ``call`` eagerly and through each stage; see the module docstring.
 
     Args:
         call: the stored call (``_replay.load_call``).
         stages: the stages, in pipeline order (default ``STAGES``, then the recorded backend's
             stage when it is not stock: ``recorded_stage``).
-        module: the module to run (default: rebuilt from the stored call).
+        module: the module to run (default: the call is replayed from the graphs Dynamo
+            captured of it, as the dump keeps them; or, where it keeps none, through the module
+            rebuilt from its class).
         inductor_subsystems: when a stage named ``inductor`` is the first to fail, run
             ``torch._inductor.compiler_bisector`` on the replay (it resets Dynamo, and compiles
             many times: slow).
         unpickle: rebuild the module from the pickle the dump holds (``StoredCall.build_module``;
             runs code the dump carries: only for dumps you trust).
+        from_class: replay through the module rebuilt from its class, not the captured graphs.
     """
-    module = call.build_module(unpickle=unpickle) if module is None else module
-    eager = call.run(module, module.forward)
+    replay = replay_of(call, from_class, module, unpickle)
+    eager = replay.run()
     runs, results = [], []
     if stages is None:
         stages = list(STAGES)
@@ -189,8 +199,7 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
     for stage in stages:
         try:
             with inductor_patch(stage.config):
-                runs.append((stage, call.run(module, call.compiled_forward(
-                    module, stage.backend, f"bisect_{stage.name}"))))
+                runs.append((stage, replay.run(stage.backend, f"bisect_{stage.name}")))
         except Exception as error:  # a stage that cannot compile: said, the others still run
             results.append(StageResult(stage.name, None,
                                        f"{type(error).__name__}: {error}".splitlines()[0]))
@@ -201,14 +210,15 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
     ordered = [failed_stages.get(stage.name) or StageResult(stage.name, next(judged))
                for stage, _ in runs]
     result = BisectResult(call.module, call.call, call.step, ordered,
-                          recorded=call.recorded_compile())
+                          recorded=call.recorded_compile(), route=replay.route,
+                          graph_unavailable=getattr(replay, "graph_unavailable", ""))
     if inductor_subsystems and "inductor" in (result.first_failing(True),
                                                result.first_failing(False)):
-        result.inductor = _inductor_subsystem(call, module, eager)
+        result.inductor = _inductor_subsystem(call, replay, eager)
     return result
 
 
-def _inductor_subsystem(call: StoredCall, module, eager):
+def _inductor_subsystem(call: StoredCall, replay, eager):
     """torch._inductor.compiler_bisector on the replay: passes while the stage's numbers stay
     within the tolerances."""
     from torch._inductor.compiler_bisector import CompilerBisector  # noqa: PLC0415
@@ -216,7 +226,7 @@ def _inductor_subsystem(call: StoredCall, module, eager):
     def passes() -> bool:
         torch._dynamo.reset()
         backend = CompilerBisector.get_backend() or "inductor"
-        run = call.run(module, call.compiled_forward(module, backend, "compiler_bisector"))
+        run = replay.run(backend, "compiler_bisector")
         return judge(call, [(eager, run)])[0].all_pass
 
     return CompilerBisector.do_bisect(passes)
@@ -238,9 +248,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--inductor-subsystems", action="store_true",
                         help="when inductor is the first stage to fail, find its subsystem with "
                              "torch._inductor.compiler_bisector (slow)")
+    parser.add_argument("--from-class", action="store_true",
+                        help="replay through the module rebuilt from its class (which must be "
+                             "importable here) instead of the graphs Dynamo captured")
     parser.add_argument("--unpickle", action="store_true",
-                        help="rebuild the module from the pickle the dump holds, when its class "
-                             f"needs constructor arguments: {UNPICKLE_RISK}")
+                        help="with --from-class: rebuild the module from the pickle the dump "
+                             f"holds, when its class needs constructor arguments: {UNPICKLE_RISK}")
     args = parser.parse_args(argv)
     names = [] if not args.stages else args.stages.split(",")
     by_name = {s.name: s for s in STAGES}
@@ -257,7 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             stages = [by_name[n] if n != RECORDED else recorded for n in names]
             stages = [s for s in stages if s is not None]
         result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
-                             unpickle=args.unpickle)
+                             unpickle=args.unpickle, from_class=args.from_class or args.unpickle)
     except ReplayError as error:
         print(f"dynaprobe bisect: {error}", file=sys.stderr)
         return 2

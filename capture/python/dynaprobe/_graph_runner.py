@@ -1,0 +1,124 @@
+"""Replaying a module call from the graphs Dynamo captured of it, with torch alone.
+
+This file imports nothing but torch: ``dynaprobe repro`` copies it into a repro folder as
+``graph_runner.py``, where it runs without dynaprobe, and dynaprobe's own replays (bisect, the
+Python API) run the same code.
+
+A call is the graphs Dynamo ran for it, in order (more than one when the module has graph
+breaks). Each graph call (``GraphCall``) holds the tensors and numbers its placeholders took,
+which of them required grad, the gradient that reached each of its outputs in training, and the
+RNG state before it. Replaying runs each graph, eagerly (by Python) or compiled, on fresh copies
+of those, then its backward seeded with those gradients; parameters are named by the module's
+own names, so a parameter several graphs read gets the sum of their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass
+class GraphCall:
+    """One run of one captured graph within the call.
+
+    ``args`` are the placeholders' values in order: a tensor, or a plain number (a SymInt's value);
+    ``names`` the placeholders' names; ``params`` maps an argument position to the module's
+    parameter name when it is one; ``requires_grad`` the positions that required grad;
+    ``outputs`` the output names; ``grads`` the gradient each output received (by position);
+    ``rng`` the CPU RNG state before it and ``cuda_rng`` the accelerators' (by device index).
+    """
+
+    function: str
+    args: list
+    names: List[str]
+    requires_grad: List[int]
+    outputs: List[str]
+    params: Dict[int, str] = field(default_factory=dict)
+    grads: Dict[int, torch.Tensor] = field(default_factory=dict)
+    rng: Optional[torch.Tensor] = None
+    cuda_rng: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Replayed:
+    """What a replay produced: (label, tensor) per output and per gradient of a graph input
+    that is not a parameter, and the parameters' gradients by name."""
+
+    outputs: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    grad_inputs: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    param_grads: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def replay_graphs(calls: List[GraphCall], graphs: Dict[str, Callable], grad_mode: bool,
+                  cast_dtype: Optional[torch.dtype] = None, device: str = "cpu") -> Replayed:
+    """Runs each graph call with ``graphs[function]`` (a captured graph, or a compiled one) and
+    its backward; see the module docstring."""
+    replayed = Replayed()
+    for call in calls:
+        args = [_fresh(value, grad_mode and position in call.requires_grad)
+                for position, value in enumerate(call.args)]
+        if call.rng is not None:
+            torch.set_rng_state(call.rng)
+        for index, state in call.cuda_rng.items():
+            torch.cuda.set_rng_state(state, index)
+        autocast = torch.autocast(device_type=torch.device(device).type, dtype=cast_dtype,
+                                  enabled=cast_dtype is not None)
+        with torch.set_grad_enabled(grad_mode), autocast:
+            out = graphs[call.function](*args)
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        for position, value in enumerate(out):
+            if isinstance(value, torch.Tensor):
+                replayed.outputs.append((_output_label(call, position), value.detach()))
+        if not grad_mode:
+            continue
+        seeded = [(value, call.grads.get(position)) for position, value in enumerate(out)
+                  if isinstance(value, torch.Tensor) and value.requires_grad]
+        leaves = [(position, arg) for position, arg in enumerate(args)
+                  if isinstance(arg, torch.Tensor) and arg.requires_grad]
+        if not seeded or not leaves:
+            continue
+        found = torch.autograd.grad(
+            [value for value, _ in seeded],
+            [arg for _, arg in leaves],
+            [torch.zeros_like(value) if grad is None or grad.shape != value.shape
+             else grad.to(value.device) for value, grad in seeded], allow_unused=True)
+        for (position, _), grad in zip(leaves, found):
+            if grad is None:
+                continue
+            if position in call.params:
+                name = call.params[position]
+                total = replayed.param_grads.get(name)
+                replayed.param_grads[name] = grad if total is None else total + grad
+            else:
+                replayed.grad_inputs.append((f"{call.function} {call.names[position]}", grad))
+    return replayed
+
+
+def _fresh(value, requires_grad: bool):
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone()
+    if requires_grad and (copy.is_floating_point() or copy.is_complex()):
+        copy.requires_grad_(True)
+    return copy
+
+
+def _output_label(call: GraphCall, position: int) -> str:
+    name = call.outputs[position] if position < len(call.outputs) else str(position)
+    return f"{call.function} {name}"
+
+
+def metrics(eager: torch.Tensor, other: torch.Tensor) -> Tuple[float, float, float]:
+    """max_abs, mean_abs and max_rel of two tensors, as the report defines them: float32
+    differences |other - eager|, relative to |eager| + 1e-8, NaNs left out of the maxima."""
+    a = eager.detach().reshape(-1).to(torch.float32)
+    b = other.detach().reshape(-1).to(torch.float32)
+    if a.numel() == 0:
+        return 0.0, 0.0, 0.0
+    diff = (a - b).abs()
+    rel = diff / (a.abs() + 1e-8)
+    return (float(diff.masked_fill(diff.isnan(), 0).max()), float(diff.double().mean()),
+            float(rel.masked_fill(rel.isnan(), 0).max()))
