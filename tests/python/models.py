@@ -138,6 +138,18 @@ def rsqrt_too_large(graph: torch.fx.Graph) -> None:
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
+def _rsqrt_too_large_compiler(gm: torch.fx.GraphModule, example_inputs):
+    """aot_eager's compiler with rsqrt_too_large applied: the fault in a custom backend."""
+    rsqrt_too_large(gm.graph)
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+# A custom backend whose forward computes rsqrt 5% too large (RMSNorm, in every Llama layer).
+rsqrt_fault_backend = aot_autograd(fw_compiler=_rsqrt_too_large_compiler,
+                                   bw_compiler=plain_compiler)
+
+
 class RMSNormMLP(nn.Module):
     """RMSNorm (rsqrt) then a linear layer: what rsqrt_too_large breaks."""
 

@@ -410,7 +410,13 @@ def replay_of(call: StoredCall, from_class: bool = False, module: Optional[nn.Mo
             return GraphReplay(call)
         except ReplayError as error:
             why = str(error)
-    replay = ClassReplay(call, call.build_module(unpickle=unpickle) if module is None else module)
+    try:
+        built = call.build_module(unpickle=unpickle) if module is None else module
+    except ReplayError as error:
+        if why:  # both routes closed: say why for each
+            raise ReplayError(f"{why}. Rebuilding it from its class instead: {error}") from error
+        raise
+    replay = ClassReplay(call, built)
     replay.graph_unavailable = why
     return replay
 
