@@ -18,7 +18,18 @@ namespace schema = dynaprobe::formats::schema;
 
 namespace {
 
-constexpr const char* kCommands[] = {"compare", "ls", "graphs", "runs", "repro", "bisect"};
+constexpr const char* kCommands[] = {"compare", "ls",     "graphs", "runs",
+                                     "repro",   "bisect", "bundle"};
+
+// "compare, ls, ... and bundle".
+std::string command_list() {
+  std::string out;
+  const std::size_t n = std::size(kCommands);
+  for (std::size_t i = 0; i < n; ++i) {
+    out += (i == 0 ? "" : i + 1 == n ? " and " : ", ") + std::string(kCommands[i]);
+  }
+  return out;
+}
 
 // "dynaprobe 0.1.0" and the dump format versions this build reads and writes.
 std::string version_text() {
@@ -235,12 +246,13 @@ int main(int argc, char** argv) {
       std::find(std::begin(kCommands), std::end(kCommands), word) == std::end(kCommands)) {
     std::string guess = meaning("", word);
     if (guess.empty()) {
-      guess = suggestion(word,
-                         {"compare", "ls", "graphs", "runs", "repro", "bisect", "version", "help"});
+      std::vector<std::string> words(std::begin(kCommands), std::end(kCommands));
+      words.insert(words.end(), {"version", "help"});
+      guess = suggestion(word, words);
     }
     return usage_error("unknown command '" + word + "'" + (guess.empty() ? ";" : guess) +
-                       " the commands are compare, ls, graphs, runs, repro and bisect (dynaprobe "
-                       "--help says what each does)");
+                       " the commands are " + command_list() +
+                       " (dynaprobe --help says what each does)");
   }
   if (cli::is_python_tool(word)) {
     const auto at = std::find(args.begin(), args.end(), word);

@@ -50,17 +50,24 @@ void setup_python_tools(CLI::App& app) {
             "dynaprobe.repro; needs torch)"},
            {"bisect",
             "Replay a stored call through torch.compile's stages (runs python -m "
-            "dynaprobe.bisect; needs torch)"}}) {
+            "dynaprobe.bisect; needs torch)"},
+           {"bundle",
+            "Write one archive to attach to a bug report: reports, environment, graphs and "
+            "repros that run with torch alone (runs python -m dynaprobe.bundle; needs torch)"}}) {
     app.add_subcommand(name, what)->allow_extras()->prefix_command();
   }
 }
 
-bool is_python_tool(const std::string& word) { return word == "repro" || word == "bisect"; }
+bool is_python_tool(const std::string& word) {
+  return word == "repro" || word == "bisect" || word == "bundle";
+}
 
 int run_python_tool(const std::string& tool, const std::vector<std::string>& args) {
   const std::string python = python_interpreter();
   std::vector<std::string> owned = {python, "-c", kLauncher, tool};
   owned.insert(owned.end(), args.begin(), args.end());
+  // The dump, the first argument, may be a folder of runs: the newest is read.
+  if (!args.empty() && !args[0].starts_with("-")) owned[4] = chosen_dump(tool, args[0]);
   std::vector<char*> argv;
   for (auto& arg : owned) argv.push_back(arg.data());
   argv.push_back(nullptr);

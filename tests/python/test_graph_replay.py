@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -188,26 +190,21 @@ checker.compare(step, model)
 '''
 
 
-@pytest.mark.slow
-def test_a_repro_of_a_module_of_the_capture_script_runs_elsewhere_with_torch_alone(tmp_path):
-    """Dropout under inductor (inductor draws its own random numbers): the module's class lives
-    in the training script's __main__. Its repro folder, copied to another folder and run where
-    neither the script nor dynaprobe can be imported, reproduces the recorded metrics to the
-    bit, forward and backward."""
-    source = tmp_path / "training"
-    source.mkdir()
+@pytest.fixture(scope="module")
+def script_dump(tmp_path_factory):
+    """A dump of dropout under inductor (inductor draws its own random numbers: a real
+    difference), captured by a training script whose module class lives in its __main__."""
+    source = tmp_path_factory.mktemp("training")
     (source / "train.py").write_text(CAPTURE_SCRIPT)
-    dump = tmp_path / "dump"
+    dump = source / "dump"
     captured = subprocess.run([sys.executable, "train.py", str(dump)], cwd=source,
                               capture_output=True, text=True)
     assert captured.returncode == 0, captured.stderr
-    out = tmp_path / "repro"
-    made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", str(dump), "--module", "1",
-                           "-o", str(out)], capture_output=True, text=True, cwd=source)
-    assert made.returncode == 0, made.stderr
-    moved = tmp_path / "attached"
-    os.rename(out, moved)
-    run = run_elsewhere(tmp_path, moved)
+    return dump
+
+
+def _reproduces(run):
+    """The repro's replayed rows equal the rows the dump recorded as failing, to the bit."""
     assert run.returncode == 1, run.stdout + run.stderr
     recorded = {line.split()[1]: line for line in
                 run.stdout.split("replayed from")[0].splitlines()[1:]}
@@ -216,6 +213,70 @@ def test_a_repro_of_a_module_of_the_capture_script_runs_elsewhere_with_torch_alo
         assert recorded[check].split()[0] == "FAIL"
         assert rows[check]["status"] == "DIFF"
         assert f"max_abs={rows[check]['max_abs']!r} " in recorded[check]
+
+
+@pytest.mark.slow
+def test_a_repro_of_a_module_of_the_capture_script_runs_elsewhere_with_torch_alone(
+        tmp_path, script_dump):
+    """The module's class lives in the training script's __main__. Its repro folder, moved to
+    another folder and run where neither the script nor dynaprobe can be imported, reproduces
+    the recorded metrics to the bit, forward and backward."""
+    out = tmp_path / "repro"
+    made = subprocess.run([sys.executable, "-m", "dynaprobe.repro", str(script_dump),
+                           "--module", "1", "-o", str(out)], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    moved = tmp_path / "attached"
+    os.rename(out, moved)
+    _reproduces(run_elsewhere(tmp_path, moved))
+
+
+def _unpacked(archive, folder):
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    return folder / "dynaprobe_bundle"
+
+
+@pytest.mark.slow
+def test_a_bundle_unpacked_elsewhere_holds_the_reports_and_a_repro_that_runs(
+        tmp_path, script_dump, dynaprobe_cli):
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable}
+    archive = tmp_path / "report.tar.gz"
+    made = subprocess.run([dynaprobe_cli, "bundle", str(script_dump), "-o", str(archive)],
+                          capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith(f"Bundle written to: {archive} (")
+    assert "repros of 1)" in made.stdout and "left out" not in made.stdout
+    assert archive.stat().st_size < 25e6
+    bundle = _unpacked(archive, tmp_path / "issue")
+    assert "RESULT: FAILED" in (bundle / "reports" / "step_0.txt").read_text()
+    rows = json.loads((bundle / "reports" / "step_0.json").read_text())
+    assert rows  # the JSON report parses
+    assert "<html" in (bundle / "reports" / "step_0.html").read_text()
+    environment = json.loads((bundle / "environment.json").read_text())
+    assert environment["captured"]["torch_version"] == torch.__version__
+    assert environment["captured"]["python_version"] == platform.python_version()
+    assert environment["captured"]["backend"] == "inductor"
+    graphs = os.listdir(bundle / "graphs" / "step_0")
+    assert any(".Captured_Graph." in g for g in graphs)
+    assert any(".Backward_Graph." in g for g in graphs)
+    readme = (bundle / "README.md").read_text()
+    assert "python repros/1.step0/repro.py" in readme
+    _reproduces(run_elsewhere(tmp_path, bundle / "repros" / "1.step0"))
+
+
+def test_a_bundle_over_its_size_limit_leaves_out_the_repro_and_says_so(tmp_path, script_dump):
+    archive = tmp_path / "small.tar.gz"
+    run = subprocess.run([sys.executable, "-m", "dynaprobe.bundle", str(script_dump), "-o",
+                          str(archive), "--max-mb", "0.03"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "left out: repro of 1 (step 0): the bundle would pass 0.03 MB" in run.stdout
+    assert archive.stat().st_size <= 30_000
+    bundle = _unpacked(archive, tmp_path / "issue")
+    assert not (bundle / "repros").exists()
+    assert (bundle / "reports" / "step_0.txt").exists()
+    assert "- repro of 1 (step 0): the bundle would pass 0.03 MB" in \
+        (bundle / "README.md").read_text()
 
 
 def _llama_dump(tmp_path):

@@ -29,6 +29,7 @@ from dynaprobe._distributed import (
     rank_and_world,
     resolve_dump_dir,
 )
+from dynaprobe._environment import environment
 from dynaprobe._graphs import write_graph_files
 from dynaprobe._planning import describe_model, plan
 from dynaprobe._reference import ReferencePolicy, expect_reference, user_autocast
@@ -299,6 +300,7 @@ class PrecisionChecker:
             vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
                 "true" if self.dtype_aware_tolerances else "false",
             **self._devices,
+            **environment(),
             "host": socket.gethostname(),
             vocabulary.PROVENANCE_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }

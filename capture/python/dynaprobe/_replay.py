@@ -14,6 +14,7 @@ import importlib
 import io
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -458,6 +459,7 @@ def step_file(dump: str, step: Optional[int], module: str) -> str:
     ``module``."""
     if os.path.isfile(dump):
         return dump
+    dump = one_process(dump)
     steps = committed_steps(dump)
     if not steps:
         raise ReplayError(f"{dump} holds no committed step file (step_<N>.h5); pass a dump "
@@ -469,14 +471,25 @@ def step_file(dump: str, step: Optional[int], module: str) -> str:
         raise ReplayError(f"{dump} has no step {step}; its steps are "
                           f"{', '.join(str(s) for s, _, _ in steps)}")
     for _, path, _ in steps:
-        if module in _replay_attributes(_C.read_step(path)):
+        if module in replay_attributes(_C.read_step(path)):
             return path
     raise ReplayError(f"no step of {dump} keeps replay data of module {module!r}: replay data is "
                       "kept for calls with a failing row, forward or backward (PrecisionChecker(replay="
                       "'failing'), the default) or for every call (replay='all')")
 
 
-def _replay_attributes(info: dict) -> Dict[str, dict]:
+def one_process(dump: str) -> str:
+    """The dump folder of one process: ``dump``, or the ``rank0`` of a run folder (said)."""
+    rank0 = os.path.join(dump, "rank0")
+    if not committed_steps(dump) and committed_steps(rank0):
+        print(f"dynaprobe: {dump} is a run folder: reading its rank 0 ({rank0})",
+              file=sys.stderr)
+        return rank0
+    return dump
+
+
+def replay_attributes(info: dict) -> Dict[str, dict]:
+    """Module -> its replay attribute (JSON), of a step's ``_C.read_step`` info."""
     found = {}
     for module, attributes in info.get("modules", []):
         text = attributes.get(vocabulary.ATTRIBUTE_REPLAY)
@@ -491,7 +504,7 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
     (or one step file), at ``step`` (default: the first step keeping replay data of it)."""
     path = step_file(dump, step, module)
     info = _C.read_step(path)
-    replays = _replay_attributes(info)
+    replays = replay_attributes(info)
     if module not in replays:
         known = ", ".join(sorted(replays)) or "none"
         raise ReplayError(f"{path} keeps no replay data of module {module!r} (modules with "
