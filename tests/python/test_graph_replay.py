@@ -22,7 +22,8 @@ from test_replay import checked_step, replayed_rows, run_elsewhere
 from dynaprobe import PrecisionChecker, _C
 from dynaprobe._graph_data import (UntrustedGraph, graph_from_data, graph_to_data,
                                    python_source)
-from dynaprobe._replay import GraphReplay, ReplayError, judge, load_call, replay_of
+from dynaprobe._replay import (GraphReplay, ReplayError, judge, load_call, replay_of,
+                               tensor_from_bytes)
 from dynaprobe.bisect import STAGES, bisect_call, recorded_stage
 from dynaprobe.repro import write_repro
 
@@ -335,3 +336,60 @@ def test_a_llama_layer_given_a_cache_in_training_replays_and_bisects(tmp_path):
     replayed = replayed_rows(run.stdout)
     assert replayed["fwd_output[0]"]["max_abs"] == failing[("fwd_output", 0)].max_abs
     assert replayed["grad_input[0]"]["max_abs"] == failing[("grad_input", 0)].max_abs
+
+
+class _Broken(nn.Module):
+    """A graph break between two parts that both read ``up``: two graphs per call, and a
+    parameter whose gradient is the sum over both."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        h = self.act(self.up(x))
+        torch._dynamo.graph_break()
+        return self.act(self.up(h)) * 0.5
+
+
+def test_a_call_split_by_a_graph_break_replays_each_graph_and_sums_parameter_gradients(tmp_path):
+    from models import perturbed_gelu_backend
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Broken()), torch.randn(4, 8, requires_grad=True)
+    checker = PrecisionChecker(backend=perturbed_gelu_backend, dump_dir=str(tmp_path))
+    checker.wrap(model[0])
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    recorded = {(r.check_type, r.tensor_index): r for r in result.rows if r.module == "0"}
+    assert recorded[("fwd_output", 0)].status == "FAIL"
+    call = load_call(checker.dump_dir, "0")
+    replay = GraphReplay(call)
+    assert len(replay.calls) == 2 and len(replay.graphs) == 2
+    compiled = replay.run(perturbed_gelu_backend)
+    rows = judge(call, [(replay.run(), compiled)])[0].rows
+    # Each graph is judged on the inputs it took in training: the difference of each GELU alone,
+    # where the module's rows add the first graph's difference to the second's.
+    outputs = [r for r in rows if r.check_type == "fwd_output"]
+    assert [r.status for r in outputs] == ["FAIL", "FAIL"]
+    assert outputs[-1].max_abs < recorded[("fwd_output", 0)].max_abs
+    # The compiled side is the training's, to the bit: the module's output, and each parameter's
+    # gradient summed over the two graphs that read it.
+    stored = {(r["side"], r["kind"], r["tensor_index"]): r
+              for r in _C.read_step(result.dump_file)["records"] if r["module"] == "0"}
+
+    def value(kind, index):
+        return tensor_from_bytes(*_C.read_record(result.dump_file, "0", 0, kind, index,
+                                                 "compiled"))
+
+    assert torch.equal(compiled.outputs[-1], value("fwd_output", 0))
+    for index, (name, grad) in enumerate(compiled.param_grad):
+        assert name == ("up.weight", "up.bias")[index]
+        assert torch.equal(grad, value("param_grad", index)), name
+    assert ("compiled", "param_grad", 1) in stored

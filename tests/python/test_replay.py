@@ -20,7 +20,7 @@ from models import (BACKWARD_FAULT, TiedTwice, _perturb_gelu, perturbed_gelu_bac
 from torch._dynamo.backends.common import aot_autograd
 
 from dynaprobe import PrecisionChecker, _C
-from dynaprobe._replay import load_call, tensor_from_bytes
+from dynaprobe._replay import ClassReplay, GraphReplay, load_call, tensor_from_bytes
 from dynaprobe.bisect import STAGES, Stage, bisect_call
 from test_storage import Chain  # norm -> mlp (GELU, perturbed by the backend) -> proj
 
@@ -93,26 +93,33 @@ def test_stats_and_two_pass_keep_no_replay_data_and_replay_is_checked(tmp_path):
         PrecisionChecker(replay="yes")
 
 
+def _routes(call):
+    """The two replays of a stored call: through the module (its pickle: LayerNorm and the
+    test's MLP need constructor arguments) and from its captured graph."""
+    return {"class": ClassReplay(call, call.build_module(unpickle=True)),
+            "graph": GraphReplay(call)}
+
+
 def test_replay_of_a_passing_module_reproduces_its_stored_outputs_bit_for_bit(tmp_path):
     checker, model, result = checked_step(tmp_path, backend="aot_eager", replay="all")
     assert result.all_pass
     step_file = result.dump_file
     for name in ("norm", "mlp", "proj"):
         call = load_call(checker.dump_dir, name)
-        module = call.build_module(unpickle=True)  # LayerNorm needs arguments
-        assert type(module) is type(dict(model.named_modules())[name])
         stored = {(r["side"], r["kind"], r["tensor_index"]): read(step_file, r)
                   for r in _C.read_step(step_file)["records"]
                   if r["module"] == name and r["kind"] in ("fwd_output", "grad_input",
                                                              "param_grad")}
-        eager = call.run(module, module.forward)
-        compiled = call.run(module, call.compiled_forward(module, call.backend()))
-        for side, run in (("eager", eager), ("compiled", compiled)):
-            assert torch.equal(run.outputs[0], stored[(side, "fwd_output", 0)]), (name, side)
-            if name != "norm":  # the model's input needs no gradient: norm has no grad_input
-                assert torch.equal(run.grad_input[0], stored[(side, "grad_input", 0)]), (name, side)
-            for index, (_, grad) in enumerate(run.param_grad):
-                assert torch.equal(grad, stored[(side, "param_grad", index)]), (name, side, index)
+        for route, replay in _routes(call).items():
+            runs = {"eager": replay.run(), "compiled": replay.run(call.backend())}
+            for side, run in runs.items():
+                where = (name, route, side)
+                assert torch.equal(run.outputs[0], stored[(side, "fwd_output", 0)]), where
+                if name != "norm":  # the model's input needs no gradient: no grad_input
+                    assert torch.equal(run.grad_input[0], stored[(side, "grad_input", 0)]), where
+                assert len(run.param_grad) == len(list(model.get_submodule(name).parameters()))
+                for index, (_, grad) in enumerate(run.param_grad):
+                    assert torch.equal(grad, stored[(side, "param_grad", index)]), (where, index)
 
 
 def test_each_call_of_a_module_called_twice_replays_bit_for_bit(tmp_path):
@@ -130,15 +137,13 @@ def test_each_call_of_a_module_called_twice_replays_bit_for_bit(tmp_path):
     stored = {(r["call"], r["side"], r["kind"]): read(result.dump_file, r)
               for r in _C.read_step(result.dump_file)["records"]
               if r["kind"] in ("fwd_output", "grad_input")}
-    for call in (0, 1):  # the module's structure is stored once, with call 0
+    for call in (0, 1):  # the module's structure and its graph are stored once, with call 0
         replayed = load_call(checker.dump_dir, "shared", call)
-        module = replayed.build_module(unpickle=True)
-        runs = {"eager": replayed.run(module, module.forward),
-                "compiled": replayed.run(module, replayed.compiled_forward(
-                    module, replayed.backend()))}
-        for side, run in runs.items():
-            assert torch.equal(run.outputs[0], stored[(call, side, "fwd_output")])
-            assert torch.equal(run.grad_input[0], stored[(call, side, "grad_input")])
+        for route, replay in _routes(replayed).items():
+            runs = {"eager": replay.run(), "compiled": replay.run(replayed.backend())}
+            for side, run in runs.items():
+                assert torch.equal(run.outputs[0], stored[(call, side, "fwd_output")]), route
+                assert torch.equal(run.grad_input[0], stored[(call, side, "grad_input")]), route
 
 
 USER_CODE = '''
@@ -578,7 +583,8 @@ def test_a_crafted_pickle_in_a_dump_never_runs_unless_asked_for(tmp_path, dynapr
                 ["repro", crafted, "--module", "mlp", "-o", out],
                 ["repro", crafted, "--module", "mlp", "-o", out_class, "--from-class"],
                 ["bisect", crafted, "--module", "mlp", "--stages", "eager,aot_eager"],
-                ["bisect", crafted, "--module", "mlp", "--stages", "eager", "--from-class"]]
+                ["bisect", crafted, "--module", "mlp", "--stages", "eager", "--from-class"],
+                ["bundle", crafted, "-o", tmp_path / "bundle.tar.gz"]]
     for command in commands:
         run = subprocess.run([dynaprobe_cli, *map(str, command)], capture_output=True,
                              text=True, env=env, cwd=tmp_path)
