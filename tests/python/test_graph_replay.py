@@ -393,3 +393,58 @@ def test_a_call_split_by_a_graph_break_replays_each_graph_and_sums_parameter_gra
         assert name == ("up.weight", "up.bias")[index]
         assert torch.equal(grad, value("param_grad", index)), name
     assert ("compiled", "param_grad", 1) in stored
+
+
+def test_a_call_under_the_users_autocast_replays_under_it(tmp_path):
+    """The user's own torch.autocast around the step: the graph's matmuls ran in bfloat16 there,
+    and the replay runs them so again (the metrics to the bit, not float32's)."""
+    from models import perturbed_gelu_backend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)))
+    x = torch.randn(4, 8, requires_grad=True)
+    checker = PrecisionChecker(backend=perturbed_gelu_backend, dump_dir=str(tmp_path))
+    checker.wrap(model[0])
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        loss = out.float().square().sum()
+        loss.backward()
+        return loss
+
+    result = checker.compare(step, model)
+    recorded = next(r for r in result.rows if r.check_type == "fwd_output" and r.module == "0")
+    call = load_call(checker.dump_dir, "0")
+    assert call.autocast_dtype is torch.bfloat16
+    replay = GraphReplay(call)
+    eager = replay.run()
+    assert eager.outputs[0].dtype is torch.bfloat16
+    row = next(r for r in judge(call, [(eager, replay.run(perturbed_gelu_backend))])[0].rows
+               if r.check_type == "fwd_output")
+    assert row.max_abs == recorded.max_abs
+
+
+def test_outputs_kept_after_the_step_keep_none_of_the_calls_tensors_alive(tmp_path):
+    """The gradient hooks on a graph's outputs live as long as the outputs: once the call's
+    replay data is decided, what they point to holds no tensor of the call."""
+    import gc
+
+    from dynaprobe._graphs import LiveGraphCall
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    checker = PrecisionChecker(backend="aot_eager", dump_dir=str(tmp_path))
+    checker.wrap(model[0])
+    checker.install(model)
+    kept = []
+    for _ in range(2):
+        out = model(torch.randn(4, 8))
+        kept.append(out)  # the user keeps the outputs, and with them their autograd graph
+        loss = out.square().sum()
+        loss.backward()
+        checker.collect(loss)
+    checker.uninstall()
+    live = [o for o in gc.get_objects() if type(o) is LiveGraphCall]
+    assert live  # the hooks still reach them
+    assert all(o.released and not o.args and not o.grads for o in live)

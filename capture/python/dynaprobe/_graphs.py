@@ -231,6 +231,7 @@ class LiveGraphCall:
         self.versions: List[Optional[int]] = []
         self.overwritten: List[int] = []  # written by the run without a copy from before
         self.grads: Dict[int, torch.Tensor] = {}
+        self.released = False
 
     def finish(self, out) -> None:
         self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in self.args]
@@ -243,8 +244,14 @@ class LiveGraphCall:
                 value.register_hook(functools.partial(self._keep_grad, position))
 
     def _keep_grad(self, position: int, grad) -> None:
-        if grad is not None:
+        if grad is not None and not self.released:
             self.grads[position] = grad
+
+    def release(self) -> None:
+        """Drops what it holds once its call is decided: the hooks on its outputs may outlive
+        the step (a user keeping the outputs), and must not keep the call's tensors alive."""
+        self.released = True
+        self.args, self.before, self.grads = [], {}, {}
 
     def changed_since(self) -> List[int]:
         """Positions of arguments (not copied) written in place since the run."""

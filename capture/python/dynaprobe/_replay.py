@@ -290,6 +290,15 @@ class StoredCall:
         return text
 
     @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """The autocast dtype the call ran under: the checker's ``cast_dtype``, else the user's
+        own ``torch.autocast`` (provenance ``autocast``); None without autocast."""
+        name = self.description.get("cast_dtype") or self.provenance.get(
+            vocabulary.PROVENANCE_AUTOCAST)
+        found = getattr(torch, str(name).replace("torch.", ""), None) if name else None
+        return found if isinstance(found, torch.dtype) else None
+
+    @property
     def tolerances(self) -> Tuple[float, float]:
         return (float(self.provenance.get(vocabulary.PROVENANCE_ATOL, "1e-4")),
                 float(self.provenance.get(vocabulary.PROVENANCE_RTOL, "1e-3")))
@@ -302,10 +311,9 @@ class StoredCall:
         device = _module_device(module)
         args, kwargs, leaves = self.arguments(device)
         self.restore_rng()
-        cast = self.description.get("cast_dtype")
-        autocast = (torch.autocast(device_type=torch.device(device).type,
-                                   dtype=getattr(torch, cast.replace("torch.", "")))
-                    if cast else contextlib.nullcontext())
+        cast = self.autocast_dtype
+        autocast = (torch.autocast(device_type=torch.device(device).type, dtype=cast)
+                    if cast is not None else contextlib.nullcontext())
         grad_mode = bool(self.description["grad_mode"])
         with torch.set_grad_enabled(grad_mode), autocast:
             out = forward(*args, **kwargs)
@@ -373,6 +381,8 @@ class GraphReplay:
         self.call = call
         self.calls = call.graph_calls()
         self.graphs = call.graph_modules()
+        tensors = [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
+        self.device = str(tensors[0].device) if tensors else "cpu"
 
     def run(self, backend=None, label: str = "replay") -> Run:
         """The graphs run by Python (``backend`` None) or each compiled with ``backend``."""
@@ -380,12 +390,8 @@ class GraphReplay:
             function: torch.compile(own_entry(gm.forward, f"{label}_{function}"),
                                     backend=backend)
             for function, gm in self.graphs.items()}
-        description = self.call.description
-        cast = description.get("cast_dtype")
-        tensors = [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
-        replayed = replay_graphs(self.calls, graphs, bool(description["grad_mode"]),
-                                 getattr(torch, cast.replace("torch.", "")) if cast else None,
-                                 str(tensors[0].device) if tensors else "cpu")
+        replayed = replay_graphs(self.calls, graphs, bool(self.call.description["grad_mode"]),
+                                 self.call.autocast_dtype, self.device)
         run = Run([t for _, t in replayed.outputs])
         for index, (name, _) in enumerate(replayed.outputs):
             run.labels[("fwd_output", index)] = name

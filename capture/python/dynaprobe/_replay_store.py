@@ -188,6 +188,11 @@ class Candidate:
         self.graph_calls = graph_calls or []
         self.pending = None
 
+    def release(self) -> None:
+        """Its replay data is decided: the runs of its graphs let go of their tensors."""
+        for live in self.graph_calls:
+            live.release()
+
     def ready(self) -> bool:
         """Its backward is done (or none will come): every verdict of the call is known."""
         return self.pending is None or self.pending.done

@@ -298,6 +298,8 @@ class SinglePass:
             failing = None if self.replay == "all" else {
                 tuple(key) for key in step.recorder.failing_calls()}
         except Exception as error:  # the step is lost: collect() says why
+            for candidate in step.replay_candidates.values():
+                candidate.release()
             step.replay_candidates.clear()
             if step.error is None:
                 step.error = error
@@ -309,6 +311,7 @@ class SinglePass:
             del step.replay_candidates[key]
             if keep:
                 self._replay_call(step, key, candidate)
+            candidate.release()
 
     def _replay_call(self, step: Step, key: Tuple[str, int], candidate) -> None:
         name, call = key

@@ -235,8 +235,7 @@ def _write_graph_repro(stored: StoredCall, out_dir: str) -> str:
         f.write(f'"""The graphs Dynamo captured of {_plain(stored.module)} call {stored.call} '
                 f'(step {stored.step}), as torch.fx writes them."""\n\n{source}')
     shutil.copyfile(_graph_runner.__file__, os.path.join(out_dir, RUNNER_FILE))
-    description = stored.description
-    tensors = [a for c in replay.calls for a in c.args if isinstance(a, torch.Tensor)]
+    cast = stored.autocast_dtype
     torch.save({
         "version": _GRAPH_DATA_VERSION,
         "module": stored.module, "call": stored.call, "step": stored.step,
@@ -244,9 +243,9 @@ def _write_graph_repro(stored: StoredCall, out_dir: str) -> str:
         "graph_tensors": {f: {name: t for name, t in gm.state_dict(keep_vars=False).items()}
                           for f, gm in replay.graphs.items()},
         "calls": [vars(call) for call in replay.calls],
-        "grad_mode": bool(description["grad_mode"]),
-        "cast_dtype": (description.get("cast_dtype") or "").replace("torch.", "") or None,
-        "device": str(tensors[0].device) if tensors else "cpu",
+        "grad_mode": bool(stored.description["grad_mode"]),
+        "cast_dtype": None if cast is None else str(cast).replace("torch.", ""),
+        "device": replay.device,
         "tolerances": list(stored.tolerances),
         "recorded": recorded_lines(stored),
     }, os.path.join(out_dir, DATA_FILE))
