@@ -653,7 +653,7 @@ class PrecisionChecker:
     # ------------------------------------------------------------------ replay
     def bisect(self, module: str, call: Optional[int] = None, step: Optional[int] = None,
                stages=None, inductor_subsystems: bool = False, unpickle: bool = False,
-               from_class: bool = False):
+               from_class: bool = False, ops: bool = False):
         """Replays a stored call of ``module`` (kept by ``replay=``) from this checker's dump
         through torch.compile's stages (eager, aot_eager, aot_eager_decomp_partition, inductor,
         inductor with fallback_random) and returns a ``dynaprobe.bisect.BisectResult``: the
@@ -671,6 +671,9 @@ class PrecisionChecker:
                 with ``torch._inductor.compiler_bisector`` (resets Dynamo; slow).
             from_class: replay through the module rebuilt from its class instead of the
                 graphs Dynamo captured of the call (the default; no model code needed).
+            ops: also name the first op of the call's aten graphs, forward and backward, whose
+                value under the recorded backend fails against eager beyond fp64 noise, with
+                its source line and, under inductor, its kernel (``result.ops``).
             unpickle: with ``from_class``, rebuild the module from the pickle the dump holds
                 when its class needs constructor arguments; runs code the dump carries: only
                 for dumps you trust.
@@ -685,7 +688,8 @@ class PrecisionChecker:
         stored = load_call(self.dump_dir, module, call, step)
         return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
-                                        unpickle=unpickle, from_class=from_class or unpickle)
+                                        unpickle=unpickle, from_class=from_class or unpickle,
+                                        ops=ops)
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

@@ -549,19 +549,32 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
 
 
 # ---------------------------------------------------------------------- judging
-def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] = None
-          ) -> List[CompareResult]:
-    """The engine's comparison of each (eager run, other run), one step each, judged with the
-    original dump's tolerances: the report's metrics and verdicts for these runs."""
-    folder = folder or tempfile.mkdtemp(prefix="dynaprobe-replay-")
+def judging_recorder(call: StoredCall, folder: str, producer: str = "dynaprobe replay",
+                     **extra: str):
+    """A recorder writing a dump that the engine judges as the original dump was judged: its
+    tolerances, rules and dtype floors (single-pass: one set of inputs for both sides);
+    ``extra`` provenance besides."""
     provenance = {key: call.provenance[key] for key in _JUDGING_KEYS if key in call.provenance}
-    provenance.update({"producer": "dynaprobe replay", vocabulary.PROVENANCE_MODE:
+    provenance.update({"producer": producer, vocabulary.PROVENANCE_MODE:
                        vocabulary.MODE_SINGLE_PASS, vocabulary.PROVENANCE_CAPTURE_INPUT: "false",
-                       "torch_version": torch.__version__})
-    recorder = _C.Recorder(folder, provenance)
+                       "torch_version": torch.__version__, **extra})
+    return _C.Recorder(folder, provenance)
+
+
+def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] = None,
+          references: Optional[List[Run]] = None) -> List[CompareResult]:
+    """The engine's comparison of each (eager run, other run), one step each, judged with the
+    original dump's tolerances: the report's metrics and verdicts for these runs. With
+    ``references`` (a run per pair, in a higher precision), each row's reference verdict
+    decides it, as under ``PrecisionChecker(reference="fp64")``."""
+    folder = folder or tempfile.mkdtemp(prefix="dynaprobe-replay-")
+    recorder = judging_recorder(call, folder)
     for index, (eager, other) in enumerate(pairs):
         recorder.begin_step(index)
-        for side, run in (("eager", eager), ("compiled", other)):
+        sides = [("eager", eager), ("compiled", other)]
+        if references is not None:
+            sides.append(("reference", references[index]))
+        for side, run in sides:
             for position, tensor in enumerate(run.outputs):
                 recorder.record(call.module, call.call, "fwd_output", position, side, tensor,
                                 run.labels.get(("fwd_output", position), ""))

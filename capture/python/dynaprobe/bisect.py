@@ -95,6 +95,8 @@ class BisectResult:
     recorded: str = ""  # the backend and inductor config captured, in words
     route: str = ""  # what was replayed: the captured graph, or the module rebuilt from its class
     graph_unavailable: str = ""  # why the captured graph was not replayed, when it was not
+    ops: Optional[Any] = None  # op localisation (``ops=True``): a dynaprobe._ops.OpsResult
+    ops_error: str = ""  # why the ops could not be compared, when asked for
 
     def first_changed(self, forward: bool = True) -> Optional[str]:
         return next((s.name for s in self.stages if s.changed(forward)), None)
@@ -141,6 +143,10 @@ class BisectResult:
                          "fails: the difference comes from the backend's own changes")
         if self.inductor is not None:
             lines.append(f"  inductor subsystem: {self.inductor}")
+        if self.ops is not None:
+            lines += ["", self.ops.text().rstrip("\n")]
+        elif self.ops_error:
+            lines += ["", f"  ops not compared: {self.ops_error}"]
         for stage in self.stages:
             if stage.result is not None and (stage.failed(True) or stage.failed(False)):
                 lines.append("")
@@ -166,7 +172,7 @@ def recorded_stage(call: StoredCall) -> Optional[Stage]:
 
 def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, module=None,
                 inductor_subsystems: bool = False, unpickle: bool = False,
-                from_class: bool = False) -> BisectResult:
+                from_class: bool = False, ops: bool = False) -> BisectResult:
     """Replays ``call`` eagerly and through each stage; see the module docstring.
 
     Args:
@@ -182,6 +188,9 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
         unpickle: rebuild the module from the pickle the dump holds (``StoredCall.build_module``;
             runs code the dump carries: only for dumps you trust).
         from_class: replay through the module rebuilt from its class, not the captured graphs.
+        ops: also find the first op of the module's aten graphs, forward and backward, whose
+            value under the recorded backend fails against eager beyond fp64 noise, and the
+            inductor kernel that computes it (``dynaprobe._ops``; needs the captured graph).
     """
     replay = replay_of(call, from_class, module, unpickle)
     eager = replay.run()
@@ -215,6 +224,14 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
     if inductor_subsystems and "inductor" in (result.first_failing(True),
                                                result.first_failing(False)):
         result.inductor = _inductor_subsystem(call, replay, eager)
+    if ops:
+        from dynaprobe._ops import localise  # noqa: PLC0415 - only when asked for
+
+        try:
+            result.ops = localise(call, call.backend(), call.inductor_config(),
+                                  call.recorded_compile())
+        except ReplayError as error:
+            result.ops_error = str(error)
     return result
 
 
@@ -248,6 +265,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--inductor-subsystems", action="store_true",
                         help="when inductor is the first stage to fail, find its subsystem with "
                              "torch._inductor.compiler_bisector (slow)")
+    parser.add_argument("--ops", action="store_true",
+                        help="also name the first op of the module's aten graphs (forward, "
+                             "backward) whose value under the recorded backend fails against "
+                             "eager beyond fp64 noise, with its source line and inductor kernel")
     parser.add_argument("--from-class", action="store_true",
                         help="replay through the module rebuilt from its class (which must be "
                              "importable here) instead of the graphs Dynamo captured")
@@ -270,7 +291,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             stages = [by_name[n] if n != RECORDED else recorded for n in names]
             stages = [s for s in stages if s is not None]
         result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
-                             unpickle=args.unpickle, from_class=args.from_class or args.unpickle)
+                             unpickle=args.unpickle, from_class=args.from_class or args.unpickle,
+                             ops=args.ops)
     except ReplayError as error:
         print(f"dynaprobe bisect: {error}", file=sys.stderr)
         return 2

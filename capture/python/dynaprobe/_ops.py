@@ -1,0 +1,437 @@
+"""Inside a module: the first op, and the generated kernel, where the numbers change
+(``dynaprobe bisect DUMP --module M --ops``, ``checker.bisect(module, ops=True)``).
+
+The stored call is replayed from its captured graph (``_replay.GraphReplay``) compiled with the
+recorded backend, whose own compilers of aten graphs are watched: inductor's ``compile_fx_inner``
+(its post-grad passes, fusion and code generation), or the ``fw_compiler`` / ``bw_compiler`` of
+an ``aot_autograd`` backend. That yields the aten graphs the backend compiled, forward and
+backward, after AOTAutograd, its decompositions and its partitioner, and what each took in the
+replay.
+
+Each graph is then evaluated three ways on those very inputs: node by node in eager
+(``fx.Interpreter``), node by node in float64 (every floating input and dtype argument raised to
+float64: the noise bound), and compiled by the backend's own compiler with every computed node
+exposed as an output. The engine judges each node's compiled value against eager with the fp64
+value as the reference, by the rule of ``reference="fp64"``: a difference as large as eager's own
+rounding is noise. The first node that fails, in the graph's order, is the finding; its inputs
+are said to match when they passed. Exposing the nodes changes what inductor may fuse, so the
+finding is checked again with the graph cut after that node and only it exposed; when only that
+changes its verdict, the finding says it was seen with a changed fusion.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx
+
+from dynaprobe import _C
+from dynaprobe._replay import (GraphReplay, ReplayError, Run, StoredCall, inductor_patch, judge,
+                               judging_recorder)
+from dynaprobe._result import CompareResult
+
+_LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class AtenGraph:
+    """An aten graph the backend compiled: ``kind`` (forward, backward, inference), the graph as
+    the backend received it (before its own passes), what it took in the replay, and the
+    backend's compiler of such a graph: (the compiled callable, inductor's kernels by name with
+    the graph nodes each computes; empty for other backends)."""
+
+    kind: str
+    gm: fx.GraphModule
+    inputs: list
+    compile: Callable[[fx.GraphModule, list], tuple]
+    code: tuple = (None, {})  # the backend's own compilation of it: (callable, kernels)
+
+
+@dataclass
+class Kernel:
+    """The generated kernel that computes a node (inductor): its name, the graph nodes it fuses
+    and the file of the generated code."""
+
+    name: str
+    fuses: List[str]
+    path: str
+
+
+@dataclass
+class OpFinding:
+    """The first node of an aten graph whose compiled value fails against eager."""
+
+    graph: str  # forward, backward, inference
+    node: str
+    op: str
+    source: str  # file:line and code, from the stack trace Dynamo recorded
+    row: object  # the engine's row (metrics, status, reference verdict)
+    inputs_matched: bool
+    inputs_max_abs: float
+    fidelity: str
+    kernel: Optional[Kernel] = None
+
+
+@dataclass
+class GraphOps:
+    """One aten graph's nodes, judged: the engine's row of each, in graph order."""
+
+    kind: str
+    rows: list
+    finding: Optional[OpFinding] = None
+
+
+@dataclass
+class OpsResult:
+    """The op localisation of a call: each aten graph's ops judged, and where its dump went
+    (``dynaprobe compare DUMP`` reports it: one row per op)."""
+
+    module: str
+    call: int
+    step: int
+    backend: str
+    dump: str
+    graphs: List[GraphOps] = field(default_factory=list)
+
+    @property
+    def findings(self) -> List[OpFinding]:
+        return [g.finding for g in self.graphs if g.finding is not None]
+
+    def text(self) -> str:
+        lines = [f"Op localisation of {self.module} call {self.call} (step {self.step}), "
+                 f"{self.backend} against eager, fp64 as the noise bound:"]
+        for graph in self.graphs:
+            failing = sum(r.status == "FAIL" for r in graph.rows)
+            lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing} fail")
+        for finding in self.findings:
+            row = finding.row
+            lines += ["", f"  first op that fails in the {finding.graph} graph: {finding.node} "
+                          f"({finding.op})",
+                      f"    source   {finding.source or '(no stack trace)'}",
+                      f"    error    max_abs={row.max_abs:.3e} mean_abs={row.mean_abs:.3e} "
+                      f"max_rel={row.max_rel:.3e}",
+                      f"    noise    {_noise_text(row)}",
+                      "    inputs   " + ("matched" if finding.inputs_matched and
+                                         finding.inputs_max_abs == 0 else
+                                         f"within noise (max_abs={finding.inputs_max_abs:.3e})"
+                                         if finding.inputs_matched else
+                                         f"differ (max_abs={finding.inputs_max_abs:.3e})"),
+                      f"    fidelity {finding.fidelity}"]
+            if finding.kernel is not None:
+                kernel = finding.kernel
+                lines += [f"    kernel   {kernel.name}, fusing {', '.join(kernel.fuses)}",
+                          f"             {kernel.path}"]
+        if not self.findings:
+            lines += ["", "  no op fails: every difference is within the fp64 noise bound"]
+        lines += ["", f"  every op's row: dynaprobe compare {self.dump} (--html PATH draws the "
+                      "error along the graph)"]
+        return "\n".join(lines) + "\n"
+
+
+def _noise_text(row) -> str:
+    """The reference's verdict on a row: what its fp64 evaluation says of eager and compiled."""
+    reference = getattr(row, "reference", None)
+    if not isinstance(reference, dict) or "verdict" not in reference:
+        return "no fp64 reference (not a floating value)"
+    return (f"fp64: {reference['verdict']} (rmse against fp64: compiled="
+            f"{reference.get('compiled_rmse', float('nan')):.3e}, eager="
+            f"{reference.get('eager_rmse', float('nan')):.3e}; noise is compiled <= "
+            f"{reference.get('factor', 2.0):g} x eager)")
+
+
+# ---------------------------------------------------------------------- watching the backend
+class _Watcher:
+    """Wraps a backend so that its compilers of aten graphs are watched (AtenGraph each)."""
+
+    def __init__(self):
+        self.graphs: List[AtenGraph] = []
+
+    def backend(self, backend):
+        """The watched backend, or ReplayError for one whose aten compilers cannot be seen."""
+        from torch._dynamo.backends.common import AotAutograd  # noqa: PLC0415
+
+        if isinstance(backend, str) and backend == "inductor":
+            return self._inductor()
+        if isinstance(backend, str):
+            backend = torch._dynamo.lookup_backend(backend)
+        if isinstance(backend, AotAutograd):
+            from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
+
+            kwargs = dict(backend.kwargs)
+            for key, kind in (("fw_compiler", "forward"), ("bw_compiler", "backward"),
+                              ("inference_compiler", "inference")):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = self._aot(kwargs[key], kind)
+            if "inference_compiler" not in backend.kwargs and "fw_compiler" in backend.kwargs:
+                kwargs["inference_compiler"] = self._aot(backend.kwargs["fw_compiler"],
+                                                         "inference")
+            return aot_autograd(**kwargs)
+        raise ReplayError(f"the backend {backend!r} is neither inductor nor an aot_autograd "
+                          "backend: its aten graphs cannot be watched, so ops cannot be compared")
+
+    def _inductor(self):
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
+
+        def tracked(gm, example_inputs, **kwargs):
+            """compile_fx_inner, with inductor's provenance tracking: each kernel's nodes."""
+            from torch._inductor import config, debug  # noqa: PLC0415
+
+            with debug.reset_provenance_globals(), config.patch({
+                    "trace.provenance_tracking_level": 1, "fx_graph_cache": False}):
+                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+                return compiled, dict(debug._inductor_triton_kernel_to_post_grad_node_info)
+
+        def inner(gm, example_inputs, **kwargs):
+            kind = "backward" if kwargs.get("is_backward") else (
+                "inference" if kwargs.get("is_inference") else "forward")
+            before = _copy(gm)
+            compiled, kernels = tracked(gm, example_inputs, **kwargs)
+            own = dict(kwargs)
+            return self._keep(kind, before, (compiled, kernels),
+                              lambda g, inputs: tracked(g, inputs, **own))
+
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
+
+    def _aot(self, compiler, kind: str):
+        def watched(gm, example_inputs, **kwargs):
+            before = _copy(gm)
+            compiled = compiler(gm, example_inputs, **kwargs)
+            return self._keep(kind, before, (compiled, {}),
+                              lambda g, inputs: (compiler(g, inputs, **kwargs), {}))
+
+        return watched
+
+    def _keep(self, kind: str, gm: fx.GraphModule, code: tuple, compile_again):
+        graph = AtenGraph(kind, gm, [], compile_again, code)
+        self.graphs.append(graph)
+        compiled = code[0]
+        if getattr(compiled, "_boxed_call", False):
+            def run(args):
+                graph.inputs = list(args)
+                return compiled(args)
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+
+        def run_unboxed(*args):
+            graph.inputs = list(args)
+            return compiled(*args)
+
+        return run_unboxed
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A graph of its own on the same module (node metadata copied shallowly: its fake tensors
+    do not deep-copy)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _call(compiled, inputs: list):
+    return compiled(list(inputs)) if getattr(compiled, "_boxed_call", False) else \
+        compiled(*inputs)
+
+
+# ---------------------------------------------------------------------- evaluating a graph
+def _computed(gm: fx.GraphModule) -> List[fx.Node]:
+    """The nodes whose values are compared: ops that compute a tensor (not views of one)."""
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            continue  # a view: its values are its base's
+        nodes.append(node)
+    return nodes
+
+
+class _Evaluation(fx.Interpreter):
+    """Runs a graph node by node, keeping each value; ``fp64`` raises every floating input and
+    dtype argument to float64 (the reference evaluation)."""
+
+    def __init__(self, gm: fx.GraphModule, fp64: bool):
+        super().__init__(gm)
+        self.fp64 = fp64
+        self.values: Dict[str, object] = {}
+
+    def run_node(self, node: fx.Node):
+        if self.fp64 and node.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            args, kwargs = _raise_dtypes((args, kwargs))
+            value = getattr(self, node.op)(node.target, args, kwargs)
+        else:
+            value = super().run_node(node)
+        self.values[node.name] = value
+        return value
+
+
+def _raise_dtypes(value):
+    if isinstance(value, torch.dtype):
+        return torch.float64 if value in _LOW_FLOATS else value
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.dtype in _LOW_FLOATS else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_raise_dtypes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _raise_dtypes(v) for k, v in value.items()}
+    return value
+
+
+def _exposed(gm: fx.GraphModule, nodes: List[str], keep_outputs: bool = True) -> fx.GraphModule:
+    """A copy of the graph with ``nodes`` as its outputs (after its own, with ``keep_outputs``;
+    else the graph is cut after the last of them)."""
+    copied = _copy(gm)
+    by_name = {n.name: n for n in copied.graph.nodes}
+    output = next(n for n in copied.graph.nodes if n.op == "output")
+    own = list(output.args[0]) if keep_outputs else []
+    copied.graph.erase_node(output)
+    copied.graph.output(tuple(own + [by_name[n] for n in nodes]))
+    if not keep_outputs:
+        copied.graph.eliminate_dead_code()
+    copied.recompile()
+    return copied
+
+
+def _compiled_values(graph: AtenGraph, nodes: List[str], keep_outputs: bool = True) -> tuple:
+    """The compiled values of ``nodes`` and the compiled graph's (callable, kernels)."""
+    gm = _exposed(graph.gm, nodes, keep_outputs)
+    compiled, kernels = graph.compile(gm, list(graph.inputs))
+    out = _call(compiled, graph.inputs)
+    kept = len(next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]) \
+        if keep_outputs else 0
+    return list(out)[kept:], (compiled, kernels)
+
+
+def localise(call: StoredCall, backend, config: Optional[dict] = None, label: str = "",
+             folder: Optional[str] = None) -> OpsResult:
+    """The first op of each aten graph of the call that fails under ``backend`` (see the module
+    docstring). Every op's values are judged in a dump of their own, written to ``folder``
+    (default: ``ops/<module>.call<C>.step<S>`` beside the call's step file): one row per op,
+    module ``<graph>.<node>``, which ``dynaprobe compare`` reports as it reports modules."""
+    replay = GraphReplay(call)
+    watcher = _Watcher()
+    folder = folder or ops_folder(call)
+    result = OpsResult(call.module, call.call, call.step, label or str(backend), folder)
+    with inductor_patch(config or {}):
+        replay.run(watcher.backend(backend), "ops")
+        graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
+        evaluated = []
+        for graph in graphs:
+            graph.inputs = [a.detach() if isinstance(a, torch.Tensor) else a
+                            for a in graph.inputs]
+            with torch.no_grad():
+                evaluated.append(_evaluate(graph))
+        rows = _judged(call, graphs, evaluated, folder, result.backend)
+        for graph, (nodes, _, _, _, code) in zip(graphs, evaluated):
+            ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
+            first = next((i for i, r in enumerate(ops.rows) if r.status == "FAIL"), None)
+            if first is not None:
+                with torch.no_grad():
+                    ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code)
+            result.graphs.append(ops)
+    return result
+
+
+def ops_folder(call: StoredCall) -> str:
+    """Where the ops dump of a call goes: ``ops/`` beside its step file."""
+    name = re.sub(r"[^\w.-]", "_", call.module)
+    return os.path.join(os.path.dirname(os.path.abspath(call.path)), "ops",
+                        f"{name}.call{call.call}.step{call.step}")
+
+
+def _evaluate(graph: AtenGraph) -> tuple:
+    """(nodes, eager values, fp64 values, compiled values, compiled code) of a graph."""
+    nodes = _computed(graph.gm)
+    eager = _Evaluation(graph.gm, fp64=False)
+    eager.run(*graph.inputs)
+    reference = _Evaluation(graph.gm, fp64=True)
+    reference.run(*_raise_dtypes(list(graph.inputs)))
+    compiled, code = _compiled_values(graph, [n.name for n in nodes])
+    return nodes, eager.values, reference.values, compiled, code
+
+
+def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: str,
+            result_label: str) -> dict:
+    """Writes the ops dump (one step, a row per op in graph order, the aten graphs) and judges
+    it; the rows by module name (``<graph>.<node>``)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    recorder = judging_recorder(call, folder, producer="dynaprobe bisect --ops",
+                                ops_module=call.module, ops_call=str(call.call),
+                                ops_backend=result_label)
+    recorder.begin_step(call.step)
+    for graph, (nodes, eager, reference, compiled, _) in zip(graphs, evaluated):
+        for node, value in zip(nodes, compiled):
+            module = f"{graph.kind}.{node.name}"
+            recorder.record_module(module, {"op": str(node.target), "graph": graph.kind,
+                                            "source": _source(node.meta.get("stack_trace") or
+                                                              "")})
+            for side, tensor in (("eager", eager[node.name]), ("compiled", value),
+                                 ("reference", reference[node.name])):
+                recorder.record(module, 0, "fwd_output", 0, side, tensor)
+        recorder.record_graph(f"{graph.kind}_graph", graph.kind,
+                              graph.gm.print_readable(print_output=False))
+    recorder.end_step()
+    comparison = _C.compare(folder, folder)
+    return {row.module: row for row in CompareResult.from_report(
+        comparison.steps[0], folder, "", comparison).rows if row.check_type == "fwd_output"}
+
+
+def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
+             nodes: List[fx.Node], code) -> OpFinding:
+    by_name = {n.name: r for n, r in zip(nodes, rows)}
+    inputs = [a.name for a in node.all_input_nodes if a.name in by_name]
+    matched = all(by_name[n].status != "FAIL" for n in inputs)
+    inputs_max = max((by_name[n].max_abs for n in inputs), default=0.0)
+    row = by_name[node.name]
+    # Cut after the node, only it exposed: the fusion closest to the backend's own.
+    alone, alone_code = _compiled_values(graph, [node.name], keep_outputs=False)
+    eager = _Evaluation(graph.gm, fp64=False)
+    eager.run(*graph.inputs)
+    reference = _Evaluation(graph.gm, fp64=True)
+    reference.run(*_raise_dtypes(list(graph.inputs)))
+    single = judge(call, [(Run([eager.values[node.name]]), Run(alone))],
+                   references=[Run([reference.values[node.name]])])[0].rows
+    single = next(r for r in single if r.check_type == "fwd_output")
+    if single.status == "FAIL":
+        fidelity = ("confirmed with the graph cut after it and only it exposed "
+                    f"(max_abs={single.max_abs:.3e})")
+        kernel = _kernel(graph.code, node.name) or _kernel(alone_code, node.name)
+    else:
+        fidelity = ("seen only with every op exposed (a changed fusion): with the graph cut "
+                    f"after it and only it exposed it passes (max_abs={single.max_abs:.3e})")
+        kernel = _kernel(graph.code, node.name) or _kernel(code, node.name)
+    trace = node.meta.get("stack_trace") or ""
+    return OpFinding(graph.kind, node.name, str(node.target), _source(trace), row, matched,
+                     inputs_max, fidelity, kernel)
+
+
+def _source(trace: str) -> str:
+    """``file:line  code`` of the innermost frame of a stack trace."""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        match = re.match(r'File "([^"]+)", line (\d+)', lines[i])
+        if match:
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{match.group(1)}:{match.group(2)}  {code}"
+    return lines[-1] if lines else ""
+
+
+def _kernel(code: tuple, node: str) -> Optional[Kernel]:
+    """The inductor kernel that computes ``node`` (inductor's provenance tracking: each kernel's
+    post-grad nodes), with the file of the generated code; None for other backends."""
+    compiled, kernels = code
+    runner = getattr(compiled, "current_callable", None)
+    module = sys.modules.get(getattr(runner, "__module__", "") or "")
+    path = getattr(module, "__file__", "") or ""
+    for name, nodes in kernels.items():
+        if node in nodes:
+            return Kernel(name.rsplit(":", 1)[0], list(nodes), path)
+    return None

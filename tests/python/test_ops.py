@@ -1,0 +1,212 @@
+"""Inside a module: the first op, and the generated kernel, where the numbers change
+(``bisect --ops``, dynaprobe._ops). Faults that change exactly one op, forward or backward, under
+an aot_autograd backend and as an inductor post-grad pass (inside a fused kernel), are found at
+that op and its source line; a clean bf16 run names no op."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from models import BACKWARD_FAULT, RMSNormMLP, rsqrt_fault_backend
+from torch._dynamo.backends.common import aot_autograd
+
+from dynaprobe import PrecisionChecker
+from dynaprobe._ops import localise
+from dynaprobe._replay import load_call
+
+
+def _scale(graph: torch.fx.Graph, targets, where: str) -> None:
+    """Every node calling one of ``targets`` comes out 5% larger (its exp, to the power 1.05:
+    scaling would cancel out in softmax), in the ``where`` graphs only ("forward",
+    "backward": the one that takes tangents)."""
+    backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+    if backward != (where == "backward"):
+        return
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in targets:
+            change = torch.ops.aten.pow.Tensor_Scalar if node.target == torch.ops.aten.exp.default \
+                else torch.ops.aten.mul.Tensor
+            with graph.inserting_after(node):
+                scaled = graph.call_function(change, (node, 1.05))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+def aot_fault(*targets, where="forward"):
+    """An aot_autograd backend whose compilers scale ``targets`` in the ``where`` graph."""
+
+    def compiler(gm, example_inputs):
+        _scale(gm.graph, targets, where)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+def inductor_fault(*targets, where="forward"):
+    """Inductor with a post-grad pass scaling ``targets`` in the ``where`` graph: the fault
+    inside a fused kernel."""
+    return ("inductor", {"post_grad_custom_post_pass":
+                         lambda graph: _scale(graph, targets, where)})
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+        return weights @ v
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+def _dump(tmp_path, module: nn.Module, backend, shape=(2, 8, 16)):
+    """A training step of ``module`` checked with ``backend`` (a name and inductor config, or a
+    backend): its stored call."""
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    model = nn.Sequential(module)
+    x = torch.randn(*shape, requires_grad=True)
+    name, config = backend if isinstance(backend, tuple) else (backend, {})
+    checker = PrecisionChecker(backend=name, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    with inductor_config.patch(config):
+        result = checker.compare(step, model)
+    assert not result.all_pass
+    return load_call(checker.dump_dir, "0")
+
+
+def _localised(tmp_path, module, backend):
+    call = _dump(tmp_path, module, backend)
+    name, config = backend if isinstance(backend, tuple) else (backend, {})
+    return localise(call, name, config)
+
+
+CASES = {  # fault -> (module, the ops a backend scales, the op found, its source line's words)
+    "rsqrt of RMSNorm": (RMSNormMLP, (torch.ops.aten.rsqrt.default,), "rsqrt",
+                         ("models.py:", "torch.rsqrt")),
+    "a matmul": (Attention, (torch.ops.aten.bmm.default,), "bmm", ("test_ops.py:", "q @ k")),
+    # Inductor decomposes softmax before its post-grad passes: there the fault is in its exp.
+    "attention's softmax": (Attention, (torch.ops.aten._softmax.default,
+                                        torch.ops.aten.exp.default), None,
+                            ("test_ops.py:", "torch.softmax")),
+}
+
+
+@pytest.mark.parametrize("kind", ["aot", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fault", list(CASES))
+def test_a_fault_in_one_forward_op_is_found_at_that_op_and_its_source_line(tmp_path, fault,
+                                                                           kind):
+    module, targets, op, source = CASES[fault]
+    backend = aot_fault(*targets) if kind == "aot" else inductor_fault(*targets)
+    result = _localised(tmp_path, module(), backend)
+    forward = next(g for g in result.graphs if g.kind == "forward")
+    finding = forward.finding
+    assert finding is not None, result.text()
+    scaled = {str(t) for t in targets}
+    assert finding.op in scaled, result.text()
+    if op is not None:
+        assert finding.node.startswith(op)
+    assert all(word in finding.source for word in source), finding.source
+    assert finding.inputs_matched
+    assert finding.row.status == "FAIL" and finding.row.max_abs > 0
+    assert "confirmed" in finding.fidelity
+    # The backward graph takes the forward's saved values as they were: given the same ones,
+    # it computes the same gradients, so no op of it is named.
+    assert all(g.finding is None for g in result.graphs if g.kind == "backward"), result.text()
+    if kind == "inductor":  # inside a fused kernel, named with the nodes it fuses
+        assert finding.kernel is not None, result.text()
+        assert finding.node in finding.kernel.fuses
+        assert finding.kernel.path.endswith(".py")
+        assert "kernel   " + finding.kernel.name in result.text()
+
+
+@pytest.mark.parametrize("kind", ["aot", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_fault_in_the_backward_graph_only_is_found_there(tmp_path, kind):
+    targets = (torch.ops.aten.gelu_backward.default, torch.ops.aten.erf.default)
+    backend = BACKWARD_FAULT if kind == "aot" else inductor_fault(*targets, where="backward")
+    result = _localised(tmp_path, GeluMLP(), backend)
+    assert [g.kind for g in result.graphs if g.finding] == ["backward"], result.text()
+    finding = result.findings[0]
+    assert finding.op in {str(t) for t in targets}
+    assert "nn.functional.gelu" in finding.source
+
+
+def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):
+    import os
+    import subprocess
+    import sys
+
+    call = _dump(tmp_path, RMSNormMLP(), rsqrt_fault_backend)  # importable: models
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
+    run = subprocess.run([dynaprobe_cli, "bisect", os.path.dirname(call.path), "--module", "0",
+                          "--stages", "eager", "--ops"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "first op that fails in the forward graph: rsqrt (aten.rsqrt.default)" in run.stdout
+    assert "inputs   matched" in run.stdout or "inputs   within noise" in run.stdout
+
+
+def _layer_call(tmp_path, family_name, backend, cast=None):
+    from hf_models import families
+
+    family = families()[family_name]
+    torch.manual_seed(0)
+    model = family.build()
+    batch = family.train_batch(model)
+    name, config = backend if isinstance(backend, tuple) else (backend, {})
+    checker = PrecisionChecker(backend=name, dump_dir=str(tmp_path / "dump"), replay="all",
+                               cast_dtype=cast)
+    layer = model.model.layers[0]
+    checker.wrap(layer)
+
+    def step(m):
+        out = m(**batch)
+        out.loss.backward()
+        return out.loss
+
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(config):
+        checker.compare(step, model)
+    return load_call(checker.dump_dir, "model.layers.0")
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_a_transformers_layer_s_rmsnorm_fault_is_found_at_its_rsqrt(tmp_path, family):
+    call = _layer_call(tmp_path, family, rsqrt_fault_backend)
+    result = localise(call, rsqrt_fault_backend)
+    finding = next(g.finding for g in result.graphs if g.kind == "forward")
+    assert finding is not None and finding.op == "aten.rsqrt.default", result.text()
+    assert f"modeling_{family.lower()}.py" in finding.source and "rsqrt" in finding.source
+
+
+@pytest.mark.slow
+def test_a_clean_bf16_layer_under_inductor_names_no_op(tmp_path):
+    """bf16 rounding differs between eager and inductor's fused kernels everywhere; none of it
+    is beyond what eager's own rounding is, against fp64."""
+    call = _layer_call(tmp_path, "Llama", "inductor", cast=torch.bfloat16)
+    result = localise(call, "inductor")
+    assert result.graphs and not result.findings, result.text()
+    assert "no op fails" in result.text()
