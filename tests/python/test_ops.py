@@ -6,6 +6,7 @@ that op and its source line; a clean bf16 run names no op."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,9 +15,13 @@ from functorch.compile import make_boxed_func
 from models import BACKWARD_FAULT, RMSNormMLP, rsqrt_fault_backend
 from torch._dynamo.backends.common import aot_autograd
 
+from test_replay import replayed_rows, run_elsewhere
+
 from dynaprobe import PrecisionChecker
 from dynaprobe._ops import localise
 from dynaprobe._replay import load_call
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _scale(graph: torch.fx.Graph, targets, where: str) -> None:
@@ -142,6 +147,20 @@ def test_a_fault_in_one_forward_op_is_found_at_that_op_and_its_source_line(tmp_p
         assert "kernel   " + finding.kernel.name in result.text()
 
 
+def test_the_op_alone_on_its_real_inputs_reproduces_with_torch_alone(tmp_path):
+    """The finding's repro: the op alone, on the values it took; the recorded backend is
+    models:rsqrt_fault_backend, importable where the repro runs."""
+    call = _dump(tmp_path, RMSNormMLP(), rsqrt_fault_backend)
+    finding = localise(call, rsqrt_fault_backend).findings[0]
+    folder = os.path.dirname(finding.repro)
+    graph = open(os.path.join(folder, "graphs.py")).read()
+    assert "torch.ops.aten.rsqrt.default" in graph
+    assert graph.count("torch.ops.aten.") == 1  # one op, small enough to paste in an issue
+    run = run_elsewhere(tmp_path, type(tmp_path)(folder), HERE)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert replayed_rows(run.stdout)["fwd_output[0]"]["max_abs"] == finding.row.max_abs
+
+
 @pytest.mark.parametrize("kind", ["aot", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_fault_in_the_backward_graph_only_is_found_there(tmp_path, kind):
     targets = (torch.ops.aten.gelu_backward.default, torch.ops.aten.erf.default)
@@ -154,7 +173,6 @@ def test_a_fault_in_the_backward_graph_only_is_found_there(tmp_path, kind):
 
 
 def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):
-    import os
     import subprocess
     import sys
 

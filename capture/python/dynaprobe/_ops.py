@@ -76,6 +76,7 @@ class OpFinding:
     inputs_max_abs: float
     fidelity: str
     kernel: Optional[Kernel] = None
+    repro: str = ""  # the op alone on its real inputs: a repro.py that runs with torch alone
 
 
 @dataclass
@@ -127,6 +128,9 @@ class OpsResult:
                 kernel = finding.kernel
                 lines += [f"    kernel   {kernel.name}, fusing {', '.join(kernel.fuses)}",
                           f"             {kernel.path}"]
+            if finding.repro:
+                lines.append(f"    repro    python {finding.repro}  (the op alone, on its real "
+                             "inputs; torch only)")
         if not self.findings:
             lines += ["", "  no op fails: every difference is within the fp64 noise bound"]
         lines += ["", f"  every op's row: dynaprobe compare {self.dump} (--html PATH draws the "
@@ -409,8 +413,38 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
                     f"after it and only it exposed it passes (max_abs={single.max_abs:.3e})")
         kernel = _kernel(graph.code, node.name) or _kernel(code, node.name)
     trace = node.meta.get("stack_trace") or ""
-    return OpFinding(graph.kind, node.name, str(node.target), _source(trace), row, matched,
-                     inputs_max, fidelity, kernel)
+    finding = OpFinding(graph.kind, node.name, str(node.target), _source(trace), row, matched,
+                        inputs_max, fidelity, kernel)
+    finding.repro = _op_repro(call, graph, node, eager.values, finding)
+    return finding
+
+
+def _op_repro(call: StoredCall, graph: AtenGraph, node: fx.Node, values: dict,
+              finding: OpFinding) -> str:
+    """A repro folder of the op alone: a graph of it with its inputs as placeholders, taking the
+    values it took (eager's: the same on both sides when its inputs matched)."""
+    from dynaprobe._graph_runner import GraphCall  # noqa: PLC0415
+    from dynaprobe.repro import write_graph_folder  # noqa: PLC0415
+
+    small = fx.Graph()
+    inputs = {inp: small.placeholder(inp.name) for inp in node.all_input_nodes}
+    small.output((small.node_copy(node, lambda n: inputs[n]),))
+    gm = fx.GraphModule(torch.nn.Module(), small)
+    function = f"{graph.kind}_{node.name}"
+    args = [values[inp.name] for inp in inputs]
+    call_of_op = GraphCall(function, args, [inp.name for inp in inputs], [], [node.name],
+                           rng=torch.get_rng_state())
+    folder = os.path.join(os.path.dirname(ops_folder(call)) + "_repro",
+                          f"{os.path.basename(ops_folder(call))}.{function}")
+    shutil.rmtree(folder, ignore_errors=True)
+    recorded = [f"  {finding.row.status:4} {finding.graph}.{finding.node} ({finding.op}) "
+                f"max_abs={finding.row.max_abs!r} mean_abs={finding.row.mean_abs!r} "
+                f"max_rel={finding.row.max_rel!r}  at {finding.source}"]
+    return write_graph_folder(call, folder, {function: gm}, [call_of_op], False,
+                              str(args[0].device) if args and isinstance(args[0], torch.Tensor)
+                              else "cpu", recorded,
+                              f"the op {node.name} ({node.target}) of its {graph.kind} graph, "
+                              "alone, on the values it took")
 
 
 def _source(trace: str) -> str:
