@@ -689,7 +689,7 @@ class PrecisionChecker:
         return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
                                         unpickle=unpickle, from_class=from_class or unpickle,
-                                        ops=ops)
+                                        ops=ops, backend=self.backend)
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

@@ -159,11 +159,12 @@ class BisectResult:
 RECORDED = "recorded"
 
 
-def recorded_stage(call: StoredCall) -> Optional[Stage]:
+def recorded_stage(call: StoredCall, backend=None) -> Optional[Stage]:
     """The stage of the backend and inductor config the call was captured with, resolved as the
-    repro resolves them; None when they are a stock stage's (nothing more to learn). Raises
-    ReplayError when they cannot be found here."""
-    backend = call.backend()
+    repro resolves them (``backend``: the backend itself, when the caller has it); None when
+    they are a stock stage's (nothing more to learn). Raises ReplayError when they cannot be
+    found here."""
+    backend = call.backend() if backend is None else backend
     config = call.inductor_config()
     if isinstance(backend, str) and not config and backend in {s.backend for s in STAGES}:
         return None
@@ -172,7 +173,7 @@ def recorded_stage(call: StoredCall) -> Optional[Stage]:
 
 def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, module=None,
                 inductor_subsystems: bool = False, unpickle: bool = False,
-                from_class: bool = False, ops: bool = False) -> BisectResult:
+                from_class: bool = False, ops: bool = False, backend=None) -> BisectResult:
     """Replays ``call`` eagerly and through each stage; see the module docstring.
 
     Args:
@@ -191,6 +192,8 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
         ops: also find the first op of the module's aten graphs, forward and backward, whose
             value under the recorded backend fails against eager beyond fp64 noise, and the
             inductor kernel that computes it (``dynaprobe._ops``; needs the captured graph).
+        backend: the backend the call was captured with, when the caller has it (default:
+            imported by the name the dump recorded).
     """
     replay = replay_of(call, from_class, module, unpickle)
     eager = replay.run()
@@ -198,7 +201,7 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
     if stages is None:
         stages = list(STAGES)
         try:
-            recorded = recorded_stage(call)
+            recorded = recorded_stage(call, backend)
         except ReplayError as error:  # said as the stage's error; the stock stages still run
             results.append(StageResult(RECORDED, None, str(error)))
             runs.append((Stage(RECORDED, None), None))
@@ -228,8 +231,8 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
         from dynaprobe._ops import localise  # noqa: PLC0415 - only when asked for
 
         try:
-            result.ops = localise(call, call.backend(), call.inductor_config(),
-                                  call.recorded_compile())
+            result.ops = localise(call, call.backend() if backend is None else backend,
+                                  call.inductor_config(), call.recorded_compile())
         except ReplayError as error:
             result.ops_error = str(error)
     return result
