@@ -21,6 +21,7 @@
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "ops_dumps.h"
 #include "step_rows.h"
 #include "tensor_pair.h"
 
@@ -790,6 +791,10 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
     for (Row& row : report.rows) apply_reference(row, report);
     find_root_cause(report);
   }
+  detail::attach_ops_dumps(
+      result.steps,
+      same ? std::vector<fs::path>{eager_dump} : std::vector<fs::path>{eager_dump, compiled_dump},
+      options);
   return result;
 }
 

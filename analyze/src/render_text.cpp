@@ -101,6 +101,39 @@ std::string detail_text(const Row& row) {
   return text;
 }
 
+// `parts` as lines of at most kTerminalWidth columns: the first line starts with `first`, the
+// others with `rest`; the parts are two spaces apart. A part moves whole to the next line when it
+// does not fit; one longer than a line wraps at its spaces (a word longer than a line stays whole).
+std::string wrap_parts(const std::vector<std::string>& parts, const std::string& first,
+                       const std::string& rest) {
+  std::string out;
+  std::string current;
+  const auto width = [&] {  // at least 20 columns, whatever the prefix
+    const std::size_t prefix = (out.empty() ? first : rest).size();
+    return prefix + 20 < kTerminalWidth ? kTerminalWidth - prefix : 20;
+  };
+  const auto flush = [&] {
+    if (!current.empty()) out += (out.empty() ? first : rest) + current + "\n";
+    current.clear();
+  };
+  for (const std::string& part : parts) {
+    if (!current.empty() && current.size() + 2 + part.size() > width()) flush();
+    if (!current.empty()) current += "  ";
+    std::size_t start = 0;
+    while (start < part.size()) {
+      std::size_t end = part.find(' ', start);
+      if (end == std::string::npos) end = part.size();
+      const std::string word = part.substr(start, end - start);
+      start = end + 1;
+      const bool first_word = current.empty() || current.ends_with("  ");
+      if (!first_word && current.size() + 1 + word.size() > width()) flush();
+      current += (current.empty() || current.ends_with("  ") ? "" : " ") + word;
+    }
+  }
+  flush();
+  return out;
+}
+
 // The lines below the row: a note's reason; a failing row's reason when the metrics alone do not
 // say it ("32 NaN/Inf only in compiled", as the CSV's note column has it); the tolerances the row
 // was judged with when not the RESULT line's; the reference verdict. Words wrap at
@@ -115,31 +148,7 @@ std::string detail_lines(const Row& row) {
                     " rtol=" + format_tolerance(row.tolerances->rtol));
   }
   if (row.note.empty() && !row.reference_verdict.empty()) parts.push_back(reference_text(row));
-  const std::size_t width = kTerminalWidth - kDetailIndent.size();
-  std::string out;
-  std::string current;
-  const auto flush = [&] {
-    if (!current.empty()) out += kDetailIndent + current + "\n";
-    current.clear();
-  };
-  for (const std::string& part : parts) {
-    // A part moves whole to the next line when it does not fit; one longer than a line wraps at
-    // its spaces.
-    if (!current.empty() && current.size() + 2 + part.size() > width) flush();
-    if (!current.empty()) current += "  ";
-    std::size_t start = 0;
-    while (start < part.size()) {
-      std::size_t end = part.find(' ', start);
-      if (end == std::string::npos) end = part.size();
-      const std::string word = part.substr(start, end - start);
-      start = end + 1;
-      const bool first = current.empty() || current.ends_with("  ");
-      if (!first && current.size() + 1 + word.size() > width) flush();
-      current += (current.empty() || current.ends_with("  ") ? "" : " ") + word;
-    }
-  }
-  flush();
-  return out;
+  return wrap_parts(parts, kDetailIndent, kDetailIndent);
 }
 
 std::string line(Status status, const std::string& name, const std::string& detail) {
@@ -171,6 +180,68 @@ std::string root_cause_text(const StepReport& report) {
   if (cause.forward) out += "  forward   " + describe_finding(report, *cause.forward) + "\n";
   if (cause.backward) out += "  backward  " + describe_finding(report, *cause.backward) + "\n";
   out += "  next      " + formats::printable_name(cause.next) + "\n";
+  return out;
+}
+
+// A path as a shell word: quoted when it holds characters the shell would read.
+std::string shell_word(const std::string& text) {
+  const bool plain = !text.empty() && text.find_first_not_of(
+                                          "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                          "0123456789_./-+:@%,=") == std::string::npos;
+  if (plain) return text;
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// "  forward   ": a graph's name in the column ROOT CAUSE's labels have.
+std::string label_column(const std::string& label) {
+  std::string out = "  " + label + " ";
+  if (out.size() < 12) out.resize(12, ' ');
+  return out;
+}
+
+// One aten graph of an op localisation: its first op that fails, or that none does.
+std::string ops_graph_text(const OpsGraph& graph) {
+  const std::string label = label_column(formats::printable_name(graph.graph));
+  const std::string rest(label.size(), ' ');
+  const std::string count = std::to_string(graph.ops) + " op" + (graph.ops == 1 ? "" : "s");
+  if (!graph.first_failing) {
+    return wrap_parts({"no op fails beyond fp64 noise (" + count + ")"}, label, rest);
+  }
+  const OpFailure& op = *graph.first_failing;
+  std::vector<std::string> parts = {
+      "first op that fails: " + formats::printable_name(op.node) + " (" +
+          formats::printable_name(op.op) + ")",
+      "max_abs=" + format_float(op.max_abs, "%.3e"),
+      "(" + std::to_string(graph.failing) + " of " + count + " fail)"};
+  if (!op.source.empty()) parts.push_back("at " + formats::printable_name(op.source));
+  return wrap_parts(parts, label, rest);
+}
+
+// The op localisations of the step (dynaprobe bisect --ops), below ROOT CAUSE: per call, the
+// first op of each aten graph that fails and the command that reports every op. Nothing without
+// an ops dump, so every other report stays as it was.
+std::string ops_text(const StepReport& report) {
+  std::string out;
+  for (const OpsDump& ops : report.ops) {
+    std::string title =
+        "OPS  " + formats::printable_name(ops.module) + " call " + std::to_string(ops.call);
+    if (!ops.backend.empty()) title += " (" + formats::printable_name(ops.backend) + ")";
+    out += '\n';  // appended piece by piece: GCC 12 warns of "\n" + string (its bug 105329)
+    out += wrap_parts({title}, "  ", "  ");
+    out += kSectionRule + "\n";
+    const std::string dump = formats::printable_name(ops.dump.string());
+    if (!ops.error.empty()) {
+      out += wrap_parts({"ops dump " + dump + " unreadable: " + formats::printable_name(ops.error)},
+                        "  ", "  ");
+      continue;
+    }
+    for (const OpsGraph& graph : ops.graphs) out += ops_graph_text(graph);
+    if (ops.graphs.empty()) out += "  no op compared\n";
+    out += wrap_parts({"dynaprobe compare " + shell_word(dump)}, label_column("every op"),
+                      std::string(12, ' '));
+  }
   return out;
 }
 
@@ -238,6 +309,7 @@ std::string render_text(const StepReport& report) {
   }
   out += root_cause_text(report);
   if (report.single_pass) out += kSinglePassHint;
+  out += ops_text(report);
   return out;
 }
 

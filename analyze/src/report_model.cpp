@@ -133,6 +133,29 @@ Value finding_model(const StepReport& report, const std::optional<Finding>& find
                        {"evidence", finding->evidence}};
 }
 
+Value op_failure_model(const std::optional<OpFailure>& op) {
+  if (!op) return nullptr;
+  return Value::Object{{"node", op->node},         {"op", op->op},
+                       {"source", op->source},     {"max_abs", op->max_abs},
+                       {"mean_abs", op->mean_abs}, {"status", status_name(op->status)}};
+}
+
+Value ops_dump_model(const OpsDump& ops) {
+  Value::Array graphs;
+  for (const OpsGraph& graph : ops.graphs) {
+    graphs.emplace_back(Value::Object{{"graph", graph.graph},
+                                      {"first_failing", op_failure_model(graph.first_failing)},
+                                      {"ops", graph.ops},
+                                      {"failing", graph.failing}});
+  }
+  return Value::Object{{"module", ops.module},
+                       {"call", ops.call},
+                       {"backend", ops.backend},
+                       {"dump", ops.dump.string()},
+                       {"error", ops.error.empty() ? Value() : Value(ops.error)},
+                       {"graphs", std::move(graphs)}};
+}
+
 Value loss_model(const StepReport& step) {
   const auto optional = [](const std::optional<double>& value) {
     return value ? Value(*value) : Value();
@@ -264,6 +287,12 @@ Value root_cause_model(const StepReport& report) {
                        {"next", cause.next}};
 }
 
+Value ops_model(const StepReport& report) {
+  Value::Array out;
+  for (const OpsDump& ops : report.ops) out.push_back(ops_dump_model(ops));
+  return out;
+}
+
 Value step_model(const StepReport& step) {
   Value::Array rows;
   for (const Row& row : step.rows) rows.push_back(row_model(row));
@@ -272,6 +301,7 @@ Value step_model(const StepReport& step) {
                        {"all_pass", step.all_pass()},
                        {"result", counts_model(step.counts())},
                        {"root_cause", root_cause_model(step)},
+                       {"ops", ops_model(step)},
                        {"cast_dtype", step.cast_dtype},
                        {"autocast", step.autocast},
                        {"reference_decides", step.reference_decides},

@@ -51,6 +51,10 @@ void bind_analyze(py::module_& m) {
           "root_cause",
           [](const analyze::StepReport& r) { return to_python(analyze::root_cause_model(r)); },
           "The JSON report's root_cause: None, or {forward, backward, next}")
+      .def_property_readonly(
+          "ops", [](const analyze::StepReport& r) { return to_python(analyze::ops_model(r)); },
+          "The JSON report's ops: the op localisations (dynaprobe bisect --ops) found beside the "
+          "dump for this step, [{module, call, backend, dump, error, graphs}]")
       .def_property_readonly("root_cause_json", &analyze::render_root_cause_json)
       .def(
           "render_text",

@@ -99,6 +99,35 @@ struct RootCause {
   bool empty() const { return !forward && !backward; }
 };
 
+// The op localisation of one call (dynaprobe bisect --ops), read from its ops dump beside the
+// dump (formats::schema::kOpsDir): per aten graph, how many ops were compared, how many FAIL and
+// the first that does in graph order (the ops dump's rows, judged by this engine against eager
+// with the fp64 reference as the noise bound).
+struct OpFailure {
+  std::string node;    // "rsqrt": the graph's node
+  std::string op;      // "aten.rsqrt.default"
+  std::string source;  // "/path/models.py:162  norm = ...", empty without a stack trace
+  double max_abs = 0;
+  double mean_abs = 0;
+  Status status = Status::kFail;
+};
+struct OpsGraph {
+  std::string graph;  // "forward", "backward", "inference"
+  std::size_t ops = 0;
+  std::size_t failing = 0;
+  std::optional<OpFailure> first_failing;
+};
+struct OpsDump {
+  std::string module;  // the module whose call was localised (provenance ops_module)
+  std::uint32_t call = 0;
+  std::string backend;         // in words (provenance ops_backend)
+  std::filesystem::path dump;  // the ops dump's folder: `dynaprobe compare` it for every op
+  std::vector<OpsGraph> graphs;
+  // Why the ops dump could not be read ("...: not an HDF5 file"); graphs is then empty and
+  // module/call are the folder name's.
+  std::string error;
+};
+
 // What a step's verdict rests on; the RESULT line, the CSV and the JSON report state the same.
 struct StepCounts {
   // Rows by status: tensor rows and module notes, as the CSV lists them after its LOSS row.
@@ -142,6 +171,9 @@ struct StepReport {
   // selected by CompareOptions::module_glob.
   std::map<std::string, std::map<std::string, std::string>> modules;
   RootCause root_cause;  // empty when no row FAILs
+  // The op localisations of this step's calls beside the dump (CompareOptions::read_ops), in
+  // the order of their folders' names; empty when there are none.
+  std::vector<OpsDump> ops;
 
   // True when the loss check and every row pass (skipped and ignored rows do not count) and at
   // least one tensor was compared (both sides present), as the RESULT line says: a step where
@@ -191,6 +223,9 @@ struct CompareOptions {
   // (PrecisionChecker judges rows in memory): checks those against the tensors. Pairs whose
   // tensors were not stored keep their stored metrics.
   bool recompute = false;
+  // Read the op localisations of each step (<dump>/ops/*.step<S>/, dynaprobe bisect --ops) into
+  // StepReport::ops; an ops dump that cannot be read is reported there, never thrown.
+  bool read_ops = true;
   // Called now and then with uncompressed bytes compared so far and in total.
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };

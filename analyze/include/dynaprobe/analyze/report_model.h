@@ -64,7 +64,11 @@ Value row_model(const Row& row);
 Value counts_model(const StepCounts& counts);
 // A step's root-cause summary: null when no row FAILs, else {forward, backward, next}.
 Value root_cause_model(const StepReport& report);
-// One step: step, single_pass, all_pass, result, root_cause, cast_dtype, tolerances, loss,
+// A step's op localisations (StepReport::ops): [{module, call, backend, dump, error (null unless
+// the ops dump is unreadable), graphs: [{graph, first_failing: {node, op, source, max_abs,
+// mean_abs, status} or null, ops, failing}]}], empty without ops dumps.
+Value ops_model(const StepReport& report);
+// One step: step, single_pass, all_pass, result, root_cause, ops, cast_dtype, tolerances, loss,
 // modules, rows.
 Value step_model(const StepReport& report);
 

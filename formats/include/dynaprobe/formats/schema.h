@@ -75,6 +75,11 @@ inline constexpr std::string_view kRankDirPrefix = "rank";
 inline constexpr std::string_view kStepFilePrefix = "step_";
 inline constexpr std::string_view kStepFileSuffix = ".h5";
 inline constexpr std::string_view kPartialSuffix = ".partial";
+// Ops dumps (dynaprobe bisect --ops) of a dump folder: <dump>/ops/<module>.call<C>.step<S>/, each
+// an ordinary one-step dump whose modules are the ops of the call's aten graphs.
+inline constexpr std::string_view kOpsDir = "ops";
+inline constexpr std::string_view kOpsCallInfix = ".call";
+inline constexpr std::string_view kOpsStepInfix = ".step";
 
 // Registered HDF5 filter ids
 // (https://github.com/HDFGroup/hdf5_plugins/blob/master/docs/RegisteredFilterPlugins.md).

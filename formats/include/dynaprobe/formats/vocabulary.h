@@ -28,6 +28,11 @@ inline constexpr std::string_view kReference = "reference";
 inline constexpr std::string_view kVerdict = "verdict";
 // The user's own torch.autocast dtype around the checked modules ("torch.bfloat16"), if any.
 inline constexpr std::string_view kAutocast = "autocast";
+// An ops dump (dynaprobe bisect --ops, schema::kOpsDir): the module whose call it localises, the
+// call, and the backend in words.
+inline constexpr std::string_view kOpsModule = "ops_module";
+inline constexpr std::string_view kOpsCall = "ops_call";
+inline constexpr std::string_view kOpsBackend = "ops_backend";
 }  // namespace provenance
 namespace mode {
 inline constexpr std::string_view kSinglePass = "single_pass";
@@ -55,6 +60,11 @@ inline constexpr std::string_view kNestedFullyShard = "nested_fully_shard";
 // JSON: what replaying the module's calls needs besides its "replay" records (class path,
 // backend, each recorded call's argument structure; docs/dump-format.md#replay-records).
 inline constexpr std::string_view kReplay = "replay";
+// Of an op in an ops dump (module "<graph>.<node>"): the aten op ("aten.rsqrt.default"), its graph
+// ("forward", "backward", "inference") and its source line ("/path/file.py:162  code").
+inline constexpr std::string_view kOp = "op";
+inline constexpr std::string_view kGraph = "graph";
+inline constexpr std::string_view kSource = "source";
 }  // namespace module_attribute
 namespace role {
 inline constexpr std::string_view kWrapped = "wrapped";
@@ -94,6 +104,9 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"PROVENANCE_REFERENCE", provenance::kReference},
     {"PROVENANCE_VERDICT", provenance::kVerdict},
     {"PROVENANCE_AUTOCAST", provenance::kAutocast},
+    {"PROVENANCE_OPS_MODULE", provenance::kOpsModule},
+    {"PROVENANCE_OPS_CALL", provenance::kOpsCall},
+    {"PROVENANCE_OPS_BACKEND", provenance::kOpsBackend},
     {"MODE_SINGLE_PASS", mode::kSinglePass},
     {"MODE_TWO_PASS", mode::kTwoPass},
     {"MODE_EAGER_ONLY", mode::kEagerOnly},
@@ -111,6 +124,9 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"ATTRIBUTE_REFERENCE_MISSING", module_attribute::kReferenceMissing},
     {"ATTRIBUTE_NESTED_FULLY_SHARD", module_attribute::kNestedFullyShard},
     {"ATTRIBUTE_REPLAY", module_attribute::kReplay},
+    {"ATTRIBUTE_OP", module_attribute::kOp},
+    {"ATTRIBUTE_GRAPH", module_attribute::kGraph},
+    {"ATTRIBUTE_SOURCE", module_attribute::kSource},
     {"ROLE_WRAPPED", role::kWrapped},
     {"ROLE_IGNORED", role::kIgnored},
     {"NOTE_IGNORED", note::kIgnored},

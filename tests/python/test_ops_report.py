@@ -1,0 +1,141 @@
+"""The op localisation in the reports: once ``bisect --ops`` has written an ops dump beside a
+dump, ``dynaprobe compare DUMP`` names the first op of each aten graph that fails (text, JSON and
+HTML) and where in the source it is, and the dump's other commands work as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.nn as nn
+from browser import Browser, chromium_path
+from models import RMSNormMLP, rsqrt_fault_backend
+
+from dynaprobe import _C, PrecisionChecker
+from dynaprobe._ops import localise
+from dynaprobe._replay import load_call
+from dynaprobe._result import CompareResult
+
+
+def _ops_dump(tmp_path):
+    """A training step of RMSNormMLP whose compiled rsqrt is 5% too large, and the op
+    localisation of its call: (the dump folder, the OpsResult)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNormMLP())
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    checker = PrecisionChecker(backend=rsqrt_fault_backend, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    assert not checker.compare(step, model).all_pass
+    call = load_call(checker.dump_dir, "0")
+    result = localise(call, rsqrt_fault_backend, label="aot_autograd, rsqrt 5% too large")
+    return os.path.dirname(call.path), result
+
+
+def _as_json(value):
+    """``value`` with its floats as the JSON report writes them (9 significant digits)."""
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
+
+
+def _run(cli, *args):
+    return subprocess.run([cli, *args], capture_output=True, text=True)
+
+
+def test_compare_names_the_first_failing_op_in_text_json_and_html(tmp_path, dynaprobe_cli):
+    if chromium_path() is None:
+        pytest.fail("chromium is not installed: run scripts/setup.sh (it installs it)")
+    dump, result = _ops_dump(tmp_path)
+    finding = next(g.finding for g in result.graphs if g.kind == "forward")
+    assert finding is not None and finding.node == "rsqrt", result.text()
+
+    run = _run(dynaprobe_cli, "compare", dump, "--json", str(tmp_path / "report.json"),
+               "--html", str(tmp_path / "report.html"))
+    assert run.returncode == 1, run.stderr
+    text = run.stdout
+    start = text.index("\n  OPS  ")
+    ops = text[start:text.index("\n", text.index("  every op  ", start)) + 1]
+    assert ops.startswith("\n  OPS  0 call 0 (aot_autograd, rsqrt 5% too large)\n"), text
+    assert ("\n  forward   first op that fails: rsqrt (aten.rsqrt.default)  max_abs="
+            f"{finding.row.max_abs:.3e}  (") in ops, ops
+    assert "models.py:162  norm = x * torch.rsqrt(" in ops.replace("\n            ", " ")
+    assert "\n  backward  no op fails beyond fp64 noise (" in ops, ops
+    assert f"\n  every op  dynaprobe compare {result.dump}\n" in ops, ops
+    assert text.index("ROOT CAUSE") < text.index("\n  OPS  ")
+    for line in ops.splitlines():
+        assert len(line) <= 120, line
+
+    with open(tmp_path / "report.json") as file:
+        step = json.load(file)["ranks"][0]["steps"][0]
+    assert len(step["ops"]) == 1
+    entry = step["ops"][0]
+    assert (entry["module"], entry["call"], entry["dump"], entry["error"]) == \
+        ("0", 0, result.dump, None)
+    assert entry["backend"] == "aot_autograd, rsqrt 5% too large"
+    graphs = {g["graph"]: g for g in entry["graphs"]}
+    assert list(graphs) == [g.kind for g in result.graphs]
+    forward = graphs["forward"]
+    assert forward["first_failing"]["node"] == "rsqrt"
+    assert forward["first_failing"]["op"] == "aten.rsqrt.default"
+    assert forward["first_failing"]["status"] == "FAIL"
+    assert forward["first_failing"]["source"] == finding.source
+    # The JSON report writes 9 significant digits.
+    assert forward["first_failing"]["max_abs"] == pytest.approx(finding.row.max_abs, rel=1e-8)
+    assert forward["first_failing"]["mean_abs"] == pytest.approx(finding.row.mean_abs, rel=1e-8)
+    for kind in result.graphs:  # the counts bisect --ops itself reports
+        assert graphs[kind.kind]["ops"] == len(kind.rows)
+        assert graphs[kind.kind]["failing"] == sum(r.status == "FAIL" for r in kind.rows)
+    assert graphs["backward"]["first_failing"] is None
+    with Browser() as browser:  # the page's Ops section, as a reader sees it
+        browser.open((tmp_path / "report.html").resolve().as_uri())
+        browser.wait_until("document.body.dataset.ready === 'true'")
+        assert browser.errors() == []
+        shown = browser.evaluate("document.getElementById('ops').innerText")
+    assert "0 call 0 (aot_autograd, rsqrt 5% too large)" in shown, shown
+    assert "rsqrt (aten.rsqrt.default)" in shown and "models.py:162" in shown, shown
+    assert f"dynaprobe compare {result.dump}" in shown, shown
+
+    # Python's report of the dump is the same renderer's, and its step has the same model.
+    comparison = _C.compare(dump, dump)
+    report = comparison.steps[0]
+    assert _as_json(report.ops) == step["ops"]
+    assert report.ops[0]["graphs"][0]["first_failing"]["max_abs"] == finding.row.max_abs
+    assert ops in CompareResult.from_report(report, dump, "", comparison).text()
+
+
+def test_a_damaged_ops_dump_is_said_and_the_dump_s_commands_still_work(tmp_path,
+                                                                       dynaprobe_cli):
+    dump, result = _ops_dump(tmp_path)
+    before = _run(dynaprobe_cli, "compare", dump)
+    step_file = next(f for f in os.listdir(result.dump) if f.endswith(".h5"))
+    with open(os.path.join(result.dump, step_file), "r+b") as file:
+        file.write(b"garbage!" * 64)
+    run = _run(dynaprobe_cli, "compare", dump)
+    assert run.returncode == 1, run.stderr
+    # The main report is whole: everything before OPS is what it was.
+    assert run.stdout.split("\n  OPS  ")[0] == before.stdout.split("\n  OPS  ")[0]
+    assert f"\n  ops dump {result.dump} unreadable:" in run.stdout, run.stdout
+    assert "every op" not in run.stdout
+
+    # ls, graphs and runs read the dump, not its ops folder.
+    ls = _run(dynaprobe_cli, "ls", dump)
+    assert ls.returncode == 0 and "records" in ls.stdout, ls.stderr
+    graphs = _run(dynaprobe_cli, "graphs", dump, "--output", str(tmp_path / "graphs"))
+    assert graphs.returncode == 0, graphs.stderr
+    assert any(name.startswith("__compiled_fn") for name in os.listdir(tmp_path / "graphs"))
+    runs = _run(dynaprobe_cli, "runs", str(tmp_path))
+    assert runs.returncode == 0, runs.stderr
+    assert "dump" in runs.stdout
