@@ -53,8 +53,8 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
      "unknown command 'comapre'; did you mean 'compare'? the commands are compare, ls, graphs, "
      "runs, repro, bisect and bundle (dynaprobe --help says what each does)"),
     (["frobnicate"],
-     "unknown command 'frobnicate'; the commands are compare, ls, graphs, runs, repro and "
-     "bisect (dynaprobe --help says what each does)"),
+     "unknown command 'frobnicate'; the commands are compare, ls, graphs, runs, repro, bisect "
+     "and bundle (dynaprobe --help says what each does)"),
     ([], "a command is required: compare, ls or graphs (e.g. dynaprobe compare DUMP); run "
          "'dynaprobe --help' for what each does"),
     (["compare", "DUMP", "--atoll", "1e-3"],

@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from dynaprobe import _C
+from dynaprobe._C import vocabulary
 from dynaprobe._replay import (GraphReplay, ReplayError, Run, StoredCall, inductor_patch, judge,
                                judging_recorder)
 from dynaprobe._result import CompareResult
@@ -323,7 +324,7 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
     replay = GraphReplay(call)
     watcher = _Watcher()
     folder = folder or ops_folder(call)
-    result = OpsResult(call.module, call.call, call.step, label or str(backend), folder)
+    result = OpsResult(call.module, call.call, call.step, label or _backend_name(backend), folder)
     with inductor_patch(config or {}):
         replay.run(watcher.backend(backend), "ops")
         graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
@@ -342,6 +343,17 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
                     ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code)
             result.graphs.append(ops)
     return result
+
+
+def _backend_name(backend) -> str:
+    """A backend in words: its name, or its compiler's."""
+    if isinstance(backend, str):
+        return backend
+    kwargs = getattr(backend, "kwargs", {}) or {}
+    compiler = kwargs.get("fw_compiler")
+    if compiler is not None:
+        return f"aot_autograd({getattr(compiler, '__name__', type(compiler).__name__)})"
+    return getattr(backend, "__name__", type(backend).__name__)
 
 
 def ops_folder(call: StoredCall) -> str:
@@ -367,16 +379,18 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
     """Writes the ops dump (one step, a row per op in graph order, the aten graphs) and judges
     it; the rows by module name (``<graph>.<node>``)."""
     shutil.rmtree(folder, ignore_errors=True)
-    recorder = judging_recorder(call, folder, producer="dynaprobe bisect --ops",
-                                ops_module=call.module, ops_call=str(call.call),
-                                ops_backend=result_label)
+    recorder = judging_recorder(call, folder, producer="dynaprobe bisect --ops", **{
+        vocabulary.PROVENANCE_OPS_MODULE: call.module,
+        vocabulary.PROVENANCE_OPS_CALL: str(call.call),
+        vocabulary.PROVENANCE_OPS_BACKEND: result_label})
     recorder.begin_step(call.step)
     for graph, (nodes, eager, reference, compiled, _) in zip(graphs, evaluated):
         for node, value in zip(nodes, compiled):
             module = f"{graph.kind}.{node.name}"
-            recorder.record_module(module, {"op": str(node.target), "graph": graph.kind,
-                                            "source": _source(node.meta.get("stack_trace") or
-                                                              "")})
+            recorder.record_module(module, {
+                vocabulary.ATTRIBUTE_OP: str(node.target),
+                vocabulary.ATTRIBUTE_GRAPH: graph.kind,
+                vocabulary.ATTRIBUTE_SOURCE: _source(node.meta.get("stack_trace") or "")})
             for side, tensor in (("eager", eager[node.name]), ("compiled", value),
                                  ("reference", reference[node.name])):
                 recorder.record(module, 0, "fwd_output", 0, side, tensor)
