@@ -1,8 +1,8 @@
 """The fuzz target under libFuzzer (issue 17): tests/fuzz/dump_fuzz.cpp built with clang,
 -fsanitize=fuzzer,address,undefined (CMake option DYNAPROBE_FUZZ_LIBFUZZER, in build-fuzz/), run
-for a bounded time over the seed corpus of format 2.0 step files (tests/data/fuzz_seeds, written
-by tests/fuzz/make_seeds.py). Every input it makes must end in a dynaprobe error or a report:
-no crash, no sanitizer report, no hang, no escaped exception.
+for a bounded time (10 s, a few thousand executions) over the seed corpus of format 2.0 step files
+(tests/data/fuzz_seeds, written by tests/fuzz/make_seeds.py). Every input it makes must end in a
+dynaprobe error or a report: no crash, no sanitizer report, no hang, no escaped exception.
 
 The seeds are of format 2.0 only: files of format 1 hold variable-length strings, whose reads
 crash libhdf5 1.10 on damaged global heaps in-process (the CLI contains that in a child process:
@@ -19,7 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "build-fuzz"
 SEEDS = REPO / "tests" / "data" / "fuzz_seeds"
-SECONDS = 30  # thousands of executions on two cores; longer runs are for a fuzzing job, not the suite
+# A few thousand executions on two cores (2,400 with the machine busy with other work): well
+# over the 1,000 checked below; longer runs are for a fuzzing job, not the suite.
+SECONDS = 10
 
 
 def build_fuzzer():
@@ -36,7 +38,7 @@ def build_fuzzer():
 
 
 @pytest.mark.slow
-def test_libfuzzer_finds_no_crash_in_half_a_minute_over_the_seed_corpus(tmp_path):
+def test_libfuzzer_finds_no_crash_in_ten_seconds_over_the_seed_corpus(tmp_path):
     fuzzer = build_fuzzer()
     seeds = sorted(SEEDS.glob("*.h5"))
     assert len(seeds) >= 2
