@@ -2,9 +2,12 @@
 # Sets everything up (scripts/setup.sh), then runs all tests: GoogleTest through ctest, and pytest.
 # Arguments go to pytest: `bash scripts/test.sh -m "not slow"` leaves out the slow real-model
 # cases (inductor on transformers models) for a quick run while you work.
+# pytest runs in two worker processes (pytest-xdist), a test file per worker at a time so that a
+# file's shared fixtures are built once: Dynamo's tracing and the tests' child processes are mostly
+# single-threaded, so two workers take about half the time on two cores. `-n 0` runs in one.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 cd "$repo"
 ctest --test-dir build --output-on-failure -j 2
-"$repo/.venv/bin/python" -m pytest -q tests/python "$@"
+"$repo/.venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/python "$@"
