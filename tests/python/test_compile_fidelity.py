@@ -2,6 +2,7 @@
 compiled, graph breaks, backends (inductor on CPU included), the dropout RNG difference of
 inductor, and one-sided captures made in separate processes compared with the CLI."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -82,7 +83,8 @@ def test_autocast_bf16_on_cpu_runs_both_sides_in_bf16_and_really_compiles(backen
     assert len(linear_graphs) == 2
     assert all("bf16[" in pathlib.Path("graphs", p).read_text() for p in linear_graphs)
 
-    assert "  cast_dtype=torch.bfloat16\n" in result.text()
+    loss_line = result.text().splitlines()[1]
+    assert loss_line.startswith("  Loss  ") and "  cast_dtype=torch.bfloat16" in loss_line
     # Every tensor's dtype, per side, in the JSON report.
     _, report = compare_json(dynaprobe_cli, "dump")
     step = report["ranks"][0]["steps"][0]
@@ -179,8 +181,13 @@ def test_a_module_that_runs_eagerly_on_the_compiled_side_is_not_a_pass(case, sin
     (note,) = [r for r in result if r.check_type == "note"]
     assert (note.module, note.status, note.note) == (wrapped, "WARN", "NOT_COMPILED")
     assert "eager was compared with eager" in note.reason and reason_words in note.reason
-    assert re.search(rf"^  WARN  {re.escape(wrapped)} +NOT_COMPILED  .*{re.escape(reason_words)}",
-                     out, re.M), out
+    # The row, then its reason on the lines below it (indented 8, wrapped at 120 columns).
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines)
+              if re.fullmatch(rf"  WARN  {re.escape(wrapped)} +NOT_COMPILED", line))
+    below = " ".join(line.strip() for line in itertools.takewhile(
+        lambda line: line.startswith(" " * 8), lines[at + 1:]))
+    assert reason_words in below, out
     assert "RESULT: FAILED" in out and not result.all_pass
     # Whatever was compared agrees (it was eager against eager): only the note fails the step.
     assert [r for r in result.failures] == [note]
