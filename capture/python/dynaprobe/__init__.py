@@ -12,6 +12,7 @@ import os
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from dynaprobe._C import DumpIOError, FormatError, format_version
+from dynaprobe._assertions import assert_precision
 from dynaprobe._checker import PrecisionChecker
 from dynaprobe._result import CompareResult, ModuleDiff, Row, TensorDiff
 
@@ -28,6 +29,7 @@ __all__ = [
     "Row",
     "TensorDiff",
     "__version__",
+    "assert_precision",
     "format_version",
     "hdf5_plugin_dir",
 ]
