@@ -1,5 +1,6 @@
 // The report formats a comparison can be written in, and what they share. Each format is one
-// renderer file (render_text.cpp, render_csv.cpp, render_json.cpp, render_html.cpp); the
+// renderer file (render_text.cpp, render_csv.cpp, render_json.cpp, render_html.cpp,
+// render_junit.cpp, render_markdown.cpp); the
 // structured ones serialise the report model (report_model.cpp). A new format is one new
 // renderer file plus one entry in kFormats below: the CLI gets its --NAME PATH option and Python
 // its report(..., NAME_path=...) from this table.
@@ -33,6 +34,14 @@ const std::vector<ReportFormat>& report_formats() {
        "Also write a self-contained HTML report to PATH: error along execution order, "
        "histograms of |diff|, graph code, rank and step views (opens offline)",
        true, render_html},
+      {"junit", "JUnit XML",
+       "Also write JUnit XML for CI to PATH: a testsuite per rank and step, a testcase per "
+       "module, each failure with its failing rows and the root cause",
+       false, render_junit},
+      {"markdown", "Markdown",
+       "Also write a GitHub Actions job summary to PATH (Markdown: the verdict, a table of the "
+       "failing rows, the root cause)",
+       false, render_markdown},
   };
   return kFormats;
 }

@@ -461,12 +461,13 @@ TEST(Report, EveryRegisteredFormatRendersAndAnUnknownOneIsAUsageError) {
     EXPECT_FALSE(format.render({rank}).empty()) << format.name;
     EXPECT_EQ(&report_format(format.name), &format);
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"merged-csv", "json", "html"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"merged-csv", "json", "html", "junit", "markdown"}));
   try {
     report_format("pdf");
     FAIL() << "no error";
   } catch (const UsageError& error) {
-    EXPECT_NE(std::string(error.what()).find("(merged-csv, json, html), but received 'pdf'"),
+    EXPECT_NE(std::string(error.what())
+                  .find("(merged-csv, json, html, junit, markdown), but received 'pdf'"),
               std::string::npos)
         << error.what();
   }

@@ -45,6 +45,18 @@ std::string render_json(const std::vector<RankComparison>& ranks);
 // and the charting library embedded, nothing fetched at view time.
 std::string render_html(const std::vector<RankComparison>& ranks);
 
+// JUnit XML for CI (docs/report-format.md#junit): a <testsuite> per (rank, step) named
+// "dynaprobe.rank<R>.step<S>", a <testcase> per module; a module with a FAIL or WARN row fails,
+// its <failure> listing those rows and the step's root cause; one whose rows all SKIP is
+// <skipped/>. The loss check and a step where nothing was compared are testcases too, so a suite
+// has failures exactly when its step's RESULT is FAILED.
+std::string render_junit(const std::vector<RankComparison>& ranks);
+
+// A GitHub Actions job summary in GitHub-flavoured Markdown (docs/report-format.md#markdown): the
+// verdict and counts, a table of the failing rows (rank, step, module, check, status, max_abs; at
+// most 200) and the root cause where it is first seen.
+std::string render_markdown(const std::vector<RankComparison>& ranks);
+
 // A report written to a file for a whole run (every rank, every step). The registry is the one
 // place a format is added: the CLI offers --NAME PATH and Python report(..., NAME_path=PATH) for
 // each entry ("merged-csv" is merged_csv_path).
