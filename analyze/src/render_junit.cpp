@@ -18,24 +18,11 @@ namespace {
 std::string xml(const std::string& raw) {
   std::string out;
   for (char c : formats::printable_name(raw)) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&apos;";
-        break;
-      default:
-        out += c;
+    const char* entity = detail::markup_entity(c);
+    if (entity != nullptr) {
+      out += entity;
+    } else {
+      out += c;
     }
   }
   return out;

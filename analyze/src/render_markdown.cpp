@@ -20,16 +20,11 @@ constexpr std::size_t kMaxTableRows = 200;
 std::string md(const std::string& raw) {
   std::string out;
   for (char c : formats::printable_name(raw)) {
+    if (const char* entity = detail::markup_entity(c)) {
+      out += entity;
+      continue;
+    }
     switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
       case '|':
       case '\\':
       case '`':

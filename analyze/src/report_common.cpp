@@ -87,4 +87,21 @@ std::string verdict_reasons(const StepCounts& counts) {
   return text.empty() ? "" : text + "; ";
 }
 
+const char* markup_entity(char c) {
+  switch (c) {
+    case '&':
+      return "&amp;";
+    case '<':
+      return "&lt;";
+    case '>':
+      return "&gt;";
+    case '"':
+      return "&quot;";
+    case '\'':
+      return "&apos;";
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace dynaprobe::analyze::detail

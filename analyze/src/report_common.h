@@ -10,6 +10,9 @@ namespace dynaprobe::analyze::detail {
 
 // printf of one number.
 std::string printf_string(const char* format, double value);
+
+// The entity XML and HTML write for one of & < > " ', or nullptr for any other character.
+const char* markup_entity(char c);
 // "1e-4", "0.001"... as a person writes a tolerance.
 std::string format_tolerance(double value);
 // The shape column: "(2, 3)", or "((2, 3), (3, 2))" for a shape mismatch.

@@ -184,8 +184,7 @@ def _decode(value, nodes: Dict[str, fx.Node], constants: Dict[str, torch.Tensor]
             return nodes[item]
         if tag in ("tuple", "list", "size"):
             items = [_decode(v, nodes, constants) for v in item]
-            return {"tuple": tuple, "list": list, "size": torch.Size}[tag](items) if tag != \
-                "size" else torch.Size(items)
+            return {"tuple": tuple, "list": list, "size": torch.Size}[tag](items)
         if tag == "dict":
             return {_decode(k, nodes, constants): _decode(v, nodes, constants) for k, v in item}
         if tag == "slice":

@@ -335,12 +335,13 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
             with torch.no_grad():
                 evaluated.append(_evaluate(graph))
         rows = _judged(call, graphs, evaluated, folder, result.backend)
-        for graph, (nodes, _, _, _, code) in zip(graphs, evaluated):
+        for graph, (nodes, eager, reference, _, code) in zip(graphs, evaluated):
             ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
             first = next((i for i, r in enumerate(ops.rows) if r.status == "FAIL"), None)
             if first is not None:
                 with torch.no_grad():
-                    ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code)
+                    ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code,
+                                           eager, reference)
             result.graphs.append(ops)
     return result
 
@@ -403,7 +404,8 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
 
 
 def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
-             nodes: List[fx.Node], code) -> OpFinding:
+             nodes: List[fx.Node], code, eager: dict, reference: dict) -> OpFinding:
+    """The finding at ``node``; ``eager`` and ``reference`` are the graph's evaluated values."""
     by_name = {n.name: r for n, r in zip(nodes, rows)}
     inputs = [a.name for a in node.all_input_nodes if a.name in by_name]
     matched = all(by_name[n].status != "FAIL" for n in inputs)
@@ -411,12 +413,8 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
     row = by_name[node.name]
     # Cut after the node, only it exposed: the fusion closest to the backend's own.
     alone, alone_code = _compiled_values(graph, [node.name], keep_outputs=False)
-    eager = _Evaluation(graph.gm, fp64=False)
-    eager.run(*graph.inputs)
-    reference = _Evaluation(graph.gm, fp64=True)
-    reference.run(*_raise_dtypes(list(graph.inputs)))
-    single = judge(call, [(Run([eager.values[node.name]]), Run(alone))],
-                   references=[Run([reference.values[node.name]])])[0].rows
+    single = judge(call, [(Run([eager[node.name]]), Run(alone))],
+                   references=[Run([reference[node.name]])])[0].rows
     single = next(r for r in single if r.check_type == "fwd_output")
     if single.status == "FAIL":
         fidelity = ("confirmed with the graph cut after it and only it exposed "
@@ -429,7 +427,7 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
     trace = node.meta.get("stack_trace") or ""
     finding = OpFinding(graph.kind, node.name, str(node.target), _source(trace), row, matched,
                         inputs_max, fidelity, kernel)
-    finding.repro = _op_repro(call, graph, node, eager.values, finding)
+    finding.repro = _op_repro(call, graph, node, eager, finding)
     return finding
 
 

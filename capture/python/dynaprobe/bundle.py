@@ -75,7 +75,7 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
     chosen = [r for r in results if not r[2].all_pass] or results[:1]
     with tempfile.TemporaryDirectory(prefix="dynaprobe-bundle-") as staging:
         parts: List[tuple] = []  # (priority, archive path, file on disk, what it is)
-        failing: List[tuple] = []  # (step, module, step file)
+        failing: List[tuple] = []  # (step, module, step file, its replay attribute or None)
         provenance: Dict[str, str] = {}
         for index, path, result in chosen:
             info = _C.read_step(path)
@@ -86,7 +86,8 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
                 parts.append((0 if kind != "html" else 2, f"reports/{name}.{kind}",
                               _staged(staging, f"{name}.{kind}", text), f"{name} {kind} report"))
             modules = failing_modules(result)
-            failing += [(index, m, path) for m in modules]
+            replays = replay_attributes(info)
+            failing += [(index, m, path, replays.get(m)) for m in modules]
             parts += _graph_parts(staging, info, modules, name)
         environment_text = json.dumps({
             "captured": provenance,
@@ -96,10 +97,10 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
         parts.append((0, "environment.json", _staged(staging, "environment.json",
                                                      environment_text), "environment"))
         made, skipped = [], []
-        for index, module, path in failing:
+        for index, module, path, replay in failing:
             if len(made) >= repros:
                 break
-            if module not in replay_attributes(_C.read_step(path)):
+            if replay is None:
                 skipped.append(f"repro of {module} (step {index}): the dump keeps no replay data "
                                "of it")
                 continue
@@ -149,9 +150,9 @@ def _graph_parts(staging: str, info: dict, modules: List[str], step: str) -> Lis
 
 
 def _inductor_config(failing: List[tuple]) -> Dict[str, object]:
-    for _, module, path in failing:
-        replay = replay_attributes(_C.read_step(path)).get(module, {})
-        if "inductor_config" in replay:
+    """The inductor config the first failing module with replay data was compiled with."""
+    for *_, replay in failing:
+        if replay and "inductor_config" in replay:
             return replay["inductor_config"]
     return {}
 
