@@ -1,6 +1,7 @@
-"""Does the reference rule hold on real models in reduced precision? (docs/user-guide.md, "Is it
-noise?"). For each transformers family of the test suite (tests/python/hf_models.py), in bf16 and
-fp16, one single-pass training step under inductor with default settings, its blocks wrapped:
+"""Does the reference rule hold on real models in reduced precision? (docs/guide/diagnosis.md,
+"Is it noise?"). For each transformers family of the test suite (tests/python/hf_models.py), in
+bf16 and fp16, one single-pass training step under inductor with default settings, its blocks
+wrapped:
 
 - clean: the step as inductor compiles it; every row should pass;
 - fault F: an inductor post-grad pass multiplies every ``aten.rsqrt`` (RMSNorm, and LayerNorm as

@@ -1,6 +1,7 @@
 """The documentation's code blocks run, so that they can never go stale.
 
-For README.md and every docs/*.md page, in a fresh temporary working folder per page:
+For README.md and every page under docs/ (docs/*.md, docs/guide/*.md), in a fresh temporary
+working folder per page:
 
 - ```python blocks run in page order in ONE namespace (a later block uses earlier definitions);
 - ```bash blocks run with `bash -eo pipefail` in the same folder, with the directory of this
@@ -156,7 +157,9 @@ _RUNNER = textwrap.dedent("""
 
 
 def pages():
-    found = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    """README.md and every page under docs/, sub-folders (docs/guide/) included."""
+    found = [os.path.join(REPO, "README.md")] + sorted(
+        glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
     return [os.path.relpath(p, REPO) for p in found if os.path.isfile(p)]
 
 

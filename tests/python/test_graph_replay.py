@@ -1,7 +1,7 @@
-"""Replays from the graph Dynamo captured (docs/user-guide.md, Filing a bug report): the graph is
-stored as data and rebuilt only from torch's own operators; a repro folder runs with torch alone,
-elsewhere, without the model's source; transformers layers given a cache replay; a dump naming
-anything else is refused and runs nothing."""
+"""Replays from the graph Dynamo captured (docs/guide/diagnosis.md, From a failing row to a
+repro): the graph is stored as data and rebuilt only from torch's own operators; a repro folder
+runs with torch alone, elsewhere, without the model's source; transformers layers given a cache
+replay; a dump naming anything else is refused and runs nothing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """From a failing row to a fix: what the dump keeps of a call for replaying it (replay=), the
 standalone repro folder (python -m dynaprobe.repro) and the stage bisection (checker.bisect,
-python -m dynaprobe.bisect). docs/user-guide.md, From a failing row to a repro."""
+python -m dynaprobe.bisect). docs/guide/diagnosis.md, From a failing row to a repro."""
 
 from __future__ import annotations
 

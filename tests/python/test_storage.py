@@ -1,6 +1,6 @@
 """What a run keeps: dump="full" / "failing" / "stats" (every pair judged in memory, its metrics
 stored), which steps are checked, the disk budget, and the report they give — the same in the
-process and from `dynaprobe compare` (docs/user-guide.md, Storage and scale)."""
+process and from `dynaprobe compare` (docs/guide/storage-and-scale.md)."""
 
 import os
 import subprocess

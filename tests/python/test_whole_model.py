@@ -260,7 +260,8 @@ def test_a_module_split_by_a_graph_break_or_without_operations_is_reported(tmp_p
 def test_inductor_moves_outputs_and_gradients_by_at_most_rounding(tmp_path):
     """With inductor, the boundary values kept as graph outputs may change fusion; on this
     model (and the transformers models of test_whole_model_checks_every_block_of_a_transformers
-    _model) the outputs and gradients come out bit-identical (docs/user-guide.md)."""
+    _model) the outputs and gradients come out bit-identical (docs/guide/whole-model.md,
+    Fidelity)."""
     torch.manual_seed(0)
     model = Stack(layers=3)
     x = torch.randn(4, WIDTH)

@@ -1,5 +1,5 @@
 """Stage bisection of a stored call: ``python -m dynaprobe.bisect DUMP --module NAME`` and
-``PrecisionChecker.bisect(...)`` (docs/user-guide.md, Which compile stage changes the numbers?).
+``PrecisionChecker.bisect(...)`` (docs/guide/diagnosis.md, From a failing row to a repro).
 
 The stored call is replayed (_replay.py) eagerly and through torch.compile's stages in order,
 each adding one part of the pipeline to the one before:

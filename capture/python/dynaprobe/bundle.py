@@ -1,5 +1,5 @@
 """``dynaprobe bundle DUMP -o report.tar.gz`` (``python -m dynaprobe.bundle``): one archive to
-attach to an issue (docs/user-guide.md, Filing a bug report).
+attach to an issue (docs/guide/bug-reports.md).
 
 It holds the reports of the dump's failing steps (text, HTML, JSON), where the dump was captured
 (provenance, environment, the inductor config set away from its defaults), the graphs Dynamo and

@@ -1,6 +1,6 @@
 """``python -m dynaprobe.repro DUMP --module NAME [--call C] [--step S] -o DIR``: a standalone
 folder that replays one stored call of a module, eagerly and compiled, and prints the metrics the
-dump recorded next to the replayed ones (docs/user-guide.md, Filing a bug report).
+dump recorded next to the replayed ones (docs/guide/diagnosis.md, From a failing row to a repro).
 
 By default the folder replays the graphs Dynamo captured of the call and needs torch alone: no
 model code, no dynaprobe. It holds ``repro.py``, ``graphs.py`` (the captured graphs as Python,
