@@ -417,3 +417,101 @@ def test_a_failing_block_fails_the_page_and_names_its_line(tmp_path, monkeypatch
     assert "AssertionError: off by one" in proc.stdout
     assert "FAILED: the python block at docs/x.md:10" in proc.stdout
     assert 'docs/x.md", line 10' in proc.stdout  # the traceback points into the page
+
+
+# --------------------------------------------------------------------------- design.md's tables
+# docs/design.md says where things live; its tables must name files that exist. A row may
+# shorten a path: `src/record.cpp` after `formats/include/...` (the row's top folder),
+# `render_csv.cpp` after `analyze/src/render_text.cpp` (the folder of a path named before it, or a
+# parent of that folder), or a file name found once in the sources (`_checker.py`). `{a,b}`
+# expands; `*` must match something.
+_SOURCE_FOLDERS = ("formats", "analyze", "capture", "tests", "bench", "examples", "scripts", "docs")
+_FILE_SUFFIXES = (".h", ".cpp", ".py", ".pyi", ".cmake", ".html", ".txt", ".md", ".sh", ".toml")
+_BUILD_OUTPUTS = {"build/", "build-fuzz/"}  # folders the build makes, not the repository's
+
+
+def _path_tokens(cell: str) -> List[str]:
+    """The backticked tokens of a table cell that name a file or folder of the repository."""
+    found = []
+    for token in re.findall(r"`([^`]+)`", cell):
+        token = token.strip()
+        if (" " in token or "<" in token or token.startswith(("/", ".", "-"))
+                or token in _BUILD_OUTPUTS):
+            continue  # prose in code font, a placeholder, an HDF5 path, a flag
+        if token.endswith("/") or token.endswith(_FILE_SUFFIXES):
+            found.append(token)
+    return found
+
+
+def _expand(token: str) -> List[str]:
+    braces = re.search(r"\{([^}]*)\}", token)
+    if not braces:
+        return [token]
+    return [expanded for choice in braces.group(1).split(",")
+            for expanded in _expand(token[:braces.start()] + choice + token[braces.end():])]
+
+
+def _source_files_by_name() -> dict:
+    names: dict = {}
+    for folder in _SOURCE_FOLDERS:
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))]
+            for name in files:
+                names.setdefault(name, []).append(os.path.join(root, name))
+    return names
+
+
+def _named_paths_missing(text: str) -> List[str]:
+    """The paths that the tables of a design page name and the repository lacks."""
+    by_name = _source_files_by_name()
+    missing = []
+    for line in _prose_lines(text):
+        if not line.startswith("|") or re.match(r"^\|[\s\-:|]+\|$", line):
+            continue
+        row_top = None  # the top folder of the row's first full path
+        earlier: List[str] = []  # folders of the paths the row named before, most recent first
+        for cell in line.strip("|").split("|"):
+            for token in _path_tokens(cell):
+                hits = []
+                for path in _expand(token):
+                    bases = [REPO]
+                    for folder in earlier:  # a folder named before, or one of its parents
+                        while folder.startswith(REPO + os.sep) and folder not in bases:
+                            bases.append(folder)
+                            folder = os.path.dirname(folder)
+                    if row_top:
+                        bases.append(os.path.join(REPO, row_top))
+                    for base in bases:
+                        hits = glob.glob(os.path.join(base, path))
+                        if hits:
+                            break
+                    if not hits and "/" not in path.rstrip("/") and len(by_name.get(path, [])) == 1:
+                        hits = by_name[path]
+                    if not hits:
+                        missing.append(f"{path} (in the row: {line[:80]}...)")
+                        continue
+                    first = hits[0].rstrip("/")
+                    folder = first if os.path.isdir(first) else os.path.dirname(first)
+                    earlier.insert(0, folder)
+                    if row_top is None:
+                        row_top = os.path.relpath(first, REPO).split(os.sep)[0]
+    return missing
+
+
+def test_design_tables_name_files_that_exist():
+    with open(os.path.join(REPO, "docs", "design.md"), encoding="utf-8") as f:
+        missing = _named_paths_missing(f.read())
+    assert not missing, ("docs/design.md's tables name files the repository does not have (rename "
+                         "or remove them in the table):\n  " + "\n  ".join(missing))
+
+
+def test_design_table_check_finds_a_missing_file_and_resolves_short_forms():
+    page = textwrap.dedent("""\
+        | path | what |
+        | --- | --- |
+        | `formats/include/dynaprobe/formats/record.h`, `src/record.cpp` | records |
+        | `analyze/src/render_text.cpp`, `render_csv.cpp`, `analyze/cli/{compare,ls}.cpp` | ok |
+        | `capture/bindings/*.cpp` | globs; `_checker.py`, by its unique name; `/index` is HDF5's |
+        | `analyze/src/render_<name>.cpp`, `formats/src/no_such_file.cpp` | the second is missing |
+        """)
+    assert [m.split(" ")[0] for m in _named_paths_missing(page)] == ["formats/src/no_such_file.cpp"]
