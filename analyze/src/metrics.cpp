@@ -14,6 +14,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 struct Block {
   float max_abs = 0;
   float max_rel = 0;
+  float max_ratio = 0;
   double sum_abs = 0;
   double sum_squares = 0;
   double dot = 0;
@@ -22,6 +23,7 @@ struct Block {
   std::uint64_t mismatches = 0;
   std::uint64_t nan_diff = 0;
   std::uint64_t nan_rel = 0;
+  std::uint64_t nan_ratio = 0;
   std::uint64_t nan_a = 0;
   std::uint64_t nan_b = 0;
   std::uint64_t inf_a = 0;
@@ -35,13 +37,13 @@ struct Block {
 __attribute__((target_clones("avx2", "default"))) void compare_block(const float* a, const float* b,
                                                                      std::size_t n, float atol,
                                                                      float rtol, Block& out) {
-  float max_abs = 0, max_rel = 0;
+  float max_abs = 0, max_rel = 0, max_ratio = 0;
   double sum_abs = 0, sum_squares = 0, dot = 0, norm_a = 0, norm_b = 0;
-  std::uint64_t mismatches = 0, nan_diff = 0, nan_rel = 0, nan_a = 0, nan_b = 0, inf_a = 0,
-                inf_b = 0, nonfinite_only_b = 0;
-#pragma omp simd reduction(max : max_abs, max_rel) \
-    reduction(+ : sum_abs, sum_squares, dot, norm_a, norm_b, mismatches, nan_diff, nan_rel, nan_a, \
-                  nan_b, inf_a, inf_b, nonfinite_only_b)
+  std::uint64_t mismatches = 0, nan_diff = 0, nan_rel = 0, nan_ratio = 0, nan_a = 0, nan_b = 0,
+                inf_a = 0, inf_b = 0, nonfinite_only_b = 0;
+#pragma omp simd reduction(max : max_abs, max_rel, max_ratio) \
+    reduction(+ : sum_abs, sum_squares, dot, norm_a, norm_b, mismatches, nan_diff, nan_rel, \
+                  nan_ratio, nan_a, nan_b, inf_a, inf_b, nonfinite_only_b)
   for (std::size_t i = 0; i < n; ++i) {
     const float x = a[i];
     const float y = b[i];
@@ -52,6 +54,13 @@ __attribute__((target_clones("avx2", "default"))) void compare_block(const float
     // torch.isclose: equal, or a finite error within atol + |rtol * b|.
     const float allowed = atol + std::fabs(rtol * y);
     const bool close = (x == y) | ((diff < kInf) & (diff <= allowed));
+    // The error in units of the allowed one: above 1 exactly when not close. Equal elements
+    // (equal infinities too, whose difference is NaN) are 0; an infinite difference stays inf
+    // (inf / inf would be NaN); a NaN difference otherwise is NaN.
+    const float ratio = x == y ? 0.0f : diff < kInf ? diff / allowed : diff;
+    const bool ratio_is_nan = ratio != ratio;
+    const float finite_ratio = ratio_is_nan ? 0.0f : ratio;
+    max_ratio = finite_ratio > max_ratio ? finite_ratio : max_ratio;
     const float finite_diff = diff_is_nan ? 0.0f : diff;
     max_abs = finite_diff > max_abs ? finite_diff : max_abs;
     const float finite_rel = rel_is_nan ? 0.0f : rel;
@@ -65,6 +74,7 @@ __attribute__((target_clones("avx2", "default"))) void compare_block(const float
     mismatches += !close;
     nan_diff += diff_is_nan;
     nan_rel += rel_is_nan;
+    nan_ratio += ratio_is_nan;
     const bool a_nan = x != x, b_nan = y != y;
     const bool a_inf = std::fabs(x) == kInf, b_inf = std::fabs(y) == kInf;
     nan_a += a_nan;
@@ -73,8 +83,9 @@ __attribute__((target_clones("avx2", "default"))) void compare_block(const float
     inf_b += b_inf;
     nonfinite_only_b += (b_nan | b_inf) & !(a_nan | a_inf);
   }
-  out = {max_abs,  max_rel, sum_abs, sum_squares, dot,   norm_a, norm_b,          mismatches,
-         nan_diff, nan_rel, nan_a,   nan_b,       inf_a, inf_b,  nonfinite_only_b};
+  out = {max_abs, max_rel, max_ratio,  sum_abs,  sum_squares,     dot,
+         norm_a,  norm_b,  mismatches, nan_diff, nan_rel,         nan_ratio,
+         nan_a,   nan_b,   inf_a,      inf_b,    nonfinite_only_b};
 }
 
 // compare_block for blocks whose inputs are all finite, the usual case. With finite inputs no
@@ -87,10 +98,10 @@ __attribute__((target_clones("avx2", "default"))) void compare_block(const float
 // same bits; counters are 32-bit, so n must be below 2^32.
 __attribute__((target_clones("avx2", "default"))) std::uint64_t compare_finite_block(
     const float* a, const float* b, std::size_t n, float atol, float rtol, Block& out) {
-  float max_abs = 0, max_rel = 0;
+  float max_abs = 0, max_rel = 0, max_ratio = 0;
   double sum_abs = 0, sum_squares = 0, dot = 0, norm_a = 0, norm_b = 0;
   std::uint32_t mismatches = 0, nonfinite = 0;
-#pragma omp simd reduction(max : max_abs, max_rel) \
+#pragma omp simd reduction(max : max_abs, max_rel, max_ratio) \
     reduction(+ : sum_abs, sum_squares, dot, norm_a, norm_b, mismatches, nonfinite)
   for (std::size_t i = 0; i < n; ++i) {
     const float x = a[i];
@@ -99,8 +110,10 @@ __attribute__((target_clones("avx2", "default"))) std::uint64_t compare_finite_b
     const float rel = diff / (std::fabs(x) + 1e-8f);
     const float allowed = atol + std::fabs(rtol * y);
     const bool close = (x == y) | ((diff < kInf) & (diff <= allowed));
+    const float ratio = x == y ? 0.0f : diff < kInf ? diff / allowed : diff;
     max_abs = diff > max_abs ? diff : max_abs;
     max_rel = rel > max_rel ? rel : max_rel;
+    max_ratio = ratio > max_ratio ? ratio : max_ratio;
     const double d = diff;
     sum_abs += d;
     sum_squares += d * d;
@@ -110,7 +123,7 @@ __attribute__((target_clones("avx2", "default"))) std::uint64_t compare_finite_b
     mismatches += !close;
     nonfinite += !((std::fabs(x) < kInf) & (std::fabs(y) < kInf));
   }
-  out = {max_abs, max_rel, sum_abs, sum_squares, dot, norm_a, norm_b, mismatches};
+  out = {max_abs, max_rel, max_ratio, sum_abs, sum_squares, dot, norm_a, norm_b, mismatches};
   return nonfinite;
 }
 
@@ -255,6 +268,7 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
   partial.count_ = n;
   partial.max_abs_ = block.max_abs;
   partial.max_rel_ = block.max_rel;
+  partial.max_ratio_ = block.max_ratio;
   partial.sum_abs_ = block.sum_abs;
   partial.sum_squares_ = block.sum_squares;
   partial.dot_ = block.dot;
@@ -263,6 +277,7 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
   partial.mismatches_ = block.mismatches;
   partial.nan_diff_ = block.nan_diff;
   partial.nan_rel_ = block.nan_rel;
+  partial.nan_ratio_ = block.nan_ratio;
   partial.nan_a_ = block.nan_a;
   partial.nan_b_ = block.nan_b;
   partial.inf_a_ = block.inf_a;
@@ -293,6 +308,7 @@ void MetricsAccumulator::merge(const MetricsAccumulator& other) {
   count_ += other.count_;
   max_abs_ = std::fmax(max_abs_, other.max_abs_);
   max_rel_ = std::fmax(max_rel_, other.max_rel_);
+  max_ratio_ = std::fmax(max_ratio_, other.max_ratio_);
   sum_abs_ += other.sum_abs_;
   sum_squares_ += other.sum_squares_;
   dot_ += other.dot_;
@@ -301,6 +317,7 @@ void MetricsAccumulator::merge(const MetricsAccumulator& other) {
   mismatches_ += other.mismatches_;
   nan_diff_ += other.nan_diff_;
   nan_rel_ += other.nan_rel_;
+  nan_ratio_ += other.nan_ratio_;
   nan_a_ += other.nan_a_;
   nan_b_ += other.nan_b_;
   inf_a_ += other.inf_a_;
@@ -319,6 +336,7 @@ TensorMetrics MetricsAccumulator::result() const {
                : count_  ? static_cast<float>(sum_abs_ / static_cast<double>(count_))
                          : 0.0;
   m.max_rel = nan_rel_ ? kNaN : max_rel_;
+  m.max_tol_ratio = nan_ratio_ ? kNaN : max_ratio_;
   m.allclose = mismatches_ == 0;
   m.cosine = norm_a_ == 0 && norm_b_ == 0 ? 1.0 : dot_ / std::sqrt(norm_a_ * norm_b_);
   m.rmse = nan_diff_ ? kNaN : count_ ? std::sqrt(sum_squares_ / static_cast<double>(count_)) : 0.0;

@@ -130,9 +130,13 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
                       " checksum does not match the metrics (a damaged disk, or the file was "
                       "edited in place)");
   }
+  // A table from before max_tol_ratio: its default, 0, would say "every element within
+  // tolerance", so it reads as not stored.
+  const bool has_tol_ratio = H5Tget_member_index(stored_type.get(), "max_tol_ratio") >= 0;
   std::vector<StoredMetrics> metrics;
   metrics.reserve(rows.size());
-  for (const MetricsRow& row : rows) {
+  for (MetricsRow& row : rows) {
+    if (!has_tol_ratio) row.metrics.max_tol_ratio = kTolRatioNotStored;
     if (row.record >= record_of_index_row.size()) {
       throw FormatError(context + ": damaged: a row names index row " + std::to_string(row.record) +
                         ", but the index has " + std::to_string(record_of_index_row.size()));

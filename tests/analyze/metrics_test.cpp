@@ -43,6 +43,38 @@ TEST(Metrics, AllcloseEdgeIsInclusiveAndRelativeToCompiled) {
   EXPECT_FALSE(compare({101.0f}, {100.0f}, {0.0, 0.0099}).allclose);
 }
 
+// max_tol_ratio: |a - b| / (atol + rtol * |b|), so 1 is allclose's threshold, inclusive.
+TEST(Metrics, TolRatioIsAboveOneExactlyWhenAnElementIsNotClose) {
+  EXPECT_EQ(compare({0.0f}, {0.5f}, {0.5, 0.0}).max_tol_ratio, 1.0);
+  EXPECT_EQ(compare({0.0f}, {0.5f}, {0.25, 0.0}).max_tol_ratio, 2.0);
+  const auto m = compare({100.0f, 3.0f}, {101.0f, 3.0f}, {0.0, 0.01});
+  EXPECT_EQ(m.max_tol_ratio, static_cast<double>(1.0f / (0.01f * 101.0f)));
+  EXPECT_TRUE(m.allclose);
+  // No tolerance at all: equal elements are 0, any difference is infinitely outside it.
+  EXPECT_EQ(compare({1.0f, -0.0f}, {1.0f, 0.0f}, {0.0, 0.0}).max_tol_ratio, 0.0);
+  EXPECT_EQ(compare({1.0f}, {1.5f}, {0.0, 0.0}).max_tol_ratio, kInf);
+  // Non-finite values follow allclose: equal infinities are close (0), an infinity against a
+  // number is infinitely far (not inf / inf), a NaN is NaN.
+  const auto infinities = compare({kInf, 1.0f}, {kInf, 1.0f + 1e-4f});
+  EXPECT_GT(infinities.max_tol_ratio, 0.0);
+  EXPECT_LT(infinities.max_tol_ratio, 1.0);
+  EXPECT_EQ(compare({1.0f, 2.0f}, {kInf, 2.0f}).max_tol_ratio, kInf);
+  EXPECT_TRUE(std::isnan(compare({1.0f, kNaN}, {1.0f, 1.0f}).max_tol_ratio));
+}
+
+// Blocks of finite values take a faster loop than blocks with a NaN or an infinity: both give
+// the same ratio.
+TEST(Metrics, TolRatioIsTheSameWithAndWithoutNonFiniteValuesInTheBlock) {
+  std::vector<float> a = {1.0f, -2.0f, 3e-9f, 4.0f}, b = {1.001f, -2.0f, 6e-9f, 3.99f};
+  const auto finite = compare(a, b);
+  a.push_back(kInf);
+  b.push_back(kInf);
+  const auto with_infinity = compare(a, b);
+  EXPECT_EQ(finite.max_tol_ratio, with_infinity.max_tol_ratio);
+  EXPECT_FLOAT_EQ(static_cast<float>(finite.max_tol_ratio),
+                  (4.0f - 3.99f) / (1e-4f + 1e-3f * 3.99f));
+}
+
 TEST(Metrics, NanFollowsTorch) {
   const auto m = compare({1.0f, kNaN, 3.0f}, {1.5f, kNaN, 3.0f});
   EXPECT_TRUE(std::isnan(m.max_abs));
@@ -111,6 +143,7 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
   for (const auto& merged : {forward.result(), backward.result()}) {
     EXPECT_EQ(merged.max_abs, whole.max_abs);
     EXPECT_EQ(merged.max_rel, whole.max_rel);
+    EXPECT_EQ(merged.max_tol_ratio, whole.max_tol_ratio);
     EXPECT_NEAR(merged.mean_abs, whole.mean_abs, 1e-12);
     EXPECT_EQ(merged.mismatches, whole.mismatches);
     EXPECT_EQ(merged.worst_index, 5000);

@@ -2,9 +2,10 @@
 scripts/setup.sh) driven over the Chrome DevTools Protocol on ``--remote-debugging-pipe``.
 
 Enough of the protocol (https://chromedevtools.github.io/devtools-protocol/) to open a page,
-collect what it logs, the errors it throws and the requests it makes, evaluate JavaScript, click
-at a point and take a screenshot; no Selenium or driver download. Messages are JSON, each ended
-by a NUL byte; Chromium reads commands on fd 3 and writes replies and events on fd 4.
+collect what it logs, the errors it throws and the requests it makes, evaluate JavaScript, move
+the mouse, click at a point and take a screenshot; no Selenium or driver download. Messages are
+JSON, each ended by a NUL byte; Chromium reads commands on fd 3 and writes replies and events on
+fd 4.
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ class Browser:
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left",
                                                    "clickCount": 0 if kind == "mouseMoved" else 1})
+
+    def hover(self, x: float, y: float) -> None:
+        """Moves the mouse to page coordinates (x, y) without a click."""
+        self.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x, "y": y})
 
     def screenshot(self, path: str, full_page: bool = False) -> None:
         """Writes a PNG of the page (the whole page when ``full_page``)."""

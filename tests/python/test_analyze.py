@@ -230,10 +230,15 @@ def torch_reference(eager, compiled):
     a, b = as_float_tensor(eager), as_float_tensor(compiled)
     diff = (a - b).abs()
     rel = diff / (a.abs() + 1e-8)
+    # The error in units of what torch.isclose allows: 0 where equal (equal infinities too), an
+    # infinite difference stays infinite (inf / inf would be NaN), NaN where a side is NaN.
+    allowed = ATOL + RTOL * b.abs()
+    ratio = torch.where(a == b, 0.0, torch.where(diff.isinf(), diff, diff / allowed))
     return {
         "max_abs": diff.max().item(),
         "mean_abs": diff.mean().item(),
         "max_rel": rel.max().item(),
+        "max_tol_ratio": ratio.max().item(),
         "allclose": torch.allclose(a, b, atol=ATOL, rtol=RTOL),
         "mismatches": int((~torch.isclose(a, b, atol=ATOL, rtol=RTOL)).sum()),
     }
@@ -308,6 +313,10 @@ def test_spec_metrics_match_torch(metric_report, module):
     # Same float32 arithmetic as torch: max_abs and max_rel bit for bit, NaN where torch has NaN.
     assert same_float32(json_float(got["max_abs"]), want["max_abs"]), (got["max_abs"], want["max_abs"])
     assert same_float32(json_float(got["max_rel"]), want["max_rel"]), (got["max_rel"], want["max_rel"])
+    ratio = json_float(got["max_tol_ratio"])
+    assert same_float32(ratio, want["max_tol_ratio"]), (ratio, want["max_tol_ratio"])
+    # Above 1 exactly when an element is outside tolerance.
+    assert (ratio <= 1) == want["allclose"], (ratio, want["allclose"])
     assert close_or_both_nan(json_float(got["mean_abs"]), want["mean_abs"], 1e-6), (got["mean_abs"], want["mean_abs"])
     assert got["allclose"] == want["allclose"]
     assert got["mismatches"] == want["mismatches"]

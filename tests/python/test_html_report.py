@@ -4,8 +4,9 @@ and the one report model behind the JSON report and Python's rows.
 The report of a real training step with a compiler fault (GELU made 1% larger in stage1) must
 open offline without an error, plot one point per tensor row along execution order, and show,
 when a user clicks the failing row's point, its metrics, histogram and the graph code the
-compiler made of the module; several ranks get a rank x module heat map, several steps a chart
-across steps.
+compiler made of the module; several ranks get a rank x step and a rank x module heat map,
+several steps a chart across steps. A run of 512 ranks keeps its heat map in a bounded box in which
+the one failing rank stands out and is named.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
+import shutil
 import subprocess
 
+import h5py
 import numpy as np
 import pytest
 import torch
 from browser import Browser, chromium_path
+from dump_checksum import xxh3
 from dynaprobe import _C, PrecisionChecker
 from models import FORWARD_FAULT, Chain
 
@@ -100,9 +105,12 @@ def test_html_report_opens_offline_and_plots_one_point_per_row(run, dynaprobe_cl
         "Object.fromEntries(Chart.getChart('error-chart').data.datasets.filter(d => d.rows)"
         ".map(d => [d.label, d.data.map(p => p.x)]))")
     assert max(xs["forward"]) < min(xs["backward"])
-    # The tolerance is drawn: rtol for max_rel, atol for max_abs; 1 - cosine has none.
+    # The tolerance is drawn: 1 for the default, the error in units of the tolerance; rtol for
+    # max_rel, atol for max_abs; 1 - cosine has none.
     tolerance = ("Chart.getChart('error-chart').data.datasets.filter(d => !d.rows)"
                  ".map(d => [d.label, d.data[0].y])")
+    assert browser.evaluate(tolerance) == [["threshold=1", 1]]
+    browser.evaluate("document.getElementById('metric-max_rel').click()")
     assert browser.evaluate(tolerance) == [["rtol=0.001", 0.001]]
     browser.evaluate("document.getElementById('metric-max_abs').click()")
     assert browser.evaluate(tolerance) == [["atol=0.0001", 0.0001]]
@@ -143,6 +151,8 @@ def test_clicking_the_failing_rows_point_shows_its_metrics_histogram_and_graph_c
     tooltip = browser.wait_until(
         "Chart.getChart('error-chart').tooltip.body?.flatMap(b => b.lines).join(' ')")
     assert "stage1.fwd_output" in tooltip and "max_abs=" in tooltip and "max_rel=" in tooltip
+    shown = re.search(r"\|diff\|/tol=(\S+)", tooltip)
+    assert shown and float(shown[1]) == pytest.approx(row["metrics"]["max_tol_ratio"], rel=1e-5)
     # Chart.js handles the click on the next animation frame.
     assert browser.wait_until("location.hash") == f"#row=0/0/{index}"
     browser.wait_until(f"document.getElementById('detail').dataset.row === '{index}'")
@@ -192,14 +202,23 @@ def test_a_row_link_opens_the_row(run, dynaprobe_cli, tmp_path):
     assert '<pre class="graph-code">' in dom
 
 
-def test_ranks_get_a_heat_map_and_steps_a_chart(run, dynaprobe_cli, tmp_path, browser):
+def test_ranks_get_heat_maps_and_steps_a_chart(run, dynaprobe_cli, tmp_path, browser):
     html, report = cli_reports(dynaprobe_cli, run, tmp_path)
     open_report(browser, html)
     assert browser.errors() == []
     modules = {row["module"] for row in report["ranks"][0]["steps"][0]["rows"]}
-    cells = browser.evaluate("[...document.querySelectorAll('#heatmap-table tr')]"
-                             ".map(tr => tr.querySelectorAll('td.heat-cell').length)")
-    assert cells == [0, len(modules), len(modules)]  # a header, then one row per rank
+    shape = "[dynaprobeReport.heatmaps.{0}.spec.columns, dynaprobeReport.heatmaps.{0}.spec.rows]"
+    assert browser.evaluate(shape.format("run")) == [2, 2]  # a column per rank, a row per step
+    assert browser.evaluate(shape.format("modules")) == [2, len(modules)]
+    # Every step of both ranks fails (the fault is in the backend): each is a link.
+    links = browser.evaluate("[...document.querySelectorAll('#run-map-failing a')]"
+                             ".map(a => [a.textContent, a.getAttribute('href')])")
+    assert links == [["rank 0 step 0", "#step=0/0"], ["rank 0 step 1", "#step=0/1"],
+                     ["rank 1 step 0", "#step=1/0"], ["rank 1 step 1", "#step=1/1"]]
+    browser.evaluate("document.querySelectorAll('#run-map-failing a')[3].click()")
+    browser.wait_until("dynaprobeReport.state.rank === 1 && dynaprobeReport.state.step === 1")
+    assert browser.evaluate("document.getElementById('step-result').textContent").startswith(
+        "Rank 1 step 1: RESULT FAILED")
     steps = browser.evaluate("Chart.getChart('steps-chart').data.datasets.map(d => d.data.length)")
     assert steps == [2, 2, 2, 2]  # forward and backward of each rank, two steps each
     assert browser.evaluate("document.getElementById('step-select').options.length") == 2
@@ -247,6 +266,52 @@ def test_json_rows_and_python_rows_are_the_same_model(tmp_path, dynaprobe_cli):
     assert sum(row.metrics["histogram"]) == row.metrics["elements"]
 
 
+def without_tol_ratio(step_file: pathlib.Path):
+    """Rewrites a step's /metrics as a capture wrote it before max_tol_ratio existed: the same
+    table without that column, under its checksum (XXH3-64 of the bytes, dump-format.md)."""
+    with h5py.File(step_file, "r+") as f:
+        table = f["metrics"][()]
+        names = [name for name in table.dtype.names if name != "max_tol_ratio"]
+        old = np.empty(len(table), dtype=[(name, table.dtype[name]) for name in names])
+        for name in names:
+            old[name] = table[name]
+        del f["metrics"]
+        f.create_dataset("metrics", data=old)
+        f["metrics"].attrs.create("checksum", xxh3(old.tobytes()), dtype=np.uint64)
+
+
+def test_metrics_stored_before_the_tolerance_ratio_are_drawn_with_a_lower_bound(
+        run, dynaprobe_cli, tmp_path, browser):
+    """A dump whose capture stored its metrics before max_tol_ratio: the JSON says -1 (not
+    stored), and the chart draws the ratio at the worst element, at most the true ratio."""
+    shutil.copytree(run / "rank0", tmp_path / "dump")
+    _, now = cli_reports(dynaprobe_cli, tmp_path / "dump", tmp_path, "--step", "0")
+    without_tol_ratio(tmp_path / "dump" / "step_00000000.h5")
+    (tmp_path / "before").mkdir()
+    html, before = cli_reports(dynaprobe_cli, tmp_path / "dump", tmp_path / "before", "--step", "0")
+    step, true_step = before["ranks"][0]["steps"][0], now["ranks"][0]["steps"][0]
+    compared = [i for i, row in enumerate(step["rows"]) if row["metrics"]]
+    assert compared and all(step["rows"][i]["metrics"]["max_tol_ratio"] == -1 for i in compared)
+    open_report(browser, html)
+    assert browser.errors() == []
+    points = dict(browser.evaluate("Chart.getChart('error-chart').data.datasets.filter(d => d.rows)"
+                                   ".flatMap(d => d.data.map(p => [p.index, p.y]))"))
+    failing = None
+    for i in compared:
+        row, m = step["rows"][i], step["rows"][i]["metrics"]
+        tolerances = row["tolerances"] or step["tolerances"]
+        estimate = 0.0 if not m["worst"] or m["max_abs"] == 0 else m["max_abs"] / (
+            tolerances["atol"] + tolerances["rtol"] * abs(m["worst"]["compiled"]))
+        assert points[i] == pytest.approx(max(estimate, 1e-12), rel=1e-6)
+        assert estimate <= true_step["rows"][i]["metrics"]["max_tol_ratio"] * (1 + 1e-6)
+        if row["status"] == "FAIL":
+            failing = i
+    browser.evaluate(f"location.hash = '#row=0/0/{failing}'")
+    browser.wait_until(f"document.getElementById('detail').dataset.row === '{failing}'")
+    assert "estimated at the worst element" in browser.evaluate(
+        "document.getElementById('detail').innerText")
+
+
 def test_a_report_of_1000_modules_with_their_graphs_stays_small(tmp_path, dynaprobe_cli, browser):
     """1,000 modules, 6 rows each, 3 graphs of 40 lines each: a page of about 1 MB (17 MB before
     its data was compressed) that opens without an error and plots every row."""
@@ -277,3 +342,180 @@ def test_a_report_of_1000_modules_with_their_graphs_stays_small(tmp_path, dynapr
     open_report(browser, html)
     assert browser.errors() == []
     assert browser.evaluate("document.getElementById('error-chart').dataset.points") == "6000"
+
+
+RANKS = 512
+FAULT_RANK = 137
+FAIL_RGB = [211, 47, 47]  # the heat maps' colour of a failing cell (#d32f2f)
+
+
+@pytest.fixture(scope="module")
+def ranks_run(tmp_path_factory, dynaprobe_cli):
+    """A single-pass run of 512 ranks, step 0 on each (ranks 0 to 9 also ran a passing step 1),
+    of two tiny modules: layers.0's output is 1%
+    larger on rank 137 only (a fault on one rank), 1e-6 off elsewhere; layers.1's output is near
+    zero (about 1e-7), and twice as large compiled on every rank: max_rel near 1, hundreds of
+    times rtol, yet within atol, so it passes. Returns the HTML and JSON reports and the fault
+    rank's layers.0 pair."""
+    root = tmp_path_factory.mktemp("ranks") / "job"
+    rng = np.random.default_rng(512)
+    fault = None
+    for rank in range(RANKS):
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        y = x * np.float32(1.01) if rank == FAULT_RANK else x + np.float32(1e-6)
+        tiny = (rng.standard_normal(16) * 1e-7).astype(np.float32)
+        if rank == FAULT_RANK:
+            fault = (x, y)
+        records = [("layers.0", 0, "fwd_output", 0, side, "", "float32", value)
+                   for side, value in (("eager", x), ("compiled", y))]
+        records += [("layers.1", 0, "fwd_output", 0, side, "", "float32", value)
+                    for side, value in (("eager", tiny), ("compiled", tiny * np.float32(2)))]
+        _C.write_step(str(root / f"rank{rank}"), 0, {"mode": "single_pass"}, records, [])
+        if rank < 10:
+            records = [("layers.0", 0, "fwd_output", 0, side, "", "float32", value)
+                       for side, value in (("eager", x), ("compiled", x + np.float32(1e-6)))]
+            _C.write_step(str(root / f"rank{rank}"), 1, {"mode": "single_pass"}, records, [])
+    out = root.parent
+    proc = subprocess.run([dynaprobe_cli, "compare", str(root), "--html", str(out / "r.html"),
+                           "--json", str(out / "r.json")], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 1, proc.stderr  # rank 137 fails
+    return out / "r.html", json.loads((out / "r.json").read_text()), fault
+
+
+# The colour of the heat map's canvas at the centre of cell (i, j), scrolled into view.
+PIXEL = """((map, i, j) => {
+  const p = map.reveal(i, j), box = map.canvas.getBoundingClientRect(), r = devicePixelRatio;
+  return Array.from(map.canvas.getContext('2d').getImageData(
+      Math.floor((p.x - box.left) * r), Math.floor((p.y - box.top) * r), 1, 1).data.slice(0, 3));
+})"""
+
+
+def test_a_run_of_512_ranks_fits_its_heat_map_in_a_bounded_box_and_names_the_failing_rank(
+        ranks_run, browser):
+    html, report, _ = ranks_run
+    ranks = [r["rank"] for r in report["ranks"]]
+    assert sorted(ranks) == list(range(RANKS))
+    fault = ranks.index(FAULT_RANK)
+    open_report(browser, html)
+    assert browser.errors() == []
+    # Every rank is a column, all in view at once on a 1280-pixel page; the box stays bounded.
+    size = browser.evaluate("""(() => {
+        const m = dynaprobeReport.heatmaps.run, box = m.box.getBoundingClientRect();
+        return {columns: m.spec.columns, rows: m.spec.rows, cell: m.cw, width: box.width,
+                height: box.height, scroll: m.box.scrollWidth - m.box.clientWidth,
+                canvas: m.canvas.width, page: innerWidth, labelled: m.columnStep}; })()""")
+    assert size["columns"] == RANKS and size["rows"] == 2  # steps 0 and 1
+    assert size["cell"] >= 2 and size["scroll"] == 0
+    assert size["width"] < size["page"] and size["height"] < 400
+    assert size["canvas"] <= size["width"]
+    assert size["labelled"] > 1  # rank labels thinned out to fit
+    # The failing rank's cell, and it alone, is red; the others are shades of green.
+    colors = browser.evaluate(f"""(() => {{ const m = dynaprobeReport.heatmaps.run;
+        return Array.from({{length: {RANKS}}}, (_, i) => ({PIXEL})(m, i, 0)); }})()""")
+    assert [i for i, c in enumerate(colors) if c == FAIL_RGB] == [fault]
+    assert all(c[1] > c[0] for i, c in enumerate(colors) if i != fault)
+    # Hovering it names the rank, the step and the verdict; the list under the map links it.
+    point = browser.evaluate(f"dynaprobeReport.heatmaps.run.reveal({fault}, 0)")
+    browser.hover(point["x"], point["y"])
+    tooltip = browser.wait_until("!document.getElementById('heat-tooltip').hidden && "
+                                 "document.getElementById('heat-tooltip').textContent")
+    assert tooltip.startswith(f"rank {FAULT_RANK} step 0: FAILED (1 FAIL, 0 WARN, 2 compared)")
+    assert "layers.0.fwd_output" in tooltip
+    failing = browser.evaluate("document.getElementById('run-map-failing').textContent")
+    assert failing == f"FAILED in 1 of {RANKS} ranks: rank {FAULT_RANK} step 0"
+    # The page opened on the failing step; clicking a passing rank's cell opens that one.
+    assert browser.evaluate("dynaprobeReport.state.rank") == fault
+    describe = f"dynaprobeReport.heatmaps.run.spec.describe({ranks.index(20)}, 1)"
+    assert browser.evaluate(describe) == "rank 20 step 1: not captured"
+    # Across steps, hundreds of ranks are not hundreds of lines: the largest of all, and the
+    # open rank.
+    lines = browser.evaluate("Chart.getChart('steps-chart').data.datasets"
+                             ".map(d => [d.label, d.data.length])")
+    assert lines == [[f"largest of {RANKS} ranks, forward", 2],
+                     [f"largest of {RANKS} ranks, backward", 2],
+                     [f"rank {FAULT_RANK} forward", 1], [f"rank {FAULT_RANK} backward", 1]]
+    other = ranks.index(5)
+    point = browser.evaluate(f"dynaprobeReport.heatmaps.run.reveal({other}, 0)")
+    browser.click(point["x"], point["y"])
+    browser.wait_until(f"dynaprobeReport.state.rank === {other}")
+    assert browser.evaluate("location.hash") == f"#step={other}/0"
+    assert browser.evaluate("document.getElementById('step-result').textContent").startswith(
+        "Rank 5 step 0: RESULT ALL PASS")
+    # The modules of the open step on every rank: the fault rank's layers.0 is red.
+    modules = browser.evaluate(
+        "(m => Array.from({length: m.spec.rows}, (_, j) => m.spec.rowLabel(j)))"
+        "(dynaprobeReport.heatmaps.modules)")
+    assert sorted(modules) == ["layers.0", "layers.1"]
+    def module_cell(module):
+        return f"({PIXEL})(dynaprobeReport.heatmaps.modules, {fault}, {modules.index(module)})"
+
+    assert browser.evaluate(module_cell("layers.0")) == FAIL_RGB
+    assert browser.evaluate(module_cell("layers.1")) != FAIL_RGB
+    assert browser.errors() == []
+
+
+def test_the_chart_shows_the_error_relative_to_the_tolerance_with_the_threshold_at_1(
+        ranks_run, browser):
+    html, report, (x, y) = ranks_run
+    open_report(browser, html)
+    step = next(r for r in report["ranks"] if r["rank"] == FAULT_RANK)["steps"][0]
+    rows = {row["module"]: row for row in step["rows"]}
+    # max |diff| / (atol + rtol * |compiled|), computed here in float32 as torch.isclose does.
+    tolerances = rows["layers.0"]["tolerances"] or step["tolerances"]
+    allowed = np.float32(tolerances["atol"]) + np.abs(np.float32(tolerances["rtol"]) * y)
+    ratio = float((np.abs(x - y) / allowed).max())
+    assert rows["layers.0"]["metrics"]["max_tol_ratio"] == pytest.approx(ratio, rel=1e-6)
+    assert ratio > 1 and rows["layers.0"]["status"] == "FAIL"
+    assert browser.evaluate("dynaprobeReport.state.metric") == "tol_ratio"
+    assert browser.evaluate("document.getElementById('metric-tol_ratio').className") == "active"
+    chart = "Chart.getChart('error-chart')"
+    assert browser.evaluate(f"{chart}.options.scales.y.title.text") == (
+        "|diff| / (atol + rtol·|compiled|)")
+    threshold = browser.evaluate(f"{chart}.data.datasets.filter(d => !d.rows)"
+                                 ".map(d => [d.label, d.data.map(p => p.y)])")
+    assert threshold == [["threshold=1", [1, 1]]]
+    points = dict(browser.evaluate(f"{chart}.data.datasets.filter(d => d.rows)"
+                                   ".flatMap(d => d.data.map(p => [p.index, p.y]))"))
+    by_module = {step["rows"][index]["module"]: y for index, y in points.items()}
+    assert by_module["layers.0"] == pytest.approx(ratio, rel=1e-6)
+    # The near-zero output passes: far below the threshold here, far above rtol as max_rel.
+    tiny = rows["layers.1"]
+    assert tiny["status"] == "PASS" and by_module["layers.1"] < 0.01
+    assert tiny["metrics"]["max_rel"] > 100 * step["tolerances"]["rtol"]
+
+
+def test_a_heat_map_of_4096_ranks_scrolls_within_its_box(ranks_run, browser):
+    """Beyond what fits the page, cells keep their smallest width and the bounded box scrolls;
+    the canvas stays the size of the box, and a cell far to the right is still named."""
+    html, _, _ = ranks_run
+    open_report(browser, html)
+    size = browser.evaluate("""(() => {
+        const section = document.createElement('div');
+        document.body.append(section);
+        const box = document.createElement('div');
+        box.className = 'heat-box';
+        section.append(box);
+        const failing = i => i === 4000;
+        const map = new dynaprobeReport.HeatMap(box, {
+          columns: 4096, rows: 8, minWidth: 2, minHeight: 4, corner: 'rank', label: 'test',
+          columnLabel: i => i, rowLabel: j => `step ${j}`, failing,
+          color: (i, j) => failing(i) && j === 3 ? '#d32f2f' : '#cfe8cf',
+          describe: (i, j) => `rank ${i} step ${j}`, open: () => {}, current: null});
+        window.bigMap = map;
+        const rect = box.getBoundingClientRect();
+        return {cell: map.cw, width: rect.width, height: rect.height, page: innerWidth,
+                scroll: box.scrollWidth, canvas: [map.canvas.width, map.canvas.height],
+                labelled: map.columnStep}; })()""")
+    assert size["cell"] == 2 and size["scroll"] > 4096 * 2
+    assert size["width"] < size["page"] and size["height"] < 400
+    assert size["canvas"][0] <= size["width"] and size["canvas"][1] <= size["height"]
+    assert size["labelled"] >= 16
+    assert browser.evaluate(f"({PIXEL})(bigMap, 4000, 3)") == FAIL_RGB
+    point = browser.evaluate("bigMap.reveal(4000, 3)")
+    assert browser.evaluate("bigMap.box.scrollLeft") > 0
+    browser.hover(point["x"], point["y"])
+    assert browser.wait_until("!document.getElementById('heat-tooltip').hidden && "
+                              "document.getElementById('heat-tooltip').textContent") == (
+        "rank 4000 step 3")
+    assert browser.errors() == []

@@ -2,6 +2,7 @@
 // values converted to float32 (eager = a, compiled = b):
 //   max_abs  = max |a - b|                       mean_abs = mean |a - b|
 //   max_rel  = max |a - b| / (|a| + 1e-8)        allclose = torch.allclose(a, b, atol, rtol)
+//   max_tol_ratio = max |a - b| / (atol + rtol * |b|), the error in units of the tolerance
 // plus what a user debugging numerics wants next: cosine similarity, RMSE, the number of elements
 // outside tolerance, NaN/Inf counts per side and the worst element.
 #pragma once
@@ -42,6 +43,7 @@ class MetricsAccumulator {
   std::uint64_t count_ = 0;
   float max_abs_ = 0;
   float max_rel_ = 0;
+  float max_ratio_ = 0;
   double sum_abs_ = 0;
   double sum_squares_ = 0;
   double dot_ = 0;
@@ -50,6 +52,7 @@ class MetricsAccumulator {
   std::uint64_t mismatches_ = 0;
   std::uint64_t nan_diff_ = 0;
   std::uint64_t nan_rel_ = 0;
+  std::uint64_t nan_ratio_ = 0;
   std::uint64_t nan_a_ = 0;
   std::uint64_t nan_b_ = 0;
   std::uint64_t inf_a_ = 0;

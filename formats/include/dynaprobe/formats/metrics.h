@@ -30,11 +30,20 @@ struct Tolerances {
   double rtol = 1e-3;
 };
 
+// TensorMetrics::max_tol_ratio of a pair whose stored metrics lack it (a ratio is never negative).
+inline constexpr double kTolRatioNotStored = -1;
+
 // The result of comparing two tensors.
 struct TensorMetrics {
   double max_abs = 0;
   double mean_abs = 0;
   double max_rel = 0;
+  // max |a - b| / (atol + rtol * |b|) with the tolerances the row is judged with: the error in
+  // units of the tolerance, so an element is outside tolerance exactly when its ratio is above 1
+  // (up to float32 rounding); 0 for equal elements (equal infinities too), inf where the allowed
+  // error is 0, NaN when a difference is NaN. kTolRatioNotStored when unknown: a dump's /metrics
+  // written before this metric existed.
+  double max_tol_ratio = 0;
   bool allclose = true;
   double cosine = 1;  // 1 for two all-zero tensors
   double rmse = 0;
@@ -66,6 +75,7 @@ inline constexpr MetricField kMetricFields[] = {
     {"max_abs", offsetof(TensorMetrics, max_abs), MetricType::kFloat64},
     {"mean_abs", offsetof(TensorMetrics, mean_abs), MetricType::kFloat64},
     {"max_rel", offsetof(TensorMetrics, max_rel), MetricType::kFloat64},
+    {"max_tol_ratio", offsetof(TensorMetrics, max_tol_ratio), MetricType::kFloat64},
     {"allclose", offsetof(TensorMetrics, allclose), MetricType::kBool},
     {"cosine", offsetof(TensorMetrics, cosine), MetricType::kFloat64},
     {"rmse", offsetof(TensorMetrics, rmse), MetricType::kFloat64},
