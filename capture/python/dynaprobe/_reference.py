@@ -109,12 +109,13 @@ class ReferencePolicy:
         self.unavailable = unavailable
         self.said_unavailable = False
 
-    def warn_unavailable(self, module: str, low: Optional[torch.dtype]) -> None:
+    def warn_unavailable(self, module: str, low: Optional[torch.dtype],
+                         stacklevel: int = 4) -> None:
         if low is None or not self.unavailable or self.said_unavailable:
             return
         self.said_unavailable = True
         warnings.warn(f"dynaprobe: {module} computes in {low}, but {self.unavailable}",
-                      stacklevel=4)
+                      stacklevel=stacklevel)
 
     def dtype(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
         """The reference dtype of a call computing in ``low`` (None: full precision); None when

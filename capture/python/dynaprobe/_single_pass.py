@@ -6,7 +6,6 @@ runs inside the real backward, seeded with the grad_output its compiled twin rec
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -48,6 +47,45 @@ from dynaprobe._step import (
     compiled_param_grad_hook,
     run_pending,
 )
+
+
+# The stacklevel of a warning said during a checked call, counted from _warn_once through the
+# phase (or a phase's helper) saying it and _checked_call: it names a frame above the patched
+# forward.
+_IN_CALL = 6
+
+
+class _Call:
+    """One checked call of a target, handed from phase to phase of ``SinglePass._checked_call``:
+    the training call's arguments (probed once grad mode is on), the eager re-run's copies of
+    them, and what each phase found."""
+
+    def __init__(self, step: Step, target: Target, args: tuple, kwargs: dict):
+        self.step = step
+        self.target = target
+        self.name = target.name
+        self.index = target.calls
+        target.calls += 1
+        self.args, self.kwargs = args, kwargs
+        self.inputs = input_leaves(args, kwargs)
+        self.devices = devices_of([t for _, t in self.inputs], target.module)
+        self.grad_mode = torch.is_grad_enabled()
+        self.eager_args, self.eager_kwargs = (), {}
+        self.reference_dtype: Optional[torch.dtype] = None  # a reference up front
+        self.wanted: Optional[torch.dtype] = None  # a reference up front or if failing
+        self.reference_args = None
+        self.state_before: Optional[ModuleState] = None
+        self.rng_before: Optional[RngState] = None
+        self.watched = None  # replay: the module's parameters and buffers watched
+        self.params: list = []
+        self.left_watch: Optional[LeftInArguments] = None
+        self.graph_calls: list = []
+        self.eager_out = None
+        self.leaves: list = []  # (input index, eager input leaf)
+        self.compiled_leaves: list = []  # (label, tensor) of the outputs, each side's
+        self.eager_leaves: list = []
+        self.candidate = None  # its replay data, until decided
+        self.reference: Optional[ReferenceRun] = None
 
 
 class SinglePass:
@@ -102,132 +140,173 @@ class SinglePass:
 
         return forward
 
+    # ------------------------------------------------------------------ the checked call
     def _checked_call(self, step: Step, target: Target, args: tuple, kwargs: dict):
-        call = target.calls
-        target.calls += 1
-        name = target.name
-        inputs = input_leaves(args, kwargs)
-        devices = devices_of([t for _, t in inputs], target.module)
-        grad_mode = torch.is_grad_enabled()
+        """A call of a target in a checked step: the training call runs compiled, then the
+        eager re-run on copies of its arguments, and both are recorded; their backwards meet
+        in the training backward (PendingBackward)."""
+        call = _Call(step, target, args, kwargs)
         try:
-            if self.capture_input:
-                # Single-pass feeds both sides the same inputs: recorded once, for both.
-                for index, (label, tensor) in enumerate(inputs):
-                    step.record(name, call, "fwd_input", index, "compiled", tensor, label)
-            # Copies taken before the training call, which may change its inputs (a cache it
-            # appends to, a tensor modified in place) and its module's state.
-            eager_args, eager_kwargs, shared = copy_arguments(
-                args, kwargs, lambda i, t: t.detach().clone())
-            if shared:
-                self._warn_shared_arguments(step, name, shared)
-            low = call_precision(step, name, [t for _, t in inputs], target.module,
-                                 self.cast_dtype, devices)
-            self.reference.warn_unavailable(name, low)
-            reference_dtype = self.reference.dtype(low)
-            failing_dtype = self.reference.dtype_if_failing(low)
-            wanted = reference_dtype or failing_dtype
-            reference_args = copy_reference_arguments(args, kwargs, wanted) if wanted else None
-            state_before = ModuleState(target.module, clone_buffers=True)
-            rng_before = RngState(devices)
-            # Replay data is held by reference until the call is judged (decide_replays).
-            watched = (_replay_store.watch_parameters(target.module),
-                       _replay_store.watch_buffers(target.module)) if self.replay != "none" \
-                else None
-            params = self._call_params(step, target)
+            self._prepare_rerun(call)
         except Exception as error:  # never break training because of the checker
-            step.note(name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
+            step.note(call.name, vocabulary.NOTE_HOOK_ERROR, f"{type(error).__name__}: {error}")
             return target.run(*args, **kwargs)
+        if call.grad_mode:
+            self._probe_inputs(call)
+        compiled_out = self._run_compiled(call)
+        if not self._rerun_eagerly(call, compiled_out):
+            return compiled_out
+        left, eager_left = self._record_outputs(call, compiled_out)
+        if not call.grad_mode:
+            return compiled_out
+        return self._await_backward(call, compiled_out, left, eager_left)
 
-        left_watch = None
-        if grad_mode:
-            args, kwargs = probe_inputs(
-                args, kwargs, lambda index: self._compiled_grad_input_hook(step, target, call, index))
-            try:
-                left_watch = LeftInArguments(args, kwargs)
-            except Exception as error:
-                self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
-                                f"their arguments are not followed ({type(error).__name__}: "
-                                f"{error})")
-        listening = self.graphs.listen(name) if watched is not None and self.graphs is not None \
-            else contextlib.nullcontext([])
-        with autocast_context(self.cast_dtype, devices), listening as graph_calls:
-            compiled_out = target.run(*args, **kwargs)
+    def _prepare_rerun(self, call: _Call) -> None:
+        """Before the training call: its inputs recorded, copies of its arguments for the eager
+        re-run (and the reference, in the dtype it needs), the module's state and RNG state,
+        what replay watches, and the parameters the call uses."""
+        step, name, module = call.step, call.name, call.target.module
+        if self.capture_input:
+            # Single-pass feeds both sides the same inputs: recorded once, for both.
+            for index, (label, tensor) in enumerate(call.inputs):
+                step.record(name, call.index, "fwd_input", index, "compiled", tensor, label)
+        # Copies taken before the training call, which may change its inputs (a cache it
+        # appends to, a tensor modified in place) and its module's state.
+        call.eager_args, call.eager_kwargs, shared = copy_arguments(
+            call.args, call.kwargs, lambda i, t: t.detach().clone())
+        if shared:
+            self._warn_shared_arguments(step, name, shared)
+        low = call_precision(step, name, [t for _, t in call.inputs], module, self.cast_dtype,
+                             call.devices)
+        self.reference.warn_unavailable(name, low, stacklevel=_IN_CALL - 1)
+        call.reference_dtype = self.reference.dtype(low)
+        failing_dtype = self.reference.dtype_if_failing(low)
+        call.wanted = call.reference_dtype or failing_dtype
+        call.reference_args = copy_reference_arguments(call.args, call.kwargs, call.wanted) \
+            if call.wanted else None
+        call.state_before = ModuleState(module, clone_buffers=True)
+        call.rng_before = RngState(call.devices)
+        # Replay data is held by reference until the call is judged (decide_replays).
+        call.watched = (_replay_store.watch_parameters(module),
+                        _replay_store.watch_buffers(module)) if self.replay != "none" else None
+        call.params = self._call_params(step, call.target)
 
-        leaves = []
-        state_after = ModuleState(target.module)
-        rng_after = RngState(devices)
-        names_after = ModuleGlobals(target.module)
-        candidate = None
+    def _probe_inputs(self, call: _Call) -> None:
+        """Grad mode: the training call's inputs probed for their gradients, and the tensors it
+        leaves in its arguments followed (LeftInArguments)."""
+        step, target, index = call.step, call.target, call.index
+        call.args, call.kwargs = probe_inputs(
+            call.args, call.kwargs,
+            lambda i: self._compiled_grad_input_hook(step, target, index, i))
         try:
-            if watched is not None:
-                candidate = _replay_store.Candidate(
-                    target.module, eager_args, eager_kwargs,
-                    [t.requires_grad for _, t in inputs], watched[0],
-                    _replay_store.buffers_before(watched[1],
-                                                 state_before.saved_buffers(target.module)),
-                    rng_before, grad_mode, bool(target.shards), graph_calls)
-            state_before.apply()
-            rng_before.restore()
+            call.left_watch = LeftInArguments(call.args, call.kwargs)
+        except Exception as error:
+            self._warn_once(call.name, "left", f"dynaprobe: {call.name}: the tensors its calls "
+                            f"leave in their arguments are not followed ({type(error).__name__}: "
+                            f"{error})", stacklevel=_IN_CALL)
+
+    def _run_compiled(self, call: _Call):
+        """The training call: compiled, under cast_dtype's autocast; with replay, the runs of
+        its compiled graphs are kept."""
+        listening = self.graphs.listen(call.name) \
+            if call.watched is not None and self.graphs is not None \
+            else contextlib.nullcontext([])
+        with autocast_context(self.cast_dtype, call.devices), listening as graph_calls:
+            compiled_out = call.target.run(*call.args, **call.kwargs)
+        call.graph_calls = graph_calls
+        return compiled_out
+
+    def _rerun_eagerly(self, call: _Call, compiled_out) -> bool:
+        """The eager re-run on the copies, from the module's state and RNG state before the
+        training call, then the reference if the call gets one; what the training call left is
+        put back afterwards. False when it failed (the module's HOOK_ERROR row says why)."""
+        target, inputs, grad_mode = call.target, call.inputs, call.grad_mode
+        state_after = ModuleState(target.module)
+        rng_after = RngState(call.devices)
+        names_after = ModuleGlobals(target.module)
+        try:
+            if call.watched is not None:
+                call.candidate = _replay_store.Candidate(
+                    target.module, call.eager_args, call.eager_kwargs,
+                    [t.requires_grad for _, t in inputs], call.watched[0],
+                    _replay_store.buffers_before(
+                        call.watched[1], call.state_before.saved_buffers(target.module)),
+                    call.rng_before, grad_mode, bool(target.shards), call.graph_calls)
+            call.state_before.apply()
+            call.rng_before.restore()
 
             def eager_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
                 original = inputs[index][1]
                 if grad_mode and original.requires_grad and (tensor.is_floating_point()
                                                              or tensor.is_complex()):
                     tensor.requires_grad_(True)
-                    if all(leaf is not tensor for _, leaf in leaves):  # see probe_inputs
-                        leaves.append((index, tensor))
+                    if all(leaf is not tensor for _, leaf in call.leaves):  # see probe_inputs
+                        call.leaves.append((index, tensor))
                 return tensor
 
-            eager_args, eager_kwargs = map_tensors(eager_args, eager_kwargs, eager_input)
-            with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype, devices):
-                eager_out = target.eager(*eager_args, **eager_kwargs)
-            if candidate is not None:
-                step.replay_candidates[(name, call)] = candidate
-            reference = None
-            if reference_args is not None and (reference_dtype is not None or outputs_differ(
-                    eager_out, compiled_out, tensor_leaves, *self.tolerances)):
-                rng_before.restore()
-                reference = self._reference_call(step, target, call, reference_args, wanted,
-                                                 devices, grad_mode, inputs, eager_out)
+            call.eager_args, call.eager_kwargs = map_tensors(call.eager_args, call.eager_kwargs,
+                                                             eager_input)
+            with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype,
+                                                                     call.devices):
+                call.eager_out = target.eager(*call.eager_args, **call.eager_kwargs)
+            if call.candidate is not None:
+                call.step.replay_candidates[(call.name, call.index)] = call.candidate
+            if call.reference_args is not None and (
+                    call.reference_dtype is not None or outputs_differ(
+                        call.eager_out, compiled_out, tensor_leaves, *self.tolerances)):
+                call.rng_before.restore()
+                call.reference = self._reference_call(
+                    call.step, target, call.index, call.reference_args, call.wanted,
+                    call.devices, grad_mode, inputs, call.eager_out)
         except Exception as error:
-            step.note(name, vocabulary.NOTE_HOOK_ERROR,
-                      f"eager re-run failed: {type(error).__name__}: {error}")
-            return compiled_out
+            call.step.note(call.name, vocabulary.NOTE_HOOK_ERROR,
+                           f"eager re-run failed: {type(error).__name__}: {error}")
+            return False
         finally:
             state_after.apply()
             rng_after.restore()
             rebound = names_after.restore()
             if rebound:
                 self._warn_once(
-                    name, "globals", f"dynaprobe: {name}: its forward rebinds module-level names "
-                    f"({', '.join(rebound)}): a global side effect. dynaprobe put back what the "
-                    "eager re-run changed; other global effects (files, in-place changes to "
-                    "module-level objects) it cannot undo.")
+                    call.name, "globals", f"dynaprobe: {call.name}: its forward rebinds "
+                    f"module-level names ({', '.join(rebound)}): a global side effect. dynaprobe "
+                    "put back what the eager re-run changed; other global effects (files, "
+                    "in-place changes to module-level objects) it cannot undo.",
+                    stacklevel=_IN_CALL)
+        return True
 
-        compiled_leaves = tensor_leaves(compiled_out)
-        eager_leaves = tensor_leaves(eager_out)
+    def _record_outputs(self, call: _Call, compiled_out) -> Tuple[list, list]:
+        """Both sides' outputs recorded; returns what the compiled call and the eager re-run
+        left in their arguments (see _left_in_arguments)."""
+        step, name = call.step, call.name
+        compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
+        eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
         left, eager_left = self._left_in_arguments(
-            name, left_watch, args, kwargs, eager_args, eager_kwargs, compiled_leaves, reference,
-            reference_args)
+            name, call.left_watch, call.args, call.kwargs, call.eager_args, call.eager_kwargs,
+            compiled_leaves, call.reference, call.reference_args)
         for index, (label, tensor) in enumerate(compiled_leaves):
-            step.record(name, call, "fwd_output", index, "compiled", tensor, label)
+            step.record(name, call.index, "fwd_output", index, "compiled", tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
-            step.record(name, call, "fwd_output", index, "eager", tensor, label)
+            step.record(name, call.index, "fwd_output", index, "eager", tensor, label)
+        return left, eager_left
 
-        if not grad_mode:
-            return compiled_out
-        eager_outputs = [(i, t) for i, (_, t) in enumerate(eager_leaves) if t.requires_grad]
-        pending = PendingBackward(step, target, call, eager_outputs, leaves, params, reference,
-                                  eager_left)
+    def _await_backward(self, call: _Call, compiled_out, left: list, eager_left: list):
+        """Grad mode: the eager backward waits (PendingBackward) for the grad_output the
+        compiled outputs receive, through probes on them; returns the probed outputs."""
+        step = call.step
+        eager_outputs = [(i, t) for i, (_, t) in enumerate(call.eager_leaves) if t.requires_grad]
+        pending = PendingBackward(step, call.target, call.index, eager_outputs, call.leaves,
+                                  call.params, call.reference, eager_left)
         for index, tensor in left:
             pending.hooks.append(tensor.register_hook(pending.grad_hook(index)))
         if eager_outputs or eager_left:
             step.pending.append(pending)
-            if candidate is not None:
-                candidate.pending = pending
+            if call.candidate is not None:
+                call.candidate.pending = pending
         probed = probe_outputs(compiled_out,
                                lambda index: self._grad_output_hook(step, pending, index))
-        self._hook_outputs_themselves(step, pending, compiled_leaves, args, kwargs, inputs)
+        self._hook_outputs_themselves(step, pending, call.compiled_leaves, call.args,
+                                      call.kwargs, call.inputs)
         return probed
 
     def _left_in_arguments(self, name: str, watch: Optional[LeftInArguments], args, kwargs,
@@ -254,7 +333,8 @@ class SinglePass:
             return [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired], eager
         except Exception as error:  # never break training because of the checker
             self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
-                            f"their arguments are not followed ({type(error).__name__}: {error})")
+                            f"their arguments are not followed ({type(error).__name__}: {error})",
+                            stacklevel=_IN_CALL)
             return [], []
 
     def _reference_call(self, step: Step, target: Target, call: int, arguments,
@@ -272,7 +352,8 @@ class SinglePass:
             step.reference_missing(target.name, what)
             self._warn_once(target.name, "reference",
                             f"dynaprobe: {target.name}: the {dtype} reference could not run "
-                            f"({what}); its rows are judged by the tolerances alone")
+                            f"({what}); its rows are judged by the tolerances alone",
+                            stacklevel=_IN_CALL)
             return None
         leaves = tensor_leaves(out)
         differ = shapes_differ([t for _, t in leaves], [t for _, t in tensor_leaves(eager_out)])
@@ -362,12 +443,12 @@ class SinglePass:
                 name, what, f"dynaprobe: {name}: an argument of type {what} cannot be "
                 "deep-copied, so the eager re-run shares it with the training call: changes the "
                 "re-run makes to it are visible to training. Make it copyable (copy.deepcopy) to "
-                "isolate it.")
+                "isolate it.", stacklevel=_IN_CALL)
 
-    def _warn_once(self, module: str, topic: str, message: str) -> None:
+    def _warn_once(self, module: str, topic: str, message: str, stacklevel: int = 5) -> None:
         if (module, topic) not in self.warned:
             self.warned.add((module, topic))
-            warnings.warn(message, stacklevel=5)
+            warnings.warn(message, stacklevel=stacklevel)
 
     def _call_params(self, step: Step, target: Target) -> list:
         """The parameters a call of ``target`` uses, with the hooks that sum their training
@@ -420,7 +501,8 @@ class SinglePass:
                         self._grad_output_hook(step, pending, index, unless_seen=True)))
         except Exception as error:  # never break training because of the checker
             self._warn_once(pending.target.name, "outputs", f"dynaprobe: {pending.target.name}: "
-                            f"outputs changed in place are not followed ({error})")
+                            f"outputs changed in place are not followed ({error})",
+                            stacklevel=_IN_CALL)
 
     @staticmethod
     def _grad_output_hook(step: Step, pending: PendingBackward, index: int,
