@@ -1,67 +1,29 @@
-"""PrecisionChecker: the spec's API (wrap / ignore / install / collect / compare / report), a
-façade over modules of one concern each: _planning (targets), _compiling (torch.compile, graph
-breaks), _single_pass and _two_pass (the modes), _step (what one step records), _distributed
-(ranks), _options (argument checks), _result (what users get back)."""
+"""PrecisionChecker: the spec's API, a façade of verbs (wrap / ignore / install / collect /
+compare / capture / report) over modules of one concern each: _session (the steps' lifecycle),
+_planning, _compiling, the modes (_single_pass, _whole_model, _two_pass: they receive the
+session), _provenance, _reporting, _distributed, _options, _result."""
 
 from __future__ import annotations
 
-import atexit
 import copy
-import datetime
-import os
-import socket
-import sys
-import warnings
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _C, _options, _replay_store, _storage
-from dynaprobe._capture import autocast_device_type, devices_of
+from dynaprobe import _options, _planning, _reporting, _single_pass, _whole_model
 from dynaprobe._compiling import Compiler
-from dynaprobe._distributed import (
-    gather_to_rank0,
-    is_deepcopy_forbidden,
-    nested_fully_shard,
-    rank_and_world,
-    resolve_dump_dir,
-)
-from dynaprobe._environment import environment
-from dynaprobe._graphs import write_graph_files
-from dynaprobe._planning import describe_model, plan
-from dynaprobe._reference import ReferencePolicy, expect_reference, user_autocast
+from dynaprobe._distributed import is_deepcopy_forbidden
+from dynaprobe._provenance import provenance, reference_policy
 from dynaprobe._result import CompareResult
+from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._single_pass import SinglePass
-from dynaprobe._step import Step, Target
-from dynaprobe._two_pass import run_sides
+from dynaprobe._two_pass import run_step
 from dynaprobe._whole_model import WholeModel
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
-# Checkers with a step whose file may still be being committed (collect() in a run).
-_committing_checkers: "weakref.WeakSet[PrecisionChecker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _commit_before_exit() -> None:
-    """The steps collect() reported are on disk when the interpreter exits."""
-    for checker in list(_committing_checkers):
-        try:
-            checker.wait_committed()
-        except Exception as error:  # the step is lost: say so, and let the exit go on
-            print(f"dynaprobe: {error}", file=sys.stderr)
-
-
-def _write_text(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-
-
-class PrecisionChecker:
+class PrecisionChecker(_options.CheckerOptions):
     """Compares a model's wrapped modules run eagerly and under ``torch.compile``.
 
     Args:
@@ -124,85 +86,34 @@ class PrecisionChecker:
             step tries to write again. True: such an error is raised (``DumpIOError``).
     """
 
-    def __init__(
-        self,
-        backend="aot_eager",
-        threshold: float = 1e-4,
-        dump_graphs: bool = False,
-        graph_dir: str = "./graph_dump",
-        cast_dtype: Optional[torch.dtype] = None,
-        capture_input: bool = True,
-        single_pass: bool = True,
-        *,
-        dump_dir: Optional[str] = None,
-        scenario: str = "",
-        rtol: float = 1e-3,
-        memory_budget_bytes: int = 1 << 30,
-        reference: Optional[str] = "auto",
-        verdict: str = "reference",
-        tolerances: Optional[Dict[str, Tuple[float, float]]] = None,
-        dtype_aware_tolerances: bool = True,
-        dump: str = "full",
-        check_every: int = 1,
-        check_steps=None,
-        disk_budget_bytes: Optional[int] = None,
-        replay: Optional[str] = None,
-        strict_io: bool = False,
-    ):
-        self.backend = _options.expect_backend(backend)
-        self.threshold = _options.expect_tolerance("threshold", threshold)
-        self.dump_graphs = _options.expect_flag("dump_graphs", dump_graphs)
-        self.graph_dir = _options.expect_path("graph_dir", graph_dir)
-        self.cast_dtype = _options.expect_cast_dtype(cast_dtype)
-        self.capture_input = _options.expect_flag("capture_input", capture_input)
-        self.single_pass = _options.expect_flag("single_pass", single_pass)
-        if not isinstance(scenario, str):
-            raise TypeError(f"scenario must be a str, but received {scenario!r}")
-        self.scenario = scenario
-        self.rtol = _options.expect_tolerance("rtol", rtol)
-        self.memory_budget_bytes = _options.expect_positive_int("memory_budget_bytes",
-                                                                memory_budget_bytes)
-        self._dump_dir = _options.expect_path("dump_dir", dump_dir, optional=True)
-        self.reference = expect_reference(reference, self.single_pass)
-        self.verdict = _options.expect_verdict(verdict)
-        self.tolerances = _options.expect_tolerance_rules(tolerances)
-        self.dtype_aware_tolerances = _options.expect_flag("dtype_aware_tolerances",
-                                                           dtype_aware_tolerances)
-        self.dump = _storage.expect_dump_mode(dump)
-        if self.reference not in (None, "auto") and self.dump != "full":
-            raise ValueError(f"reference={self.reference!r} needs dump='full': the reference "
-                             "is compared with the stored tensors of both sides")
-        self._schedule = _storage.Schedule(_options.expect_positive_int("check_every", check_every),
-                                           _storage.expect_steps(check_steps))
-        self.disk_budget_bytes = None if disk_budget_bytes is None else \
-            _options.expect_positive_int("disk_budget_bytes", disk_budget_bytes)
-        self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
-        self.strict_io = _options.expect_flag("strict_io", strict_io)
-        self._writes = _storage.Writes(self.strict_io)
-        # The first stored step says where the dump is: install()/collect() runs with an estimate
-        # of the run's disk use, compare() with the command that reads it again (capture()
-        # returns its file).
-        self._estimated = False
-        self._committing = None  # the last ended step, while its file may still be written
-        self._one_step = False  # compare(): a step on its own, not a run of steps
-        self._dump_dir_resolved = False  # see the dump_dir property
+    def __init__(self, backend="aot_eager", threshold: float = 1e-4, dump_graphs: bool = False,
+                 graph_dir: str = "./graph_dump", cast_dtype: Optional[torch.dtype] = None,
+                 capture_input: bool = True, single_pass: bool = True, *,
+                 dump_dir: Optional[str] = None, scenario: str = "", rtol: float = 1e-3,
+                 memory_budget_bytes: int = 1 << 30, reference: Optional[str] = "auto",
+                 verdict: str = "reference",
+                 tolerances: Optional[Dict[str, Tuple[float, float]]] = None,
+                 dtype_aware_tolerances: bool = True, dump: str = "full", check_every: int = 1,
+                 check_steps=None, disk_budget_bytes: Optional[int] = None,
+                 replay: Optional[str] = None, strict_io: bool = False):
+        super().__init__(backend, threshold, dump_graphs, graph_dir, cast_dtype, capture_input,
+                         single_pass, dump_dir=dump_dir, scenario=scenario, rtol=rtol,
+                         memory_budget_bytes=memory_budget_bytes, reference=reference,
+                         verdict=verdict, tolerances=tolerances,
+                         dtype_aware_tolerances=dtype_aware_tolerances, dump=dump,
+                         check_every=check_every, check_steps=check_steps,
+                         disk_budget_bytes=disk_budget_bytes, replay=replay, strict_io=strict_io)
+        # The dump folders, each with its step session: the lifecycle of the steps.
+        self._dumps = Dumps(self._dump_dir_given, self._schedule, dump=self.dump,
+                            memory_budget_bytes=self.memory_budget_bytes,
+                            disk_budget_bytes=self.disk_budget_bytes, strict_io=self.strict_io)
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
-        self._recorder = None
-        self._step_index = 0
-        self._step: Optional[Step] = None
-        self._installed: Optional[nn.Module] = None
         # install(): the installation, per module or on a model compiled whole
-        self._single_pass: Optional[Union[SinglePass, WholeModel]] = None
-        self._module_notes: List[Tuple[str, Dict[str, str]]] = []
+        self._installation: Optional[Union[SinglePass, WholeModel]] = None
         self._compiler = Compiler(backend)
-        self._capture_side: Optional[str] = None  # capture(): the one side this dump holds
-        self._devices: Dict[str, str] = {}  # provenance: device and dtype of the model
-        self._model_devices: set = set()  # the devices of the model (autocast's device type)
+        self._per_module_compiler = self._compiler  # while a model compiled whole is installed
         self._recorded_loss = None  # record_loss(): the loss of the step being checked
-        # install(): the provenance, worked out before any step: a step may begin inside a region
-        # Dynamo traces, which must not see the checker's own code (socket, clock).
-        self._installed_provenance: Optional[Dict[str, str]] = None
 
     # ------------------------------------------------------------------ wrap / ignore
     def wrap(self, module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -222,9 +133,8 @@ class PrecisionChecker:
         ModuleWrapPolicy."""
         _options.expect_module("checker.wrap_by_policy(model, (DecoderLayer,))", "model", model)
         module_types = _options.expect_module_types("module_types", module_types)
-        for _, module in model.named_modules():
-            if isinstance(module, module_types):
-                self.wrap(module)
+        for module in _planning.of_types(model, module_types):
+            self.wrap(module)
         return model
 
     def wrap_all_children(self, model: nn.Module, depth: int = 1) -> nn.Module:
@@ -233,17 +143,8 @@ class PrecisionChecker:
         using up depth; modules without children are marked where the recursion reaches them."""
         _options.expect_module("checker.wrap_all_children(model, depth=1)", "model", model)
         depth = _options.expect_depth(depth)
-
-        def visit(module: nn.Module, remaining: int) -> None:
-            for child in module.children():
-                if isinstance(child, _CONTAINERS):
-                    visit(child, remaining)
-                elif remaining <= 0 or not any(True for _ in child.children()):
-                    self.wrap(child)
-                else:
-                    visit(child, remaining - 1)
-
-        visit(model, depth)
+        for module in _planning.children_at_depth(model, depth):
+            self.wrap(module)
         return model
 
     def ignore(self, module: nn.Module) -> nn.Module:
@@ -257,65 +158,11 @@ class PrecisionChecker:
         """Ignores every submodule of the given types (a class or a tuple of classes)."""
         _options.expect_module("checker.ignore_by_policy(model, (nn.Dropout,))", "model", model)
         module_types = _options.expect_module_types("module_types", module_types)
-        for _, module in model.named_modules():
-            if isinstance(module, module_types):
-                self.ignore(module)
+        for module in _planning.of_types(model, module_types):
+            self.ignore(module)
         return model
 
-    # ------------------------------------------------------------------ plan
-    def _plan(self, model: nn.Module) -> List[Tuple[str, str]]:
-        """The compile targets of ``model`` (display name, path); keeps the /modules entries
-        and the model's provenance for the dump; refuses a cast_dtype autocast would drop."""
-        targets, self._module_notes = plan(model, self._wrapped, self._ignored)
-        self._devices = describe_model(model)
-        self._model_devices = devices_of([], model)
-        _options.expect_autocast(self.cast_dtype, autocast_device_type(self._model_devices))
-        return targets
-
     # ------------------------------------------------------------------ dump
-    def _provenance(self, mode: str, backend=None,
-                    compile_scope: str = "per_module") -> Dict[str, str]:
-        rank, world = rank_and_world()
-        backend = self.backend if backend is None else backend
-        backend = backend if isinstance(backend, str) else getattr(
-            backend, "compiler_name", getattr(backend, "__name__", type(backend).__name__))
-        return {
-            "producer": "dynaprobe.PrecisionChecker",
-            "torch_version": torch.__version__,
-            "backend": backend,
-            vocabulary.PROVENANCE_MODE: mode,
-            "compile_scope": compile_scope,
-            vocabulary.PROVENANCE_RANK: str(rank),
-            "world_size": str(world),
-            vocabulary.PROVENANCE_SCENARIO: self.scenario,
-            vocabulary.PROVENANCE_ATOL: repr(float(self.threshold)),
-            vocabulary.PROVENANCE_RTOL: repr(float(self.rtol)),
-            vocabulary.PROVENANCE_CAST_DTYPE: str(self.cast_dtype) if self.cast_dtype is not None
-            else "None",
-            vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if self.capture_input else "false",
-            vocabulary.PROVENANCE_REFERENCE: str(self._reference_policy().mode),
-            vocabulary.PROVENANCE_VERDICT: self.verdict,
-            vocabulary.PROVENANCE_TOLERANCE_RULES: "".join(f"{atol!r} {rtol!r} {pattern}\n"
-                                       for pattern, (atol, rtol) in self.tolerances.items()),
-            vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
-                "true" if self.dtype_aware_tolerances else "false",
-            **self._devices,
-            **environment(),
-            "host": socket.gethostname(),
-            vocabulary.PROVENANCE_CREATED: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-
-    def _reference_policy(self) -> ReferencePolicy:
-        """What ``reference`` runs: "auto" needs the stored tensors (dump="full"); under
-        "failing" or "stats" low-precision rows keep the tolerances' verdict (a warning says so
-        at the first such call)."""
-        if self.reference == "auto" and self.dump != "full":
-            return ReferencePolicy(None, unavailable=f"dump={self.dump!r} stores no tensors to "
-                                   "judge against a reference: low-precision rows are judged by "
-                                   "the dtype's tolerances alone; use dump='full' for the "
-                                   "reference's verdict")
-        return ReferencePolicy(self.reference)
-
     @property
     def dump_dir(self) -> str:
         """The folder of this rank's dump (one step file per collect()/compare()).
@@ -326,111 +173,14 @@ class PrecisionChecker:
         rank calls those), and a ``dump_dir`` given to the constructor names the run folder,
         each rank writing ``<dump_dir>/rank<R>``. In a single process ``dump_dir`` is the dump.
         """
-        if not self._dump_dir_resolved:
-            self._dump_dir = resolve_dump_dir(self._dump_dir)
-            self._dump_dir_resolved = True
-        return self._dump_dir
+        return self._dumps.dump_dir
 
     @property
     def run_dir(self) -> str:
         """The run folder: the folder above ``dump_dir`` when that is ``rank<R>`` (the default,
         and every multi-rank run), else ``dump_dir``. ``dynaprobe compare RUN_DIR --merged-csv
         PATH`` reports every rank of it."""
-        parent, leaf = os.path.split(os.path.normpath(self.dump_dir))
-        return parent if leaf == f"rank{rank_and_world()[0]}" else self.dump_dir
-
-    def _begin_step(self, targets: List[Target]) -> Step:
-        if self._recorder is None:
-            mode = {None: vocabulary.MODE_SINGLE_PASS if self.single_pass else vocabulary.MODE_TWO_PASS,
-                    "eager": vocabulary.MODE_EAGER_ONLY,
-                    "compiled": vocabulary.MODE_COMPILED_ONLY}[self._capture_side]
-            provenance = dict(self._installed_provenance or self._provenance(mode))
-            # The first checked call runs inside the user's torch.autocast, if any.
-            autocast = user_autocast(self._model_devices) if self._installed is not None \
-                else None
-            if autocast is not None and self.cast_dtype is None:
-                provenance[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
-            self._recorder = _C.Recorder(self.dump_dir, provenance,
-                                         memory_budget_bytes=self.memory_budget_bytes,
-                                         store="full" if self._capture_side else self.dump,
-                                         strict_io=self.strict_io)
-        self._recorder.begin_step(self._step_index)
-        for target in targets:
-            target.calls = 0
-        self._step = Step(self._recorder, self._step_index)
-        return self._step
-
-    def _current_step(self) -> Optional[Step]:
-        """Single-pass: the step being checked, begun by the first wrapped call after install()
-        or collect(); None in a step that is not checked (check_every, check_steps)."""
-        if self._step is None and not self._schedule.checks(self._step_index):
-            return None
-        return self._step if self._step is not None else self._begin_step(
-            self._single_pass.targets)
-
-    def _finish_step(self, compare: bool = True):
-        step = self._step
-        graphs = self._compiler.graphs.take()
-        for graph in graphs:
-            self._recorder.record_graph(graph.name, graph.kind, graph.text,
-                                        {"function": graph.function, "module": graph.module})
-        if self.dump_graphs and graphs:
-            write_graph_files(graphs, self.graph_dir)
-        for name, attributes in self._module_notes:
-            attributes = dict(attributes, **step.attributes.get(name, {}))
-            if name in step.notes and vocabulary.ATTRIBUTE_NOTE not in attributes:
-                note, reason = step.notes[name]
-                attributes[vocabulary.ATTRIBUTE_NOTE] = note
-                attributes[vocabulary.ATTRIBUTE_REASON] = reason
-            self._recorder.record_module(name, attributes)
-        # Ends the step once it is judged; its file is committed in the background while
-        # training goes on (raises a background error: disk full, ... with strict_io).
-        pending = self._recorder.finish_step()
-        self._step = None
-        self._step_index += 1
-        # capture() exists for its file: losing it raises, whatever strict_io says.
-        writes = self._writes if compare else _storage.Writes(strict=True)
-        commit = _storage.Commit(pending, writes, self.dump_dir)
-        # One step in flight: the one before is committed by now (or said not stored).
-        previous, self._committing = self._committing, commit
-        _committing_checkers.add(self)
-        if previous is not None:
-            previous.wait()
-        in_run = self._installed is not None and not self._one_step
-        if (not in_run or self.disk_budget_bytes is not None or not self._estimated
-                or self._writes.failing):
-            # The disk budget and the first step's estimate need the file's size; while writes
-            # fail, the report says at once whether this step was stored.
-            self.wait_committed()
-        stored = commit.done and commit.error is None
-        try:
-            if self.disk_budget_bytes is not None and stored:
-                _storage.enforce_budget(self.dump_dir, self.disk_budget_bytes, pending.file)
-            if not self._estimated and in_run and stored:
-                self._estimated = True
-                _storage.report_first_step(self.dump_dir, pending.file, self.dump,
-                                           self._schedule, step.index, self.disk_budget_bytes)
-            elif not self._estimated and not in_run and stored and compare:  # compare()
-                self._estimated = True
-                print(f"dynaprobe: step {step.index} written to {self.dump_dir} "
-                      f"(dynaprobe compare {self.dump_dir})", file=sys.stderr)
-        except OSError as error:  # the folder went away meanwhile: the dump's loss, not training's
-            if self.strict_io:
-                raise
-            self._writes.failed(self.dump_dir, step.index, error)
-        if step.error is not None:
-            if self.strict_io:
-                raise step.error
-            print(f"dynaprobe: step {step.index} was lost ({step.error}); training goes on",
-                  file=sys.stderr)
-            return None
-        if not compare:
-            return pending.file
-        # The report comes from the step as judged in memory, the same as `dynaprobe compare`
-        # of its file; pairs not judged in memory wait for the file.
-        comparison = _C.compare_pending(pending)
-        return CompareResult.from_report(comparison.steps[0], self.dump_dir, pending.file,
-                                         comparison, commit)
+        return self._dumps.run_dir
 
     def wait_committed(self) -> None:
         """Waits until the last checked step's file is committed. ``collect()`` returns once a
@@ -438,9 +188,18 @@ class PrecisionChecker:
         ``collect()``, ``uninstall()`` and ``CompareResult.dump_file`` wait for it. With
         ``strict_io=True`` raises the error that lost the step's file (disk full, ...); else
         says it on stderr (once) and the step's result has ``stored`` False."""
-        committing, self._committing = self._committing, None
-        if committing is not None:
-            committing.wait()
+        self._dumps.wait_committed()
+
+    def _set_up(self, session: StepSession, plan: _planning.Plan, mode: str, backend=None,
+                compile_scope: str = "per_module") -> None:
+        """Sets ``session`` up for the steps of a verb checking ``plan`` in ``mode``: a capture
+        stores full tensors; single-pass names the user's autocast (without cast_dtype)."""
+        session.prepare(Setup(
+            provenance(self, plan.devices, mode, backend, compile_scope),
+            "full" if mode in CAPTURE_MODES.values() else self.dump, plan.modules,
+            self._compiler.graphs, self.graph_dir if self.dump_graphs else None,
+            plan.model_devices if mode == vocabulary.MODE_SINGLE_PASS and self.cast_dtype is None
+            else None))
 
     # ------------------------------------------------------------------ single-pass
     def install(self, model: nn.Module) -> nn.Module:
@@ -457,90 +216,36 @@ class PrecisionChecker:
         outputs (whole-model mode, docs/user-guide.md). ``backend`` and ``cast_dtype`` of the
         checker are then not used.
         """
-        _options.expect_module("checker.install(model)", "model", model)
-        if not self.single_pass:
-            if is_deepcopy_forbidden(model):
-                raise RuntimeError(
-                    "install() only supports single_pass=True, and two-pass (single_pass=False) "
-                    "deep-copies the model, which FSDP2/DTensor-sharded models forbid: use "
-                    "PrecisionChecker(single_pass=True) with install(model) and collect(loss)")
-            raise RuntimeError("install() only supports single_pass=True; for two-pass use "
-                               "compare(run_step, model)")
-        if self._installed is not None:
-            raise RuntimeError("this checker is already installed on a model; call uninstall() "
-                               "first")
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            return self._install_whole_model(model)
-        planned = self._plan(model)
-        self.dump_dir  # noqa: B018 - several ranks agree on their run folder now, all together
-        self._installed_provenance = self._provenance(vocabulary.MODE_SINGLE_PASS)
-        modules = dict(model.named_modules())
-        targets = []
-        for display, name in planned:
-            module = modules[name]
-            original = module.forward
-            targets.append(Target(display, module, self._compiler.compile(display, original),
-                                  original))
-            self._warn_nested_fully_shard(display, module)
-        self._single_pass = SinglePass(targets, self._current_step, lambda: self._step,
-                                       self.capture_input, self.cast_dtype,
-                                       self._reference_policy(), (self.threshold, self.rtol),
-                                       self.replay, self.backend, self._compiler.graphs)
-        self._installed = model
+        _options.expect_installable(model, self.single_pass, self._installation,
+                                    self.cast_dtype, is_deepcopy_forbidden)
+        whole = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        plan = _planning.plan_check(model._orig_mod if whole else model, self._wrapped,
+                                    self._ignored, self.cast_dtype)
+        session = self._dumps.session()  # every rank agrees on the run folder, together
+        options = dict(capture_input=self.capture_input, tolerances=(self.threshold, self.rtol),
+                       reference=reference_policy(self.reference, self.dump))
+        if whole:
+            backend = torch._dynamo.eval_frame.innermost_backend(model.dynamo_ctx.callback)
+            self._per_module_compiler, self._compiler = self._compiler, Compiler(backend)
+            self._set_up(session, plan, vocabulary.MODE_SINGLE_PASS, backend, "whole_model")
+            self._installation = _whole_model.install(model, plan, session, self._compiler,
+                                                      **options)
+        else:
+            self._set_up(session, plan, vocabulary.MODE_SINGLE_PASS)
+            self._installation = _single_pass.install(
+                model, plan, session, self._compiler, cast_dtype=self.cast_dtype,
+                replay=self.replay, backend=self.backend, **options)
+        session.in_run = True
         return model
-
-    def _install_whole_model(self, compiled: nn.Module) -> nn.Module:
-        """install() on a model compiled whole: see install()."""
-        if self.cast_dtype is not None:
-            raise ValueError("install() of a compiled model (whole-model mode) checks the model "
-                             "as it was compiled: cast_dtype is not available (enter "
-                             "torch.autocast around the step instead); create the checker "
-                             "without it")
-        model = compiled._orig_mod
-        backend = torch._dynamo.eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
-        planned = self._plan(model)
-        self.dump_dir  # noqa: B018 - several ranks agree on their run folder now, all together
-        self._installed_provenance = self._provenance(vocabulary.MODE_SINGLE_PASS, backend,
-                                                      "whole_model")
-        modules = dict(model.named_modules())
-        targets = [Target(display, modules[name], None, None) for display, name in planned]
-        self._per_module_compiler, self._compiler = self._compiler, Compiler(backend)
-        self._single_pass = WholeModel(compiled, targets, type(model).__name__,
-                                       self._compiler.graphs, self._current_step,
-                                       lambda: self._step, self.capture_input,
-                                       self._reference_policy(), (self.threshold, self.rtol))
-        self._installed = compiled
-        return compiled
-
-    def _warn_nested_fully_shard(self, name: str, module: nn.Module) -> None:
-        """A wrapped module holding fully_shard units below it: their parameters are still
-        sharded when it is called (each unit gathers its own inside), so their gradients are not
-        compared; its eager re-run gathers them again, on every rank alike."""
-        nested = nested_fully_shard(module)
-        if not nested:
-            return
-        for entry, attributes in self._module_notes:
-            if entry == name:
-                attributes[vocabulary.ATTRIBUTE_NESTED_FULLY_SHARD] = ", ".join(nested)
-        warnings.warn(
-            f"dynaprobe: wrapped module {name} contains fully_shard units ({', '.join(nested)}): "
-            "the gradients of their parameters are not compared (they are sharded when it is "
-            "called); wrap the fully_shard units themselves to compare them", stacklevel=3)
 
     def uninstall(self) -> None:
         """Restores the wrapped modules' original forwards and removes every hook."""
-        if self._single_pass is not None:
-            self._single_pass.remove()
-            self._single_pass = None
-        if isinstance(self._installed, torch._dynamo.eval_frame.OptimizedModule):
-            self._compiler = self._per_module_compiler
-        self._installed = None
-        self._installed_provenance = None
+        if self._installation is not None:
+            self._installation.remove()
+            self._installation = None
+        self._compiler = self._per_module_compiler
         self._recorded_loss = None
-        if self._step is not None:  # a step begun but never collected is discarded
-            self._step = None
-            self._recorder = None
-        self.wait_committed()
+        self._dumps.end_run()
 
     def record_loss(self, loss: Union[torch.Tensor, float]) -> None:
         """Single-pass: records the loss of the step being checked, for ``collect()`` called
@@ -560,35 +265,13 @@ class PrecisionChecker:
 
         Checking continues with the next step until ``uninstall()``.
         """
-        if self._installed is None:
-            raise RuntimeError("collect() needs install(model) first (single-pass), then a "
-                               "training or inference step: checker.install(model); loss = "
-                               "step(model); checker.collect(loss)")
+        _options.expect_installed(self._installation)
         _options.expect_loss("loss", loss)
-        step = self._current_step()
-        if step is None:
-            self._step_index += 1
-            self._recorded_loss = None
-            return None
-        self._single_pass.finish(step)
-        if loss is None:
-            loss = self._recorded_loss
-        self._recorded_loss = None
-        if loss is not None:
-            step.record_loss("compiled", loss)
-        targets = self._single_pass.targets
-        whole_model = isinstance(self._single_pass, WholeModel)
-        if whole_model:
-            self._single_pass.summarize(step)
-        else:
-            self._compiler.summarize(step, targets)
-        step.record_param_grads([(t.name, [(n, p, p, p) for n, p in t.params])
-                                 for t in targets])
-        if not whole_model:  # whole-model mode keeps no replay data (user-guide.md)
-            self._single_pass.decide_replays(step, final=True)
-        return self._finish_step()
+        recorded, self._recorded_loss = self._recorded_loss, None
+        return self._installation.session.collect(self._installation,
+                                                  recorded if loss is None else loss)
 
-    # ------------------------------------------------------------------ compare
+    # ------------------------------------------------------------------ compare / capture
     def compare(self, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module) -> CompareResult:
         """Runs ``fn(model)`` (one training or inference step returning a scalar) and compares.
 
@@ -597,23 +280,16 @@ class PrecisionChecker:
         with the same RNG state; ``model`` itself is left untouched.
         """
         _options.expect_step("checker.compare(lambda m: m(x).sum(), model)", fn, model)
+        _options.expect_comparable(model, self.single_pass, self._installation,
+                                   is_deepcopy_forbidden)
         if self.single_pass:
-            if self._installed is not None:
-                raise RuntimeError("compare() cannot run while install() is active; call "
-                                   "collect() instead, or uninstall() first")
             self.install(model)
-            self._one_step = True  # not a run: no estimate of a run's disk use, no overlap
+            # A step on its own, not a run: no estimate of a run's disk use, no overlap.
+            self._installation.session.in_run = False
             try:
-                loss = fn(model)
-                return self.collect(loss)
+                return self.collect(fn(model))
             finally:
-                self._one_step = False
                 self.uninstall()
-        if is_deepcopy_forbidden(model):
-            raise RuntimeError(
-                "two-pass (single_pass=False) deep-copies the model, which FSDP2/DTensor-sharded "
-                "models forbid; use single-pass: PrecisionChecker(single_pass=True) with "
-                "install(model) and collect(loss)")
         return self._run_sides(fn, model, [("eager", copy.deepcopy(model)),
                                            ("compiled", copy.deepcopy(model))])
 
@@ -630,25 +306,21 @@ class PrecisionChecker:
         """
         _options.expect_step('checker.capture(lambda m: m(x).sum(), model, side="eager")', fn,
                              model)
-        if side not in ("eager", "compiled"):
-            raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
-        self._capture_side = side
-        return self._run_sides(fn, model, [(side, model)], compare=False)
+        _options.expect_side(side)
+        return self._run_sides(fn, model, [(side, model)], capture=side)
 
-    def _run_sides(self, fn: Callable, model: nn.Module, sides: list, compare: bool = True):
+    def _run_sides(self, fn: Callable, model: nn.Module, sides: list,
+                   capture: Optional[str] = None):
         """Runs ``fn`` on each (side, model) in turn (two-pass, capture()) and finishes the
-        step; compares it unless ``compare`` is False."""
-        targets = self._plan(model)
-        step = self._begin_step([])
-        try:
-            by_side = run_sides(step, fn, model, sides, targets, self._compiler.compile,
-                                self.capture_input, self.cast_dtype,
-                                self._reference_policy() if compare else ReferencePolicy(None))
-            if "compiled" in by_side:
-                self._compiler.summarize(step, by_side["compiled"])
-            return self._finish_step(compare=compare)
-        finally:
-            self._step = None
+        step; compares it unless it is a ``capture`` of one side."""
+        plan = _planning.plan_check(model, self._wrapped, self._ignored, self.cast_dtype)
+        session = self._dumps.session()
+        self._set_up(session, plan, CAPTURE_MODES[capture] if capture else
+                     vocabulary.MODE_TWO_PASS)
+        return run_step(session, fn, model, sides, plan.targets, self._compiler,
+                        self.capture_input, self.cast_dtype,
+                        reference_policy(None if capture else self.reference, self.dump),
+                        compare=capture is None)
 
     # ------------------------------------------------------------------ replay
     def bisect(self, module: str, call: Optional[int] = None, step: Optional[int] = None,
@@ -702,27 +374,7 @@ class PrecisionChecker:
         network, histograms of |diff|, graph code; docs/report-format.md#html), ``json_path``
         (every row with every metric), ``merged_csv_path`` (``rank,scenario`` + 9 columns).
         """
-        formats = {name.replace("-", "_") + "_path": (name, title)
-                   for name, title in _C.report_formats()}
-        unknown = sorted(set(format_paths) - set(formats))
-        if unknown:
-            raise TypeError(f"report() got unexpected keyword argument(s) {', '.join(unknown)}; "
-                            f"the report formats are {', '.join(['csv_path', *formats])}")
-        if result is None:
-            return
-        if not isinstance(result, CompareResult):
-            raise TypeError(f"result must be what collect() or compare() returned (a "
-                            f"CompareResult), but received {type(result).__name__}: call it as "
-                            f"checker.report(checker.collect(loss))")
-        print(result.text(), end="")
-        if csv_path:
-            _write_text(csv_path, result.csv())
-            print(f"CSV report saved to: {csv_path}")
-        for keyword, (name, title) in formats.items():
-            path = format_paths.get(keyword)
-            if path:
-                _write_text(path, result.render(name))
-                print(f"{title} report saved to: {path}")
+        _reporting.print_report(result, csv_path, format_paths)
 
     def gather_report(self, results, csv_path: Optional[str] = None, *,
                       timeout: float = 300.0) -> Optional[str]:
@@ -739,21 +391,4 @@ class PrecisionChecker:
         makes the waiting ranks raise RuntimeError instead of hanging; with the gloo backend the
         message names the missing ranks (other backends wait for the process group's timeout).
         """
-        results = [results] if isinstance(results, CompareResult) else list(results)
-        rank, world = rank_and_world()
-        mine = [result.merged_csv(rank) for result in results]
-        gathered = gather_to_rank0(mine, timeout) if world > 1 else [mine]
-        if rank != 0:
-            return None
-        if len({len(texts) for texts in gathered}) > 1:
-            raise ValueError("gather_report(): the ranks passed different numbers of results ("
-                             + ", ".join(f"rank {r}: {len(t)}" for r, t in enumerate(gathered))
-                             + "); pass the same scenarios in the same order on every rank")
-        text = _C.render_merged_csv([])  # the header
-        for index in range(len(mine)):
-            for texts in gathered:
-                text += texts[index].split("\n", 1)[1]  # without its header
-        if csv_path:
-            _write_text(csv_path, text)
-            print(f"Merged CSV report saved to: {csv_path}")
-        return text
+        return _reporting.gather_merged_csv(results, csv_path, timeout)

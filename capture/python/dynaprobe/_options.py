@@ -11,6 +11,9 @@ from typing import Optional
 
 import torch
 
+from dynaprobe import _replay_store, _storage
+from dynaprobe._reference import expect_reference
+
 
 def expect_tolerance(name: str, value) -> float:
     """A finite, non-negative real number."""
@@ -144,6 +147,57 @@ def expect_module(call: str, name: str, value) -> torch.nn.Module:
     return value
 
 
+def expect_installable(model, single_pass: bool, installed, cast_dtype,
+                       deepcopy_forbidden) -> None:
+    """install(model): a module, a single-pass checker, not installed yet; no cast_dtype for a
+    model compiled whole, which runs as it was compiled. ``deepcopy_forbidden(model)``: whether
+    the model is FSDP2/DTensor-sharded."""
+    expect_module("checker.install(model)", "model", model)
+    if not single_pass:
+        if deepcopy_forbidden(model):
+            raise RuntimeError(
+                "install() only supports single_pass=True, and two-pass (single_pass=False) "
+                "deep-copies the model, which FSDP2/DTensor-sharded models forbid: use "
+                "PrecisionChecker(single_pass=True) with install(model) and collect(loss)")
+        raise RuntimeError("install() only supports single_pass=True; for two-pass use "
+                           "compare(run_step, model)")
+    if installed is not None:
+        raise RuntimeError("this checker is already installed on a model; call uninstall() "
+                           "first")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and cast_dtype is not None:
+        raise ValueError("install() of a compiled model (whole-model mode) checks the model "
+                         "as it was compiled: cast_dtype is not available (enter "
+                         "torch.autocast around the step instead); create the checker "
+                         "without it")
+
+
+def expect_installed(installed) -> None:
+    """collect() needs install()."""
+    if installed is None:
+        raise RuntimeError("collect() needs install(model) first (single-pass), then a "
+                           "training or inference step: checker.install(model); loss = "
+                           "step(model); checker.collect(loss)")
+
+
+def expect_comparable(model, single_pass: bool, installed, deepcopy_forbidden) -> None:
+    """compare(): single-pass installs on ``model`` (not while installed), two-pass deep-copies
+    it (``deepcopy_forbidden(model)``: FSDP2/DTensor-sharded models forbid it)."""
+    if single_pass and installed is not None:
+        raise RuntimeError("compare() cannot run while install() is active; call "
+                           "collect() instead, or uninstall() first")
+    if not single_pass and deepcopy_forbidden(model):
+        raise RuntimeError(
+            "two-pass (single_pass=False) deep-copies the model, which FSDP2/DTensor-sharded "
+            "models forbid; use single-pass: PrecisionChecker(single_pass=True) with "
+            "install(model) and collect(loss)")
+
+
+def expect_side(side) -> None:
+    """capture(): one side."""
+    if side not in ("eager", "compiled"):
+        raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
+
+
 def expect_step(call: str, fn, model) -> None:
     """``(fn, model)`` of compare() and capture(): the step function first, then the model."""
     if isinstance(fn, torch.nn.Module) and not isinstance(model, torch.nn.Module):
@@ -167,3 +221,42 @@ def expect_loss(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be the step's loss (a one-element tensor or a number), but "
                         f"received {_received(value)}")
+
+
+class CheckerOptions:
+    """The options a PrecisionChecker is made with, checked up front, as its public attributes
+    (see PrecisionChecker for each); ``check_every``/``check_steps`` become the schedule of its
+    checked steps, ``dump_dir`` the folder it was given (None: the default)."""
+
+    def __init__(self, backend, threshold, dump_graphs, graph_dir, cast_dtype, capture_input,
+                 single_pass, *, dump_dir, scenario, rtol, memory_budget_bytes, reference,
+                 verdict, tolerances, dtype_aware_tolerances, dump, check_every, check_steps,
+                 disk_budget_bytes, replay, strict_io):
+        self.backend = expect_backend(backend)
+        self.threshold = expect_tolerance("threshold", threshold)
+        self.dump_graphs = expect_flag("dump_graphs", dump_graphs)
+        self.graph_dir = expect_path("graph_dir", graph_dir)
+        self.cast_dtype = expect_cast_dtype(cast_dtype)
+        self.capture_input = expect_flag("capture_input", capture_input)
+        self.single_pass = expect_flag("single_pass", single_pass)
+        if not isinstance(scenario, str):
+            raise TypeError(f"scenario must be a str, but received {scenario!r}")
+        self.scenario = scenario
+        self.rtol = expect_tolerance("rtol", rtol)
+        self.memory_budget_bytes = expect_positive_int("memory_budget_bytes", memory_budget_bytes)
+        self._dump_dir_given = expect_path("dump_dir", dump_dir, optional=True)
+        self.reference = expect_reference(reference, self.single_pass)
+        self.verdict = expect_verdict(verdict)
+        self.tolerances = expect_tolerance_rules(tolerances)
+        self.dtype_aware_tolerances = expect_flag("dtype_aware_tolerances",
+                                                  dtype_aware_tolerances)
+        self.dump = _storage.expect_dump_mode(dump)
+        if self.reference not in (None, "auto") and self.dump != "full":
+            raise ValueError(f"reference={self.reference!r} needs dump='full': the reference "
+                             "is compared with the stored tensors of both sides")
+        self._schedule = _storage.Schedule(expect_positive_int("check_every", check_every),
+                                           _storage.expect_steps(check_steps))
+        self.disk_budget_bytes = None if disk_budget_bytes is None else \
+            expect_positive_int("disk_budget_bytes", disk_budget_bytes)
+        self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
+        self.strict_io = expect_flag("strict_io", strict_io)

@@ -1,14 +1,48 @@
-"""Planning a check: which wrapped modules become compile targets, how every wrapped or ignored
-module is described in the dump's /modules, and the model's provenance (devices, dtypes)."""
+"""Planning a check: which modules wrap_by_policy() and wrap_all_children() select, which wrapped
+modules become compile targets, how every wrapped or ignored module is described in the dump's
+/modules, and the model's provenance (devices, dtypes)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+import dataclasses
+import warnings
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
+from dynaprobe import _options
+from dynaprobe._capture import autocast_device_type, devices_of
+from dynaprobe._distributed import nested_fully_shard
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def of_types(model: nn.Module, module_types) -> Iterator[nn.Module]:
+    """The submodules of ``model`` (itself too) of ``module_types``, in model order."""
+    for _, module in model.named_modules():
+        if isinstance(module, module_types):
+            yield module
+
+
+def children_at_depth(model: nn.Module, depth: int) -> List[nn.Module]:
+    """The submodules ``depth`` levels below the direct children of ``model`` (depth=0: the
+    direct children). Containers (ModuleList, ModuleDict, Sequential) are looked through without
+    using up depth; modules without children are taken where the recursion reaches them."""
+    found: List[nn.Module] = []
+
+    def visit(module: nn.Module, remaining: int) -> None:
+        for child in module.children():
+            if isinstance(child, _CONTAINERS):
+                visit(child, remaining)
+            elif remaining <= 0 or not any(True for _ in child.children()):
+                found.append(child)
+            else:
+                visit(child, remaining - 1)
+
+    visit(model, depth)
+    return found
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -58,6 +92,28 @@ def plan(model: nn.Module, wrapped_modules: List[nn.Module], ignored_modules: Li
     return [(display(n), n) for n in targets], entries
 
 
+@dataclasses.dataclass
+class Plan:
+    """What a check of one model runs and says: its compile targets (display name, path), the
+    /modules entries (display name, attributes), the model's provenance (``describe_model``) and
+    its devices (whose autocast a call runs in)."""
+
+    targets: List[Tuple[str, str]]
+    modules: List[Tuple[str, Dict[str, str]]]
+    devices: Dict[str, str]
+    model_devices: set
+
+
+def plan_check(model: nn.Module, wrapped_modules: List[nn.Module],
+               ignored_modules: List[nn.Module], cast_dtype: Optional[torch.dtype]) -> Plan:
+    """The plan of checking ``model``; refuses a cast_dtype autocast would drop."""
+    targets, modules = plan(model, wrapped_modules, ignored_modules)
+    devices = describe_model(model)
+    model_devices = devices_of([], model)
+    _options.expect_autocast(cast_dtype, autocast_device_type(model_devices))
+    return Plan(targets, modules, devices, model_devices)
+
+
 def describe_model(model: nn.Module) -> Dict[str, str]:
     """Provenance of the model: where it runs and in which dtypes (cross-machine reports)."""
     params = list(model.parameters())
@@ -72,3 +128,21 @@ def describe_model(model: nn.Module) -> Dict[str, str]:
         "device": ", ".join(described),
         "param_dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
     }
+
+
+def warn_nested_fully_shard(entries: List[Tuple[str, Dict[str, str]]], name: str,
+                            module: nn.Module, stacklevel: int) -> None:
+    """A wrapped module holding fully_shard units below it: their parameters are still
+    sharded when it is called (each unit gathers its own inside), so their gradients are not
+    compared; its eager re-run gathers them again, on every rank alike. Said in its /modules
+    entry (``entries``) and in a warning (``stacklevel``: the caller of install())."""
+    nested = nested_fully_shard(module)
+    if not nested:
+        return
+    for entry, attributes in entries:
+        if entry == name:
+            attributes[vocabulary.ATTRIBUTE_NESTED_FULLY_SHARD] = ", ".join(nested)
+    warnings.warn(
+        f"dynaprobe: wrapped module {name} contains fully_shard units ({', '.join(nested)}): "
+        "the gradients of their parameters are not compared (they are sharded when it is "
+        "called); wrap the fully_shard units themselves to compare them", stacklevel=stacklevel)

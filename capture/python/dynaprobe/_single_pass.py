@@ -31,6 +31,7 @@ from dynaprobe._isolation import (
     counterparts,
 )
 from dynaprobe import _replay_store
+from dynaprobe._planning import Plan, warn_nested_fully_shard
 from dynaprobe._reference import (
     ReferencePolicy,
     ReferenceRun,
@@ -45,8 +46,23 @@ from dynaprobe._step import (
     Step,
     Target,
     compiled_param_grad_hook,
+    record_shared_param_grads,
     run_pending,
 )
+
+
+def install(model: torch.nn.Module, plan: Plan, session, compiler, **options) -> "SinglePass":
+    """install() per module: each target of ``plan`` compiled in place through ``compiler`` and
+    re-run eagerly through its own forward; ``options``: SinglePass's."""
+    modules = dict(model.named_modules())
+    targets = []
+    for display, name in plan.targets:
+        module = modules[name]
+        original = module.forward
+        targets.append(Target(display, module, compiler.compile(display, original), original))
+        # said to the caller of PrecisionChecker.install()
+        warn_nested_fully_shard(plan.modules, display, module, stacklevel=4)
+    return SinglePass(targets, session, compiler, **options)
 
 
 # The stacklevel of a warning said during a checked call, counted from _warn_once through the
@@ -91,27 +107,27 @@ class _Call:
 class SinglePass:
     """The installation on one model: its targets, their patched forwards and hooks.
 
-    ``current_step()`` gives the step being checked (begun by the first wrapped call), None in a
-    step that is not checked (the compiled modules then run alone);
-    ``active_step()`` the step if one is begun, else None (hooks firing outside a step do
-    nothing).
+    ``session`` (a ``_session.StepSession``) gives the step being checked (``current``, begun by
+    the first wrapped call), None in a step that is not checked (the compiled modules then run
+    alone), and the step begun if any (``step``: hooks firing outside a step do nothing).
+    ``compiler`` compiled the targets (its graphs, for replays, and what a step learned of
+    them).
     """
 
-    def __init__(self, targets: List[Target], current_step: Callable[[], Step],
-                 active_step: Callable[[], object], capture_input: bool, cast_dtype,
-                 reference: ReferencePolicy = ReferencePolicy(None),
+    def __init__(self, targets: List[Target], session, compiler, capture_input: bool,
+                 cast_dtype, reference: ReferencePolicy = ReferencePolicy(None),
                  tolerances: Tuple[float, float] = (1e-4, 1e-3),
-                 replay: str = "none", backend=None, graphs=None):
+                 replay: str = "none", backend=None):
         self.targets = targets
-        self.current_step = current_step
-        self.active_step = active_step
+        self.session = session
+        self.compiler = compiler
         self.capture_input = capture_input
         self.cast_dtype = cast_dtype
         self.reference = reference  # which calls get a reference, in which dtype
         self.tolerances = tolerances  # (atol, rtol): what "failing" means
         self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
         self.backend = backend
-        self.graphs = graphs  # the GraphRecorder: the runs of compiled graphs, for replays
+        self.graphs = compiler.graphs  # the GraphRecorder: the runs of compiled graphs
         self._backend_spec = None  # how a replay finds the backend, worked out once
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
@@ -131,9 +147,16 @@ class SinglePass:
         inputs or parameters) before the step is written."""
         run_pending(step, "no gradient reached the module's inputs or parameters")
 
+    def conclude(self, step: Step) -> None:
+        """collect(), once the step has run: what it learned of each target, the summed
+        parameter gradients, and the replay data of the calls not yet decided."""
+        self.compiler.summarize(step, self.targets)
+        record_shared_param_grads(step, self.targets)
+        self.decide_replays(step, final=True)
+
     def _forward(self, target: Target) -> Callable:
         def forward(*args, **kwargs):
-            step = self.current_step()
+            step = self.session.current(self.targets)
             if step is None:  # a step that is not checked: the compiled module only
                 return target.run(*args, **kwargs)
             return self._checked_call(step, target, args, kwargs)
@@ -463,7 +486,7 @@ class SinglePass:
             if id(param) not in self.hooked:  # once per parameter, even if shared by targets
                 self.hooked[id(param)] = param
                 self.restore.append(param.register_hook(
-                    compiled_param_grad_hook(self.active_step, param)).remove)
+                    compiled_param_grad_hook(self.session, param)).remove)
             if (id(target), id(param)) not in self.hooked:
                 self.hooked[(id(target), id(param))] = param
                 self.restore.append(param.register_post_accumulate_grad_hook(
@@ -473,7 +496,7 @@ class SinglePass:
     def _accumulated_hook(self, target: Target):
         def hook(_: torch.Tensor) -> None:
             # The training backward has passed this module: grad_output is known.
-            step = self.active_step()
+            step = self.session.step
             if step is not None:
                 for pending in step.pending:
                     if pending.target is target:

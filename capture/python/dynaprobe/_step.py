@@ -252,12 +252,19 @@ def run_pending(step: Step, unreached: str) -> None:
     step.pending.clear()
 
 
-def compiled_param_grad_hook(active_step: Callable[[], Optional[Step]], param: torch.Tensor):
+def record_shared_param_grads(step: Step, targets: List[Target]) -> None:
+    """Single-pass and whole-model mode: the summed parameter gradients of ``targets``, every
+    side's sum keyed by the real parameter."""
+    step.record_param_grads([(t.name, [(n, p, p, p) for n, p in t.params]) for t in targets])
+
+
+def compiled_param_grad_hook(session, param: torch.Tensor):
     """A hook for ``param.register_hook``: adds the training backward's gradient of ``param`` to
-    the active step's compiled-side sum (the checker's own eager backward is left out)."""
+    the compiled-side sum of the step ``session`` (a ``_session.StepSession``) has begun, if any
+    (the checker's own eager backward is left out)."""
     def hook(grad: Optional[torch.Tensor]) -> None:
         # Autograd hands hooks None for a gradient it left undefined (AXK2): zero, nothing to add.
-        step = active_step()
+        step = session.step
         if step is not None and grad is not None and not _in_eager_backward():
             step.add_param_grad("compiled", param, grad)
 

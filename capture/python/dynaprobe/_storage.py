@@ -98,9 +98,10 @@ def _size(n: float) -> str:
 
 
 def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedule, step: int,
-                      budget: Optional[int]) -> None:
+                      budget: Optional[int], stacklevel: int = 4) -> None:
     """After the first checked step: one line on stderr with the bytes a checked step takes,
-    and a warning when the run will not fit the disk budget or the free space."""
+    and a warning when the run will not fit the disk budget or the free space (``stacklevel``:
+    the user's frame that finished the step, counted from here)."""
     size = os.path.getsize(step_file)
     free = shutil.disk_usage(dump_dir).free
     remaining = schedule.remaining(step)
@@ -112,11 +113,11 @@ def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedu
     if budget is not None and size > budget:
         warnings.warn(f"dynaprobe: one checked step ({_size(size)}) is larger than the disk budget "
                       f"({_size(budget)}): only the latest step is kept; raise disk_budget_bytes "
-                      "or store less (dump='failing' or 'stats')", stacklevel=4)
+                      "or store less (dump='failing' or 'stats')", stacklevel=stacklevel)
     if budget is not None and budget > free + size:
         warnings.warn(f"dynaprobe: the disk budget ({_size(budget)}) is larger than the free space "
                       f"of {dump_dir} ({_size(free)}): the disk may fill before the budget does",
-                      stacklevel=4)
+                      stacklevel=stacklevel)
     if budget is None:
         ahead = size * remaining if remaining is not None else size * 10
         if ahead > free:
@@ -125,7 +126,7 @@ def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedu
             warnings.warn(f"dynaprobe: {what} would write about {_size(ahead)}, more than the "
                           f"{_size(free)} free in {dump_dir}; set disk_budget_bytes, check fewer "
                           "steps (check_every, check_steps) or store less (dump='failing' or "
-                          "'stats')", stacklevel=4)
+                          "'stats')", stacklevel=stacklevel)
 
 
 def brief(error: BaseException) -> str:

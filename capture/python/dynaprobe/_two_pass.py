@@ -26,6 +26,23 @@ from dynaprobe._step import Step, Target
 SIDES = ("eager", "compiled", "reference")
 
 
+def run_step(session, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
+             targets: List[Tuple[str, str]], compiler, capture_input: bool, cast_dtype,
+             reference: ReferencePolicy = ReferencePolicy(None), compare: bool = True):
+    """A two-pass (or captured) step of ``session`` (a ``_session.StepSession``): begun, run by
+    ``run_sides`` with the targets compiled by ``compiler``, what it learned of the compiled
+    side's targets, and finished (``StepSession.finish``: its result, or its file)."""
+    step = session.begin([])
+    try:
+        by_side = run_sides(step, fn, model, sides, targets, compiler.compile, capture_input,
+                            cast_dtype, reference)
+        if "compiled" in by_side:
+            compiler.summarize(step, by_side["compiled"])
+        return session.finish(compare=compare)
+    finally:
+        session.abandon()
+
+
 def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
               targets: List[Tuple[str, str]], compile_forward: Callable,
               capture_input: bool, cast_dtype,
@@ -66,8 +83,8 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
             if loss is not None:
                 step.record_loss(side, loss)
         dtype = reference.dtype(seen_low[0] if seen_low else None)
-        if seen_low:
-            reference.warn_unavailable(by_side["eager"][0].name, seen_low[0])
+        if seen_low:  # said to the caller of run_step's caller (PrecisionChecker.compare)
+            reference.warn_unavailable(by_side["eager"][0].name, seen_low[0], stacklevel=5)
         if dtype is not None and "compiled" in by_side:
             _run_reference_side(step, fn, model, rng, dtype, patch,
                                 [display for display, _ in targets], capture_input)

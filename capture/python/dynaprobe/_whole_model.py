@@ -42,6 +42,7 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import RngState, _in_eager_backward
 from dynaprobe._graphs import GraphRecorder
+from dynaprobe._planning import Plan
 from dynaprobe._reference import (
     LOW_PRECISION,
     ReferencePolicy,
@@ -57,6 +58,7 @@ from dynaprobe._step import (
     Step,
     Target,
     compiled_param_grad_hook,
+    record_shared_param_grads,
     run_pending,
 )
 
@@ -211,14 +213,25 @@ class _Call:
         self.pending: List[Tuple[PendingBackward, set]] = []
 
 
+def install(compiled, model_plan: Plan, session, compiler, **options) -> "WholeModel":
+    """install() of ``compiled``, a model the user compiled whole: the targets of
+    ``model_plan`` checked inside the graphs ``compiler`` (the user's backend) compiles;
+    ``options``: WholeModel's."""
+    model = compiled._orig_mod
+    modules = dict(model.named_modules())
+    targets = [Target(display, modules[name], None, None) for display, name in model_plan.targets]
+    return WholeModel(compiled, targets, type(model).__name__, compiler.graphs, session,
+                      **options)
+
+
 class WholeModel:
     """The installation on an ``OptimizedModule``: its backend replaced by ``_backend`` below,
     which compiles through ``graphs`` (the user's backend), the hooks, and what the graphs Dynamo
-    captured hold of each target."""
+    captured hold of each target. ``session`` (a ``_session.StepSession``) gives the step being
+    checked (``current``) and the step begun, if any (``step``)."""
 
     def __init__(self, optimized, targets: List[Target], model_name: str, graphs: GraphRecorder,
-                 current_step: Callable[[], Optional[Step]],
-                 active_step: Callable[[], Optional[Step]], capture_input: bool,
+                 session, capture_input: bool,
                  reference: ReferencePolicy = ReferencePolicy(None),
                  tolerances: Tuple[float, float] = (1e-4, 1e-3)):
         self.optimized = optimized
@@ -228,8 +241,7 @@ class WholeModel:
         self.targets = targets
         self.model_name = model_name
         self.graphs = graphs
-        self.current_step = current_step
-        self.active_step = active_step
+        self.session = session
         self.capture_input = capture_input
         self.by_id = {str(id(t.module)): t for t in targets}
         self.paths = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
@@ -276,7 +288,7 @@ class WholeModel:
                 if id(param) not in hooked:
                     hooked.add(id(param))
                     self.restore.append(param.register_hook(
-                        compiled_param_grad_hook(self.active_step, param)).remove)
+                        compiled_param_grad_hook(self.session, param)).remove)
                 self.restore.append(param.register_post_accumulate_grad_hook(
                     lambda _, target=target: self._run_pending(target)).remove)
 
@@ -294,6 +306,12 @@ class WholeModel:
         run_pending(step, "no gradient left the module through an input")
         for call in self.calls:
             call.pending.clear()
+
+    def conclude(self, step: Step) -> None:
+        """collect(), once the step has run: what it learned of each target and the summed
+        parameter gradients (whole-model mode keeps no replay data: user-guide.md)."""
+        self.summarize(step)
+        record_shared_param_grads(step, self.targets)
 
     def summarize(self, step: Step) -> None:
         """Per-step facts about each target: calls, the compiled functions it was found in, the
@@ -552,7 +570,7 @@ class WholeModel:
     def _runner(self, compiled, calls: List[_Call], count: int, as_tuple: bool) -> Callable:
 
         def run(*args):
-            step = self.current_step() if calls else None
+            step = self.session.current(self.targets) if calls else None
             if step is not None:
                 devices = {a.device for a in args if isinstance(a, torch.Tensor)}
                 rng_before = RngState(devices)
@@ -686,7 +704,7 @@ class WholeModel:
         has not received it yet (calls run backward in the reverse order of their forward)."""
 
         def receive(grad: torch.Tensor) -> None:
-            step = self.active_step()
+            step = self.session.step
             if step is None or _in_eager_backward():
                 return
             for pending, inputs_seen in reversed(call.pending):
@@ -708,7 +726,7 @@ class WholeModel:
         return receive
 
     def _run_pending(self, target: Target) -> None:
-        step = self.active_step()
+        step = self.session.step
         if step is None:
             return
         for call in self.calls:

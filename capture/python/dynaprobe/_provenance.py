@@ -1,0 +1,70 @@
+"""What a dump says about how and where it was captured: the provenance of its step files, from
+the checker's options, the mode, the model's devices and the machine (docs/dump-format.md)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Dict
+
+import torch
+
+from dynaprobe._C import vocabulary
+from dynaprobe._distributed import rank_and_world
+from dynaprobe._environment import environment
+from dynaprobe._reference import ReferencePolicy
+
+
+def reference_policy(reference, dump: str) -> ReferencePolicy:
+    """What ``reference`` runs: "auto" needs the stored tensors (dump="full"); under
+    "failing" or "stats" low-precision rows keep the tolerances' verdict (a warning says so
+    at the first such call)."""
+    if reference == "auto" and dump != "full":
+        return ReferencePolicy(None, unavailable=f"dump={dump!r} stores no tensors to "
+                               "judge against a reference: low-precision rows are judged by "
+                               "the dtype's tolerances alone; use dump='full' for the "
+                               "reference's verdict")
+    return ReferencePolicy(reference)
+
+
+def backend_name(backend) -> str:
+    """A torch.compile backend as the provenance names it."""
+    return backend if isinstance(backend, str) else getattr(
+        backend, "compiler_name", getattr(backend, "__name__", type(backend).__name__))
+
+
+def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
+               compile_scope: str = "per_module") -> Dict[str, str]:
+    """The provenance of a dump ``checker`` (a PrecisionChecker: its options) captures in
+    ``mode`` from a model on ``devices`` (``_planning.describe_model``); ``backend``: the one
+    that compiles, when not the checker's (a model compiled whole)."""
+    rank, world = rank_and_world()
+    backend = checker.backend if backend is None else backend
+    return {
+        "producer": "dynaprobe.PrecisionChecker",
+        "torch_version": torch.__version__,
+        "backend": backend_name(backend),
+        vocabulary.PROVENANCE_MODE: mode,
+        "compile_scope": compile_scope,
+        vocabulary.PROVENANCE_RANK: str(rank),
+        "world_size": str(world),
+        vocabulary.PROVENANCE_SCENARIO: checker.scenario,
+        vocabulary.PROVENANCE_ATOL: repr(float(checker.threshold)),
+        vocabulary.PROVENANCE_RTOL: repr(float(checker.rtol)),
+        vocabulary.PROVENANCE_CAST_DTYPE: str(checker.cast_dtype)
+        if checker.cast_dtype is not None else "None",
+        vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if checker.capture_input else "false",
+        vocabulary.PROVENANCE_REFERENCE: str(reference_policy(checker.reference,
+                                                              checker.dump).mode),
+        vocabulary.PROVENANCE_VERDICT: checker.verdict,
+        vocabulary.PROVENANCE_TOLERANCE_RULES: "".join(
+            f"{atol!r} {rtol!r} {pattern}\n"
+            for pattern, (atol, rtol) in checker.tolerances.items()),
+        vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
+            "true" if checker.dtype_aware_tolerances else "false",
+        **devices,
+        **environment(),
+        "host": socket.gethostname(),
+        vocabulary.PROVENANCE_CREATED:
+            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
