@@ -415,6 +415,35 @@ def test_results_are_values_and_the_cli_gives_the_same_report(dynaprobe_cli):
     assert cli.stdout == results[1].text()
 
 
+def test_one_checker_captures_both_sides_and_the_cli_compares_them(dynaprobe_cli):
+    # Each side's file says its own side, and the side captured second gets a dump of its own,
+    # numbered from 0 like the first, so that `dynaprobe compare` pairs the two steps.
+    model = Nested()
+    x = torch.randn(3, 4)
+    checker = PrecisionChecker(dump_dir="dump")
+    checker.wrap_all_children(model, depth=0)
+    eager = checker.capture(lambda m: train_step(m, x), model, side="eager")
+    compiled = checker.capture(lambda m: train_step(m, x), model, side="compiled")
+    assert eager == os.path.join("dump", "step_00000000.h5")
+    assert compiled == os.path.join("dump", "compiled", "step_00000000.h5")
+    cli = subprocess.run([dynaprobe_cli, "compare", eager, compiled], capture_output=True,
+                         text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    lines = cli.stdout.splitlines()
+    assert " mode=eager_only" in lines[0] and " mode=compiled_only" in lines[1]
+    assert "RESULT: ALL PASS" in cli.stdout and "nothing compared" not in cli.stdout
+    assert "  pass  blocks.1.grad_input" in cli.stdout and cli.stderr == ""
+    # Further captures of each side go on in its own dump: steps 1 pair up too.
+    assert checker.capture(lambda m: train_step(m, x), model, side="eager") == \
+        os.path.join("dump", "step_00000001.h5")
+    assert checker.capture(lambda m: train_step(m, x), model, side="compiled") == \
+        os.path.join("dump", "compiled", "step_00000001.h5")
+    cli = subprocess.run([dynaprobe_cli, "compare", "dump", os.path.join("dump", "compiled")],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "Summary: 2 steps, 2 ALL PASS" in cli.stdout
+
+
 def test_an_unwritable_dump_folder_costs_the_dump_not_training(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

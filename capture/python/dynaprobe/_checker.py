@@ -303,6 +303,10 @@ class PrecisionChecker(_options.CheckerOptions):
         ``model`` itself runs (no copy; FSDP2 models work), its wrapped modules compiled for the
         step when ``side="compiled"``. The file is what it is for: a step that cannot be written
         raises ``DumpIOError``, whatever ``strict_io`` says.
+
+        A checker that captures both sides keeps each in a dump of its own, each side's steps
+        numbered from 0: the side captured first in ``dump_dir``, the other in
+        ``<run_dir>/<side>`` (with ``rank<R>`` below it when ``dump_dir`` is a rank folder).
         """
         _options.expect_step('checker.capture(lambda m: m(x).sum(), model, side="eager")', fn,
                              model)
@@ -314,7 +318,7 @@ class PrecisionChecker(_options.CheckerOptions):
         """Runs ``fn`` on each (side, model) in turn (two-pass, capture()) and finishes the
         step; compares it unless it is a ``capture`` of one side."""
         plan = _planning.plan_check(model, self._wrapped, self._ignored, self.cast_dtype)
-        session = self._dumps.session()
+        session = self._dumps.session(capture)
         self._set_up(session, plan, CAPTURE_MODES[capture] if capture else
                      vocabulary.MODE_TWO_PASS)
         return run_step(session, fn, model, sides, plan.targets, self._compiler,

@@ -250,7 +250,8 @@ class StepSession:
 
 class Dumps:
     """A checker's dump folders, each with its session: ``dump_dir``, resolved when first
-    needed (by every rank together).
+    needed (by every rank together), and for capture() of the side that dump does not hold, that
+    side's own dump (``other_side_dump_dir``).
 
     Args:
         dump_dir: the ``dump_dir`` the checker was given (None: the default).
@@ -276,9 +277,13 @@ class Dumps:
         parent, leaf = os.path.split(os.path.normpath(self.dump_dir))
         return parent if leaf == f"rank{rank_and_world()[0]}" else self.dump_dir
 
-    def session(self) -> StepSession:
-        """The session of ``dump_dir``."""
+    def session(self, side: Optional[str] = None) -> StepSession:
+        """The session of ``dump_dir``; for a capture of ``side`` when that dump holds another
+        mode (the other side, or a comparison), the session of that side's own dump."""
         folder = self.dump_dir
+        main = self.sessions.get(folder)
+        if side is not None and main is not None and main.mode not in (None, CAPTURE_MODES[side]):
+            folder = other_side_dump_dir(folder, self.run_dir, side)
         if folder not in self.sessions:
             self.sessions[folder] = StepSession(folder, self.schedule, **self.settings)
         return self.sessions[folder]
@@ -300,3 +305,11 @@ class Dumps:
         for session in list(self.sessions.values()):
             session.wait_committed()
 
+
+def other_side_dump_dir(dump_dir: str, run_dir: str, side: str) -> str:
+    """Where a checker's captures of ``side`` go when its dump holds another mode:
+    ``<run_dir>/<side>``, with the rank folder below it when ``dump_dir`` is one, so that
+    ``dynaprobe compare RUN_DIR RUN_DIR/<side>`` pairs them rank by rank and step by step."""
+    if os.path.normpath(run_dir) == os.path.normpath(dump_dir):
+        return os.path.join(dump_dir, side)
+    return os.path.join(run_dir, side, os.path.basename(os.path.normpath(dump_dir)))
