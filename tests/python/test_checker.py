@@ -409,6 +409,7 @@ def test_results_are_values_and_the_cli_gives_the_same_report(dynaprobe_cli):
         results.append(checker.collect(loss))
     assert [r.step for r in results] == [0, 1]
     assert isinstance(results[0], CompareResult) and len(results[0]) == len(list(results[0]))
+    checker.wait_committed()  # step 1's file is committed while training goes on
     cli = subprocess.run([dynaprobe_cli, "compare", "dump", "--step", "1"], capture_output=True,
                          text=True)
     assert cli.returncode == 0, cli.stderr
