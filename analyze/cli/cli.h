@@ -11,10 +11,14 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "dynaprobe/analyze/report.h"
 
 namespace dynaprobe::cli {
 
@@ -57,6 +61,24 @@ struct Command {
 // (O_NOFOLLOW), so nothing is written outside the folder given. Throws IoError.
 void write_text_file(const std::filesystem::path& path, const std::string& text);
 
+// A report file written as it is made (a run's streamed reports), opened as write_text_file
+// opens its file. close() throws IoError when any of it could not be written.
+class OutputFile {
+ public:
+  explicit OutputFile(std::filesystem::path path);
+  ~OutputFile();
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  std::ostream& stream();
+  void close();
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  struct Open;
+  std::filesystem::path path_;
+  std::unique_ptr<Open> open_;
+};
+
 // A name from a dump, printable on one line (formats::printable_name); valid until the next
 // call on this thread, so use it once per printf.
 const char* printable(const std::string& name);
@@ -70,22 +92,41 @@ std::string chosen_dump(const std::string& command, const std::string& path);
 
 // The subcommands. setup_x adds the subcommand to `app`; when it is the one parsed, `selected`
 // is set to run it with the parsed options.
-struct CompareOptions {
-  std::string dump, dump2;
-  std::string csv;
+// What compare and merge write: the stdout report and the report files asked for.
+struct ReportOptions {
+  std::string csv;  // the 9-column CSV, one file per rank
   std::map<std::string, std::string>
-      reports;  // report format name (analyze::report_formats()) -> PATH
+      reports;             // report format name (analyze::report_formats()) -> PATH
+  bool all_steps = false;  // every step's full report after a run's summary
+};
+// Writes the stdout report and the report files of a run: `run` gives the writers the run (and
+// reads the compiled side's graphs when `read_graphs`). Returns the exit code of its verdict.
+int write_reports(const analyze::RunShape& shape, const ReportOptions& options,
+                  const std::function<analyze::RunTotals(
+                      const std::vector<analyze::ReportWriter*>& writers, bool read_graphs)>& run);
+// Adds --csv, --all-steps and an option per registered report format to `sub`.
+void add_report_options(CLI::App& sub, ReportOptions& options);
+
+struct CompareOptions : ReportOptions {
+  std::string dump, dump2;
   std::optional<double> atol, rtol;
   std::vector<std::string> tolerance_rules;  // PATTERN=ATOL,RTOL
   bool fixed_tolerances = false;             // no dtype-aware rtol floor
   std::string verdict;                       // "reference", "tolerances", empty: the dump's
   bool recompute = false;                    // metrics from the tensors, not the capture's
-  std::optional<std::int64_t> step;
+  std::string steps, ranks;                  // IndexSet lists; empty: all
   std::string module;
   int threads = 0;
 };
 void setup_compare(CLI::App& app, Command& selected);
 int run_compare(const CompareOptions& options);
+
+// dynaprobe merge: partial JSON reports of one run joined into the report of the whole.
+struct MergeOptions : ReportOptions {
+  std::vector<std::string> reports_in;
+};
+void setup_merge(CLI::App& app, Command& selected);
+int run_merge(const MergeOptions& options);
 
 struct LsOptions {
   std::string dump;

@@ -6,7 +6,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
+#include <ostream>
+#include <streambuf>
+#include <vector>
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
@@ -40,33 +44,89 @@ Failure failure_of(std::exception_ptr error, const std::string& reading) {
   }
 }
 
-void write_text_file(const fs::path& path, const std::string& text) {
-  if (path.has_parent_path()) {
-    std::error_code error;
-    fs::create_directories(path.parent_path(), error);
+namespace {
+
+// The bytes of a report file, written to its descriptor in 64 KiB pieces; the first error is kept
+// for close() to report.
+class FileBuffer : public std::streambuf {
+ public:
+  explicit FileBuffer(int fd) : fd_(fd), buffer_(1 << 16) {
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
   }
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  int error() const { return error_; }
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (!flush_buffer()) return traits_type::eof();
+    if (!traits_type::eq_int_type(c, traits_type::eof())) {
+      *pptr() = traits_type::to_char_type(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override { return flush_buffer() ? 0 : -1; }
+
+ private:
+  bool flush_buffer() {
+    const char* at = pbase();
+    while (at < pptr() && error_ == 0) {
+      const ssize_t n = ::write(fd_, at, static_cast<std::size_t>(pptr() - at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) error_ = n < 0 ? errno : EIO;
+      if (n > 0) at += n;
+    }
+    setp(buffer_.data(), buffer_.data() + buffer_.size());
+    return error_ == 0;
+  }
+
+  int fd_;
+  std::vector<char> buffer_;
+  int error_ = 0;
+};
+
+}  // namespace
+
+struct OutputFile::Open {
+  int fd;
+  FileBuffer buffer;
+  std::ostream stream;
+  explicit Open(int descriptor) : fd(descriptor), buffer(descriptor), stream(&buffer) {}
+};
+
+OutputFile::OutputFile(fs::path path) : path_(std::move(path)) {
+  if (path_.has_parent_path()) {
+    std::error_code error;
+    fs::create_directories(path_.parent_path(), error);
+  }
+  const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int code = errno;
-    throw IoError("cannot write " + path.string() + ": " +
+    throw IoError("cannot write " + path_.string() + ": " +
                   (code == ELOOP ? std::string("it is a symbolic link, which dynaprobe does not "
                                                "follow; remove it")
                                  : std::string(std::strerror(code))));
   }
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string reason = std::strerror(errno);
-      ::close(fd);
-      throw IoError("cannot write " + path.string() + ": " + reason);
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::close(fd) != 0) {
-    throw IoError("cannot write " + path.string() + ": " + std::strerror(errno));
-  }
+  open_ = std::make_unique<Open>(fd);
+}
+
+OutputFile::~OutputFile() {
+  if (open_) ::close(open_->fd);
+}
+
+std::ostream& OutputFile::stream() { return open_->stream; }
+
+void OutputFile::close() {
+  open_->stream.flush();
+  int error = open_->buffer.error();
+  if (::close(open_->fd) != 0 && error == 0) error = errno;
+  open_.reset();
+  if (error != 0) throw IoError("cannot write " + path_.string() + ": " + std::strerror(error));
+}
+
+void write_text_file(const fs::path& path, const std::string& text) {
+  OutputFile file(path);
+  file.stream() << text;
+  file.close();
 }
 
 const char* printable(const std::string& name) {

@@ -14,20 +14,13 @@
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/root_cause.h"
+#include "dynaprobe/analyze/run.h"
 #include "dynaprobe/formats/error.h"
 
 namespace dynaprobe::cli {
 namespace fs = std::filesystem;
 
 namespace {
-
-// "report.csv" -> "report_rank1.csv", for per-rank CSVs of a run folder.
-fs::path with_rank(const fs::path& path, int rank) {
-  fs::path result = path;
-  result.replace_filename(path.stem().string() + "_rank" + std::to_string(rank) +
-                          path.extension().string());
-  return result;
-}
 
 // A progress bar on stderr, drawn only when stderr is a terminal and the work takes a while.
 std::function<void(std::uint64_t, std::uint64_t)> progress_bar() {
@@ -49,57 +42,19 @@ std::function<void(std::uint64_t, std::uint64_t)> progress_bar() {
   };
 }
 
-// After the reports of several steps (or ranks), one line that says which failed and why, so a
-// long run's verdict does not have to be found by scrolling: "Summary: 3 steps, 2 ALL PASS,
-// 1 FAILED: step 1 (2 FAIL, 0 WARN)". Empty for a single step, whose RESULT line says it all.
-std::string render_summary(const std::vector<analyze::RankComparison>& results) {
-  std::size_t steps = 0, passed = 0;
-  std::vector<std::string> failed;
-  const bool many_ranks = results.size() > 1;
-  for (const auto& result : results) {
-    for (const auto& step : result.comparison.steps) {
-      ++steps;
-      if (step.all_pass()) {
-        ++passed;
-        continue;
-      }
-      const analyze::StepCounts counts = step.counts();
-      std::string why = std::to_string(counts.fail) + " FAIL, " + std::to_string(counts.warn) +
-                        " WARN" + (counts.loss_failed ? ", loss FAIL" : "") +
-                        (counts.nothing_compared() ? ", nothing compared" : "");
-      failed.push_back((many_ranks ? "rank " + std::to_string(result.rank) + " " : "") + "step " +
-                       std::to_string(step.step) + " (" + why + ")");
-    }
-  }
-  if (steps < 2) return "";
-  // Where the differences first appear, across ranks and steps: the root cause of the first
-  // failing step (rank by rank, step by step).
-  std::string first_cause;
-  for (const auto& result : results) {
-    for (const auto& step : result.comparison.steps) {
-      if (!first_cause.empty() || step.root_cause.empty()) continue;
-      const analyze::Finding& finding =
-          step.root_cause.forward ? *step.root_cause.forward : *step.root_cause.backward;
-      first_cause = "Root cause first seen in " +
-                    (many_ranks ? "rank " + std::to_string(result.rank) + " " : std::string()) +
-                    "step " + std::to_string(step.step) + ": " +
-                    (step.root_cause.forward ? "forward " : "backward ") +
-                    analyze::describe_finding(step, finding) + "\n";
-    }
-  }
-  std::string out =
-      "Summary: " + std::to_string(steps) + " steps, " + std::to_string(passed) + " ALL PASS";
-  if (!failed.empty()) {
-    constexpr std::size_t kListed = 10;
-    out += ", " + std::to_string(failed.size()) + " FAILED: ";
-    for (std::size_t i = 0; i < std::min(failed.size(), kListed); ++i) {
-      out += (i ? ", " : "") + failed[i];
-    }
-    if (failed.size() > kListed) {
-      out += ", and " + std::to_string(failed.size() - kListed) + " more (--json has them all)";
-    }
-  }
-  return out + "\n" + first_cause;
+// --steps and --ranks: a list of indices (analyze::IndexSet).
+CLI::Validator index_list() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          analyze::IndexSet::parse(text, "");
+          return {};
+        } catch (const UsageError&) {
+          return "expected " + std::string(analyze::IndexSet::kExpected) + ", but received '" +
+                 formats::printable_name(text) + "'";
+        }
+      },
+      "LIST", "index list");
 }
 
 // "layers.*.mlp=1e-3,1e-2" -> a rule; a usage error naming the option otherwise.
@@ -157,16 +112,7 @@ void setup_compare(CLI::App& app, Command& selected) {
       ->type_name("")
       ->required();
   sub->add_option("DUMP2", options->dump2, "The compiled side, captured separately")->type_name("");
-  sub->add_option("--csv", options->csv,
-                  "Also write the 9-column CSV report to PATH (a run folder of several ranks: one "
-                  "file per rank, PATH_rank<R>.csv)")
-      ->type_name("PATH");
-  // --merged-csv, --json, --html, ...: one option per registered report format.
-  for (const analyze::ReportFormat& format : analyze::report_formats()) {
-    sub->add_option("--" + std::string(format.name), options->reports[std::string(format.name)],
-                    std::string(format.description))
-        ->type_name("PATH");
-  }
+  add_report_options(*sub, *options);
   sub->add_option("--atol", options->atol,
                   "Absolute tolerance (default: the one the dump was captured with, else 1e-4)")
       ->type_name("X")
@@ -193,9 +139,18 @@ void setup_compare(CLI::App& app, Command& selected) {
                 "Compute every pair's metrics from its stored tensors, also where the capture "
                 "stored the metrics it computed in memory (checks them; slower). Pairs whose "
                 "tensors were not stored (dump='failing' or 'stats') keep their stored metrics");
-  sub->add_option("--step", options->step, "Compare only step N (default: every step)")
-      ->type_name("N")
-      ->check(non_negative("3", /*integer=*/true));
+  sub->add_option("--steps,--step", options->steps,
+                  "Compare only these steps: N, N-M or a list of them, e.g. '3' or '0-3,8' "
+                  "(default: every step)")
+      ->type_name("LIST")
+      ->check(index_list());
+  sub->add_option("--ranks", options->ranks,
+                  "Compare only these ranks of a run folder: N, N-M or a list of them, e.g. "
+                  "'0-3' (default: every rank). Reports of parts of a run merge with "
+                  "dynaprobe merge")
+      ->type_name("LIST")
+      ->check(index_list());
+
   sub->add_option("--module", options->module,
                   "Compare only modules whose name matches GLOB (shell-style, e.g. 'layers.*')")
       ->type_name("GLOB");
@@ -209,7 +164,8 @@ void setup_compare(CLI::App& app, Command& selected) {
 }
 
 int run_compare(const CompareOptions& cmd) {
-  analyze::CompareOptions options;
+  analyze::RunOptions run;
+  analyze::CompareOptions& options = run.compare;
   options.atol = cmd.atol;
   options.rtol = cmd.rtol;
   for (const std::string& text : cmd.tolerance_rules) {
@@ -218,69 +174,78 @@ int run_compare(const CompareOptions& cmd) {
   if (cmd.fixed_tolerances) options.dtype_aware = false;
   if (!cmd.verdict.empty()) options.reference_decides = cmd.verdict == "reference";
   options.recompute = cmd.recompute;
-  options.step = cmd.step;
   options.module_glob = cmd.module;
   options.threads = cmd.threads;
   options.progress = progress_bar();
+  if (!cmd.steps.empty()) run.steps = analyze::IndexSet::parse(cmd.steps, "--steps");
+  if (!cmd.ranks.empty()) run.ranks = analyze::IndexSet::parse(cmd.ranks, "--ranks");
+  run.warn = [](const std::string& warning) {
+    std::cerr << "dynaprobe: warning: " << warning << "\n";
+  };
+  const std::string eager = chosen_dump("compare", cmd.dump);
+  const std::string compiled = cmd.dump2.empty() ? eager : chosen_dump("compare", cmd.dump2);
+  const analyze::RunPlan plan = analyze::plan_run(eager, compiled, run);
+  return write_reports(plan.shape, cmd,
+                       [&](const std::vector<analyze::ReportWriter*>& writers, bool read_graphs) {
+                         run.read_graphs = read_graphs;
+                         return analyze::analyze_run(plan, run, writers);
+                       });
+}
 
-  const auto eager_ranks = analyze::find_rank_dumps(chosen_dump("compare", cmd.dump));
-  auto compiled_ranks = eager_ranks;
-  if (!cmd.dump2.empty()) {
-    compiled_ranks = analyze::find_rank_dumps(chosen_dump("compare", cmd.dump2));
-    if (compiled_ranks.size() != eager_ranks.size()) {
-      throw UsageError(cmd.dump + " has " + std::to_string(eager_ranks.size()) + " rank(s) but " +
-                       cmd.dump2 + " has " + std::to_string(compiled_ranks.size()) +
-                       "; compare runs with the same ranks, or name one rank folder each");
-    }
+void add_report_options(CLI::App& sub, ReportOptions& options) {
+  sub.add_option("--csv", options.csv,
+                 "Also write the 9-column CSV report to PATH (a run folder of several ranks: one "
+                 "file per rank, PATH_rank<R>.csv)")
+      ->type_name("PATH");
+  // --merged-csv, --json, --html, ...: one option per registered report format.
+  for (const analyze::ReportFormat& format : analyze::report_formats()) {
+    sub.add_option("--" + std::string(format.name), options.reports[std::string(format.name)],
+                   std::string(format.description))
+        ->type_name("PATH");
   }
-  std::vector<analyze::RankComparison> results;
-  const bool many_ranks = eager_ranks.size() > 1;
-  for (std::size_t i = 0; i < eager_ranks.size(); ++i) {
-    analyze::RankComparison result;
-    result.rank = eager_ranks[i].rank;
-    result.comparison = analyze::compare(eager_ranks[i].path, compiled_ranks[i].path, options);
-    const auto& provenance = result.comparison.compiled_provenance;
-    auto scenario = provenance.find(std::string(formats::vocabulary::provenance::kScenario));
-    result.scenario = scenario == provenance.end() ? "" : scenario->second;
+  sub.add_flag("--all-steps", options.all_steps,
+               "After the summary of a run of several steps or ranks, print every step's full "
+               "report (default: the first 3 failing steps')");
+}
 
-    for (const auto& warning : result.comparison.warnings) {
-      std::cerr << "dynaprobe: warning: " << warning << "\n";
-    }
-    if (many_ranks) {
-      std::cout << "Rank " << result.rank
-                << (result.scenario.empty() ? "" : " (scenario " + result.scenario + ")") << ": "
-                << eager_ranks[i].path.string() << "\n";
-    }
-    std::cout << analyze::render_provenance(result.comparison);
-    const auto& steps = result.comparison.steps;
-    for (const auto& step : steps) {
-      if (steps.size() > 1) std::cout << "Step " << step.step << "\n";
-      std::cout << analyze::render_text(step);
-    }
-    if (!cmd.csv.empty()) {
-      const fs::path path = many_ranks ? with_rank(cmd.csv, result.rank) : fs::path(cmd.csv);
-      write_text_file(path, analyze::render_csv(steps));
-      std::cout << "CSV report saved to: " << path.string() << "\n";
-    }
-    results.push_back(std::move(result));
-  }
-  std::cout << render_summary(results);
-  bool graphs_read = false;
+int write_reports(const analyze::RunShape& shape, const ReportOptions& cmd,
+                  const std::function<analyze::RunTotals(const std::vector<analyze::ReportWriter*>&,
+                                                         bool read_graphs)>& run) {
+  std::vector<std::unique_ptr<OutputFile>> files;
+  std::vector<std::unique_ptr<analyze::ReportWriter>> writers;
+  std::vector<std::string> saved;  // "JSON report saved to: PATH"
+  bool read_graphs = false;
+  analyze::TextOptions text;
+  text.every_step = cmd.all_steps;
   for (const analyze::ReportFormat& format : analyze::report_formats()) {
     const auto path = cmd.reports.find(std::string(format.name));
     if (path == cmd.reports.end() || path->second.empty()) continue;
-    if (format.needs_graphs && !graphs_read) {
-      for (std::size_t i = 0; i < results.size(); ++i) {
-        results[i].graphs = analyze::read_graphs(compiled_ranks[i].path);
-      }
-      graphs_read = true;
-    }
-    write_text_file(path->second, format.render(results));
-    std::cout << format.title << " report saved to: " << path->second << "\n";
+    files.push_back(std::make_unique<OutputFile>(path->second));
+    writers.push_back(format.open(files.back()->stream(), shape));
+    read_graphs = read_graphs || format.needs_graphs;
+    saved.push_back(std::string(format.title) + " report saved to: " + path->second);
+    text.full_reports +=
+        (text.full_reports.empty() ? "" : ", ") + std::string(format.title) + " " + path->second;
   }
-  const bool all_pass = std::all_of(results.begin(), results.end(),
-                                    [](const auto& r) { return r.comparison.all_pass(); });
-  return all_pass ? kExitPass : kExitMismatch;
+  std::vector<std::string> csv_saved;
+  if (!cmd.csv.empty()) {
+    writers.push_back(analyze::open_rank_csvs(
+        cmd.csv, shape, [&](const std::filesystem::path& path, const std::string& csv) {
+          write_text_file(path, csv);
+          csv_saved.push_back("CSV report saved to: " + path.string());
+        }));
+  }
+  if (text.full_reports.empty()) {
+    text.full_reports = "--html PATH, --json PATH or --junit PATH write every rank and step";
+  }
+  writers.insert(writers.begin(), analyze::open_text_report(std::cout, shape, text));
+  std::vector<analyze::ReportWriter*> pointers;
+  for (const auto& writer : writers) pointers.push_back(writer.get());
+  const analyze::RunTotals totals = run(pointers, read_graphs);
+  for (const auto& file : files) file->close();
+  for (const std::string& line : csv_saved) std::cout << line << "\n";
+  for (const std::string& line : saved) std::cout << line << "\n";
+  return totals.all_pass ? kExitPass : kExitMismatch;
 }
 
 }  // namespace dynaprobe::cli

@@ -18,8 +18,8 @@ namespace schema = dynaprobe::formats::schema;
 
 namespace {
 
-constexpr const char* kCommands[] = {"compare", "ls",     "graphs", "runs",
-                                     "repro",   "bisect", "bundle"};
+constexpr const char* kCommands[] = {"compare", "merge", "ls",     "graphs",
+                                     "runs",    "repro", "bisect", "bundle"};
 
 // "compare, ls, ... and bundle".
 std::string command_list() {
@@ -227,6 +227,7 @@ int main(int argc, char** argv) {
   cli::add_limit_options(app, limits);
   cli::Command command;
   cli::setup_compare(app, command);
+  cli::setup_merge(app, command);
   cli::setup_ls(app, command);
   cli::setup_graphs(app, command);
   cli::setup_runs(app, command);

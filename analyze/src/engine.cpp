@@ -92,8 +92,10 @@ SidesHeld sides_held(const OpenDump& dump) {
 }
 
 // Two dumps given in the wrong order (or both of one side) would compare nothing or the wrong
-// things; their provenance ("mode" of a one-sided capture) and their records tell.
-void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
+// things; their provenance ("mode" of a one-sided capture) and their records tell. Returns the
+// side of `eager` read as the eager one: the compiled side when both dumps hold only that side (a
+// baseline capture of the compiled side, compared with one made later: after a torch upgrade).
+Side check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::path& compiled_path,
                  const OpenDump& compiled, const formats::Provenance& eager_provenance,
                  const formats::Provenance& compiled_provenance) {
   const std::string eager_mode =
@@ -105,6 +107,9 @@ void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::pa
       eager_mode == vocabulary::mode::kCompiledOnly || (!e.eager && e.compiled);
   const bool compiled_is_eager =
       compiled_mode == vocabulary::mode::kEagerOnly || (!c.compiled && c.eager);
+  const bool compiled_only =
+      compiled_mode == vocabulary::mode::kCompiledOnly || (!c.eager && c.compiled);
+  if (eager_is_compiled && compiled_only) return Side::kCompiled;
   if (eager_is_compiled && compiled_is_eager) {
     throw UsageError("the two sides look swapped: " + eager_path.string() +
                      " holds the compiled side (mode=" + formats::printable_name(eager_mode) +
@@ -123,6 +128,7 @@ void check_sides(const fs::path& eager_path, const OpenDump& eager, const fs::pa
                      "the eager side (mode=" + formats::printable_name(compiled_mode) +
                      "); give the eager capture first, then the compiled one");
   }
+  return Side::kEager;
 }
 
 // The loss of one side, as a double.
@@ -187,8 +193,8 @@ bool matches(const std::string& glob, const std::string& module) {
 // computes them later and sets those rows' statuses). The phases are in step_rows.h.
 class StepBuilder {
  public:
-  StepBuilder(const CompareOptions& options, Judging judging)
-      : options_(options), judging_(std::move(judging)) {}
+  StepBuilder(const CompareOptions& options, Judging judging, Side eager_side)
+      : options_(options), judging_(std::move(judging)), eager_side_(eager_side) {}
 
   StepReport build(std::int64_t step, const StepReader* eager, const StepReader* compiled,
                    std::vector<Task>& tasks_out);
@@ -218,6 +224,7 @@ class StepBuilder {
 
   const CompareOptions& options_;
   Judging judging_;
+  Side eager_side_;  // of the eager dump: kCompiled for a baseline (Comparison::compiled_baseline)
 };
 
 StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
@@ -233,7 +240,7 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       report.autocast = autocast->second;
     }
   }
-  const Pairs pairs = pair_records(eager, compiled, order);
+  const Pairs pairs = pair_records(eager, compiled, order, eager_side_);
   const CallsRun calls = calls_run(pairs);
   const ModuleRoles roles(modules);
   const StepRecords records{eager, compiled, modules, pairs, calls, roles};
@@ -252,7 +259,7 @@ StepReport StepBuilder::report_header(std::int64_t step, const StepReader* eager
   report.dtype_aware = judging_.dtype_aware;
   report.reference_decides = judging_.reference_decides;
   apply_provenance((eager ? eager : compiled)->provenance(), report);
-  report.loss_eager = read_loss(eager, Side::kEager);
+  report.loss_eager = read_loss(eager, eager_side_);
   report.loss_compiled = read_loss(compiled, Side::kCompiled);
   return report;
 }
@@ -724,8 +731,9 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
     }
   }
   if (!same) {
-    check_sides(eager_dump, eager, compiled_dump, compiled, result.eager_provenance,
-                result.compiled_provenance);
+    result.compiled_baseline =
+        check_sides(eager_dump, eager, compiled_dump, compiled, result.eager_provenance,
+                    result.compiled_provenance) == Side::kCompiled;
   }
   const fs::path& tolerance_source = same ? eager_dump : compiled_dump;
   Judging judging = dump_judging(result.compiled_provenance, tolerance_source, options.atol,
@@ -739,12 +747,7 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
     std::set<std::int64_t> present;
     for (const fs::path& dump : {eager_dump, compiled_dump}) {
       for (const fs::path& file : formats::list_dump(dump).steps) {
-        const std::string name = file.stem().string();
-        const std::string prefix(formats::schema::kStepFilePrefix);
-        std::int64_t number = 0;
-        const char* digits = name.data() + std::min(prefix.size(), name.size());
-        const auto parsed = std::from_chars(digits, name.data() + name.size(), number);
-        if (name.starts_with(prefix) && parsed.ec == std::errc()) present.insert(number);
+        if (const auto number = formats::step_of_file_name(file)) present.insert(*number);
       }
     }
     std::string listed;
@@ -760,7 +763,9 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
                      (listed.empty() ? "" : "; the steps there are " + listed) +
                      "; give one of them with --step, or leave --step out to compare every step");
   }
-  if (!options.module_glob.empty()) check_module_glob(options.module_glob, eager, compiled_side);
+  if (!options.module_glob.empty() && options.require_module_match) {
+    check_module_glob(options.module_glob, eager, compiled_side);
+  }
   for (const ToleranceRule& rule : options.tolerance_rules) {
     if (!valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
       throw UsageError("the tolerances of rule '" + rule.pattern +
@@ -771,7 +776,8 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
     judging.rules.push_back(rule);
   }
   std::vector<Task> tasks;
-  StepBuilder builder(options, std::move(judging));
+  StepBuilder builder(options, std::move(judging),
+                      result.compiled_baseline ? Side::kCompiled : Side::kEager);
   result.steps.reserve(steps.size());
   for (std::int64_t step : steps) {
     auto e = eager.steps.find(step);
@@ -799,6 +805,14 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
 }
 
 }  // namespace
+
+void check_module_glob(const fs::path& eager_dump, const fs::path& compiled_dump,
+                       const std::string& glob) {
+  std::error_code error;
+  const bool same = fs::equivalent(eager_dump, compiled_dump, error);
+  const OpenDump eager = open_dump(eager_dump, std::nullopt);
+  check_module_glob(glob, eager, same ? eager : open_dump(compiled_dump, std::nullopt));
+}
 
 std::vector<RankDump> find_rank_dumps(const fs::path& path) {
   std::error_code error;

@@ -100,25 +100,76 @@ std::string render_csv(const std::vector<StepReport>& steps) {
   return out;
 }
 
-std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
-  // The spec's rank,scenario + 9 columns; a step column after them when a rank has several steps.
-  const bool several = std::any_of(ranks.begin(), ranks.end(), [](const RankComparison& rank) {
-    return rank.comparison.steps.size() > 1;
-  });
-  std::string out =
-      csv_line(header_with(several ? std::vector<std::string>{"rank", "scenario", "step"}
-                                   : std::vector<std::string>{"rank", "scenario"}));
-  for (const RankComparison& rank : ranks) {
-    for (const StepReport& report : rank.comparison.steps) {
-      for (auto fields : csv_rows(report, true)) {
-        std::vector<std::string> leading = {std::to_string(rank.rank), rank.scenario};
-        if (several) leading.push_back(std::to_string(report.step));
-        fields.insert(fields.begin(), leading.begin(), leading.end());
-        out += csv_line(fields);
-      }
+namespace {
+
+// The merged CSV, a line per row as the steps come.
+class MergedCsvWriter : public ReportWriter {
+ public:
+  MergedCsvWriter(std::ostream& out, const RunShape& shape)
+      : out_(out), several_(shape.several_steps) {
+    // The spec's rank,scenario + 9 columns; a step column after them when a rank has several
+    // steps.
+    out_ << csv_line(header_with(several_ ? std::vector<std::string>{"rank", "scenario", "step"}
+                                          : std::vector<std::string>{"rank", "scenario"}));
+  }
+  void add_step(const RankComparison& rank, const StepReport& step) override {
+    for (auto fields : csv_rows(step, true)) {
+      std::vector<std::string> leading = {std::to_string(rank.rank), rank.scenario};
+      if (several_) leading.push_back(std::to_string(step.step));
+      fields.insert(fields.begin(), leading.begin(), leading.end());
+      out_ << csv_line(fields);
     }
   }
-  return out;
+  void end_rank(const RankComparison&, bool) override {}
+  void finish(const RunTotals&) override { out_.flush(); }
+
+ private:
+  std::ostream& out_;
+  bool several_;
+};
+
+// Each rank's 9-column CSV, kept until its rank ends.
+class RankCsvWriter : public ReportWriter {
+ public:
+  RankCsvWriter(std::filesystem::path path, const RunShape& shape,
+                std::function<void(const std::filesystem::path&, const std::string&)> write_file)
+      : path_(std::move(path)), shape_(shape), write_file_(std::move(write_file)) {}
+  void add_step(const RankComparison&, const StepReport& step) override {
+    if (text_.empty()) text_ = csv_line(shape_.several_steps ? header_with({"step"}) : kCsvHeader);
+    for (auto fields : csv_rows(step, false)) {
+      if (shape_.several_steps) fields.insert(fields.begin(), std::to_string(step.step));
+      text_ += csv_line(fields);
+    }
+  }
+  void end_rank(const RankComparison& rank, bool) override {
+    if (text_.empty()) return;
+    std::filesystem::path path = path_;
+    if (shape_.ranks > 1) {  // "report.csv" -> "report_rank1.csv"
+      path.replace_filename(path_.stem().string() + "_rank" + std::to_string(rank.rank) +
+                            path_.extension().string());
+    }
+    write_file_(path, text_);
+    text_.clear();
+  }
+  void finish(const RunTotals&) override {}
+
+ private:
+  std::filesystem::path path_;
+  RunShape shape_;
+  std::function<void(const std::filesystem::path&, const std::string&)> write_file_;
+  std::string text_;
+};
+
+}  // namespace
+
+std::unique_ptr<ReportWriter> open_merged_csv(std::ostream& out, const RunShape& shape) {
+  return std::make_unique<MergedCsvWriter>(out, shape);
+}
+
+std::unique_ptr<ReportWriter> open_rank_csvs(
+    const std::filesystem::path& path, const RunShape& shape,
+    std::function<void(const std::filesystem::path&, const std::string&)> write_file) {
+  return std::make_unique<RankCsvWriter>(path, shape, std::move(write_file));
 }
 
 }  // namespace dynaprobe::analyze

@@ -80,18 +80,51 @@ std::string fill_template(std::string_view chart_js, const std::string& data) {
   return out;
 }
 
+// The page holds the whole run (its rows and each rank's graphs), so it is written at the end;
+// until then the writer keeps every step it was given.
+class HtmlWriter : public ReportWriter {
+ public:
+  explicit HtmlWriter(std::ostream& out) : out_(out) {}
+  void add_step(const RankComparison& rank, const StepReport& step) override {
+    if (ranks_.empty() || !open_) {
+      RankComparison kept = rank;
+      kept.comparison.steps.clear();
+      ranks_.push_back(std::move(kept));
+      open_ = true;
+    }
+    ranks_.back().comparison.steps.push_back(step);
+  }
+  void end_rank(const RankComparison& rank, bool) override {
+    if (!open_) {
+      ranks_.push_back(rank);
+      ranks_.back().comparison.steps.clear();
+    }
+    ranks_.back().comparison.warnings = rank.comparison.warnings;
+    open_ = false;
+  }
+  void finish(const RunTotals& totals) override {
+    Value::Array graphs;  // per rank: {graph name: source text}
+    for (const RankComparison& rank : ranks_) {
+      Value::Object by_name;
+      for (const formats::Graph& graph : rank.graphs) by_name.emplace_back(graph.name, graph.text);
+      graphs.emplace_back(std::move(by_name));
+    }
+    const std::string data = "{\"report\": " + to_json(report_model(ranks_, totals)) +
+                             ",\n\"graphs\": " + to_json(Value(std::move(graphs)), true) + "}";
+    out_ << fill_template(html::kChartJs, base64(gzip(data)));
+    out_.flush();
+  }
+
+ private:
+  std::ostream& out_;
+  std::vector<RankComparison> ranks_;
+  bool open_ = false;  // ranks_.back() is the rank being given
+};
+
 }  // namespace
 
-std::string render_html(const std::vector<RankComparison>& ranks) {
-  Value::Array graphs;  // per rank: {graph name: source text}
-  for (const RankComparison& rank : ranks) {
-    Value::Object by_name;
-    for (const formats::Graph& graph : rank.graphs) by_name.emplace_back(graph.name, graph.text);
-    graphs.emplace_back(std::move(by_name));
-  }
-  const std::string data = "{\"report\": " + to_json(report_model(ranks)) +
-                           ",\n\"graphs\": " + to_json(Value(std::move(graphs)), true) + "}";
-  return fill_template(html::kChartJs, base64(gzip(data)));
+std::unique_ptr<ReportWriter> open_html(std::ostream& out, const RunShape&) {
+  return std::make_unique<HtmlWriter>(out);
 }
 
 }  // namespace dynaprobe::analyze

@@ -1,6 +1,8 @@
 // The JSON report: the report model (report_model.h) as JSON text (docs/report-format.md#json).
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <ostream>
 
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/report_model.h"
@@ -54,9 +56,11 @@ void append_number(std::string& out, double value) {
     append_string(out, format_float(value, "%g"));
     return;
   }
+  // The shortest text that reads back as the same double, so a report merged from JSON reports
+  // (dynaprobe merge) states the very numbers of the run analysed whole.
   char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%.9g", value);
-  out += buffer;
+  const auto end = std::to_chars(buffer, buffer + sizeof(buffer), value).ptr;
+  out.append(buffer, end);
 }
 
 bool all_objects(const Value::Array& array) {
@@ -103,16 +107,59 @@ void append(std::string& out, const Value& value, int depth, bool keep_newlines)
   }
 }
 
+// The JSON report, written as the run arrives: the top level's members one per line, each rank on
+// a line of its own with its steps one per line (to_json's layout at their depth), the summary
+// last, when the totals are known.
+class JsonWriter : public ReportWriter {
+ public:
+  explicit JsonWriter(std::ostream& out) : out_(out) {
+    out_ << "{\n  \"histogram_edges\": " << to_json(histogram_edges_model(), false, 1)
+         << ",\n  \"ranks\": [";
+  }
+  void add_step(const RankComparison& rank, const StepReport& step) override {
+    open_rank(rank);
+    out_ << (steps_ ? "," : "") << "\n        " << to_json(step_model(step), false, 4);
+    ++steps_;
+  }
+  void end_rank(const RankComparison& rank, bool all_pass) override {
+    open_rank(rank);
+    out_ << "], \"warnings\": " << to_json(strings_model(rank.comparison.warnings), false, 3)
+         << ", \"all_pass\": " << (all_pass ? "true" : "false") << "}";
+    rank_open_ = false;
+  }
+  void finish(const RunTotals& totals) override {
+    out_ << "],\n  \"summary\": " << to_json(summary_model(totals), false, 1) << "\n}\n";
+    out_.flush();
+  }
+
+ private:
+  // The rank's members before its steps, and "steps": [.
+  void open_rank(const RankComparison& rank) {
+    if (rank_open_) return;
+    std::string header = to_json(rank_header_model(rank), false, 2);
+    header.pop_back();  // the closing brace: the steps and the rest follow
+    out_ << (ranks_ ? "," : "") << "\n    " << header << ", \"steps\": [";
+    rank_open_ = true;
+    steps_ = 0;
+    ++ranks_;
+  }
+
+  std::ostream& out_;
+  bool rank_open_ = false;
+  std::size_t ranks_ = 0;
+  std::size_t steps_ = 0;
+};
+
 }  // namespace
 
-std::string to_json(const Value& value, bool keep_newlines) {
+std::string to_json(const Value& value, bool keep_newlines, int depth) {
   std::string out;
-  append(out, value, 0, keep_newlines);
+  append(out, value, depth, keep_newlines);
   return out;
 }
 
-std::string render_json(const std::vector<RankComparison>& ranks) {
-  return to_json(report_model(ranks)) + "\n";
+std::unique_ptr<ReportWriter> open_json(std::ostream& out, const RunShape&) {
+  return std::make_unique<JsonWriter>(out);
 }
 
 std::string render_root_cause_json(const StepReport& report) {

@@ -4,7 +4,10 @@
 // FAIL or a WARN row), so a suite has failures exactly when its step FAILED: the loss check and a
 // step where nothing was compared are testcases of their own.
 #include <cmath>
+#include <cstdio>
 #include <map>
+#include <ostream>
+#include <stdexcept>
 
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/root_cause.h"
@@ -145,43 +148,68 @@ std::string counts_attributes(std::size_t tests, std::size_t failures, std::size
          "\" errors=\"0\" skipped=\"" + std::to_string(skipped) + "\"";
 }
 
+// The <testsuites> element states the run's counts before its suites, so the suites wait in a
+// temporary file (never all in memory) until the run ends.
+class JunitWriter : public ReportWriter {
+ public:
+  explicit JunitWriter(std::ostream& out) : out_(out), suites_(std::tmpfile()) {
+    if (!suites_) throw std::runtime_error("JUnit report: cannot create a temporary file");
+  }
+  ~JunitWriter() override { std::fclose(suites_); }
+  void add_step(const RankComparison& rank, const StepReport& step) override {
+    std::string classname = "dynaprobe.rank" + std::to_string(rank.rank);
+    if (!rank.scenario.empty()) classname += "." + rank.scenario;
+    classname += ".step" + std::to_string(step.step);
+    const std::string name = xml(classname);
+    std::size_t suite_failures = 0, suite_skipped = 0;
+    std::string body;
+    const std::vector<Case> cases = step_cases(step);
+    for (const Case& c : cases) {
+      body += "    <testcase classname=\"" + name + "\" name=\"" + xml(c.name) + "\"";
+      if (!c.failure_type.empty()) {
+        ++suite_failures;
+        body += ">\n      <failure type=\"" + c.failure_type + "\" message=\"" + xml(c.message) +
+                "\">" + xml_lines(c.text) + "</failure>\n    </testcase>\n";
+      } else if (c.skip) {
+        ++suite_skipped;
+        body += ">\n      <skipped message=\"" + xml(c.skipped) + "\"/>\n    </testcase>\n";
+      } else {
+        body += "/>\n";
+      }
+    }
+    const std::string suite = "  <testsuite name=\"" + name + "\"" +
+                              counts_attributes(cases.size(), suite_failures, suite_skipped) +
+                              ">\n" + body + "  </testsuite>\n";
+    if (std::fwrite(suite.data(), 1, suite.size(), suites_) != suite.size()) {
+      throw std::runtime_error("JUnit report: cannot write its temporary file");
+    }
+    tests_ += cases.size();
+    failures_ += suite_failures;
+    skipped_ += suite_skipped;
+  }
+  void end_rank(const RankComparison&, bool) override {}
+  void finish(const RunTotals&) override {
+    out_ << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"dynaprobe\""
+         << counts_attributes(tests_, failures_, skipped_) << ">\n";
+    std::rewind(suites_);
+    char buffer[1 << 16];
+    for (std::size_t n; (n = std::fread(buffer, 1, sizeof(buffer), suites_)) > 0;) {
+      out_.write(buffer, static_cast<std::streamsize>(n));
+    }
+    out_ << "</testsuites>\n";
+    out_.flush();
+  }
+
+ private:
+  std::ostream& out_;
+  std::FILE* suites_;
+  std::size_t tests_ = 0, failures_ = 0, skipped_ = 0;
+};
+
 }  // namespace
 
-std::string render_junit(const std::vector<RankComparison>& ranks) {
-  std::string suites;
-  std::size_t tests = 0, failures = 0, skipped = 0;
-  for (const RankComparison& rank : ranks) {
-    for (const StepReport& step : rank.comparison.steps) {
-      std::string classname = "dynaprobe.rank" + std::to_string(rank.rank);
-      if (!rank.scenario.empty()) classname += "." + rank.scenario;
-      classname += ".step" + std::to_string(step.step);
-      const std::string name = xml(classname);
-      std::size_t suite_failures = 0, suite_skipped = 0;
-      std::string body;
-      const std::vector<Case> cases = step_cases(step);
-      for (const Case& c : cases) {
-        body += "    <testcase classname=\"" + name + "\" name=\"" + xml(c.name) + "\"";
-        if (!c.failure_type.empty()) {
-          ++suite_failures;
-          body += ">\n      <failure type=\"" + c.failure_type + "\" message=\"" + xml(c.message) +
-                  "\">" + xml_lines(c.text) + "</failure>\n    </testcase>\n";
-        } else if (c.skip) {
-          ++suite_skipped;
-          body += ">\n      <skipped message=\"" + xml(c.skipped) + "\"/>\n    </testcase>\n";
-        } else {
-          body += "/>\n";
-        }
-      }
-      suites += "  <testsuite name=\"" + name + "\"" +
-                counts_attributes(cases.size(), suite_failures, suite_skipped) + ">\n" + body +
-                "  </testsuite>\n";
-      tests += cases.size();
-      failures += suite_failures;
-      skipped += suite_skipped;
-    }
-  }
-  return "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"dynaprobe\"" +
-         counts_attributes(tests, failures, skipped) + ">\n" + suites + "</testsuites>\n";
+std::unique_ptr<ReportWriter> open_junit(std::ostream& out, const RunShape&) {
+  return std::make_unique<JunitWriter>(out);
 }
 
 }  // namespace dynaprobe::analyze

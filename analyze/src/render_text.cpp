@@ -319,7 +319,8 @@ std::string render_provenance(const Comparison& comparison) {
                                 "param_dtypes", "cast_dtype",    "mode"};
   std::string out;
   for (const auto& [label, provenance] :
-       {std::pair{"Eager side:   ", &comparison.eager_provenance},
+       {std::pair{comparison.compiled_baseline ? "Baseline:     " : "Eager side:   ",
+                  &comparison.eager_provenance},
         std::pair{"Compiled side:", &comparison.compiled_provenance}}) {
     out += label;
     for (const char* key : kKeys) {
@@ -331,9 +332,12 @@ std::string render_provenance(const Comparison& comparison) {
     out += "\n";
   }
   if (comparison.provenance_differences.empty()) return out;
-  out += "Provenance differs between the eager and the compiled dump:\n";
+  out += comparison.compiled_baseline
+             ? "Provenance differs between the baseline and the compiled dump:\n"
+             : "Provenance differs between the eager and the compiled dump:\n";
   for (const auto& difference : comparison.provenance_differences) {
-    out += "  " + formats::printable_name(difference.key) + ": eager=" +
+    out += "  " + formats::printable_name(difference.key) +
+           (comparison.compiled_baseline ? ": baseline=" : ": eager=") +
            (difference.eager.empty() ? "(none)" : formats::printable_name(difference.eager)) +
            "  compiled=" +
            (difference.compiled.empty() ? "(none)" : formats::printable_name(difference.compiled)) +

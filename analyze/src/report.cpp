@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <sstream>
 
+#include "dynaprobe/analyze/run.h"
 #include "dynaprobe/formats/error.h"
 #include "report_common.h"
 
@@ -25,25 +27,57 @@ const std::vector<ReportFormat>& report_formats() {
   static const std::vector<ReportFormat> kFormats = {
       {"merged-csv", "Merged CSV",
        "Also write one CSV for all ranks to PATH: rank,scenario and the 9 columns", false,
-       render_merged_csv},
+       open_merged_csv},
       {"json", "JSON",
        "Also write every row with every metric (cosine, RMSE, NaN/Inf counts, worst element, "
        "...) and both sides' provenance to PATH as JSON",
-       false, render_json},
+       false, open_json},
       {"html", "HTML",
        "Also write a self-contained HTML report to PATH: error along execution order, "
        "histograms of |diff|, graph code, rank and step views (opens offline)",
-       true, render_html},
+       true, open_html},
       {"junit", "JUnit XML",
        "Also write JUnit XML for CI to PATH: a testsuite per rank and step, a testcase per "
        "module, each failure with its failing rows and the root cause",
-       false, render_junit},
+       false, open_junit},
       {"markdown", "Markdown",
        "Also write a GitHub Actions job summary to PATH (Markdown: the verdict, a table of the "
        "failing rows, the root cause)",
-       false, render_markdown},
+       false, open_markdown},
   };
   return kFormats;
+}
+
+RunShape RunShape::of(const std::vector<RankComparison>& ranks) {
+  RunShape shape;
+  shape.ranks = ranks.size();
+  for (const RankComparison& rank : ranks) {
+    shape.several_steps = shape.several_steps || rank.comparison.steps.size() > 1;
+  }
+  return shape;
+}
+
+std::string ReportFormat::render(const std::vector<RankComparison>& ranks) const {
+  std::ostringstream out;
+  const std::unique_ptr<ReportWriter> writer = open(out, RunShape::of(ranks));
+  write_run(ranks, {writer.get()});
+  return std::move(out).str();
+}
+
+std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
+  return report_format("merged-csv").render(ranks);
+}
+std::string render_json(const std::vector<RankComparison>& ranks) {
+  return report_format("json").render(ranks);
+}
+std::string render_html(const std::vector<RankComparison>& ranks) {
+  return report_format("html").render(ranks);
+}
+std::string render_junit(const std::vector<RankComparison>& ranks) {
+  return report_format("junit").render(ranks);
+}
+std::string render_markdown(const std::vector<RankComparison>& ranks) {
+  return report_format("markdown").render(ranks);
 }
 
 const ReportFormat& report_format(std::string_view name) {

@@ -172,62 +172,6 @@ Value modules_model(const StepReport& step) {
   return out;
 }
 
-Value rank_model(const RankComparison& rank) {
-  const Comparison& c = rank.comparison;
-  Value::Array differences, warnings, steps;
-  for (const auto& d : c.provenance_differences) {
-    differences.emplace_back(
-        Value::Object{{"key", d.key}, {"eager", d.eager}, {"compiled", d.compiled}});
-  }
-  for (const auto& warning : c.warnings) warnings.emplace_back(warning);
-  for (const StepReport& step : c.steps) steps.push_back(step_model(step));
-  return Value::Object{
-      {"rank", rank.rank},
-      {"scenario", rank.scenario},
-      {"all_pass", c.all_pass()},
-      {"provenance", Value::Object{{"eager", map_model(c.eager_provenance)},
-                                   {"compiled", map_model(c.compiled_provenance)}}},
-      {"provenance_differences", std::move(differences)},
-      {"warnings", std::move(warnings)},
-      {"steps", std::move(steps)}};
-}
-
-Value summary_model(const std::vector<RankComparison>& ranks) {
-  std::map<Status, std::size_t> counts;
-  std::size_t rows = 0, steps = 0, failed_steps = 0, loss_fail = 0, nothing_compared = 0,
-              compared = 0;
-  Value first_cause = nullptr;  // where a root cause first appears, rank by rank
-  bool all_pass = !ranks.empty();
-  for (const RankComparison& rank : ranks) {
-    all_pass = all_pass && rank.comparison.all_pass();
-    for (const StepReport& step : rank.comparison.steps) {
-      const StepCounts step_counts = step.counts();
-      ++steps;
-      failed_steps += step_counts.all_pass() ? 0 : 1;
-      loss_fail += step_counts.loss_failed ? 1 : 0;
-      nothing_compared += step_counts.nothing_compared() ? 1 : 0;
-      compared += step_counts.compared;
-      if (first_cause.is_null() && !step.root_cause.empty()) {
-        first_cause = Value::Object{{"rank", rank.rank}, {"step", step.step}};
-      }
-      for (const Row& row : step.rows) ++counts[row.status];
-      rows += step.rows.size();
-    }
-  }
-  return Value::Object{{"all_pass", all_pass},
-                       {"rows", rows},
-                       {"pass", counts[Status::kPass]},
-                       {"fail", counts[Status::kFail]},
-                       {"warn", counts[Status::kWarn]},
-                       {"skip", counts[Status::kSkip]},
-                       {"compared", compared},
-                       {"loss_fail", loss_fail},
-                       {"steps", steps},
-                       {"failed_steps", failed_steps},
-                       {"nothing_compared_steps", nothing_compared},
-                       {"root_cause_first_seen", std::move(first_cause)}};
-}
-
 }  // namespace
 
 const Value& Value::operator[](std::string_view key) const {
@@ -302,6 +246,7 @@ Value step_model(const StepReport& step) {
                        {"result", counts_model(step.counts())},
                        {"root_cause", root_cause_model(step)},
                        {"ops", ops_model(step)},
+                       {"capture_input", step.capture_input},
                        {"cast_dtype", step.cast_dtype},
                        {"autocast", step.autocast},
                        {"reference_decides", step.reference_decides},
@@ -312,12 +257,67 @@ Value step_model(const StepReport& step) {
                        {"rows", std::move(rows)}};
 }
 
-Value report_model(const std::vector<RankComparison>& ranks) {
+Value rank_header_model(const RankComparison& rank) {
+  const Comparison& c = rank.comparison;
+  Value::Array differences;
+  for (const auto& d : c.provenance_differences) {
+    differences.emplace_back(
+        Value::Object{{"key", d.key}, {"eager", d.eager}, {"compiled", d.compiled}});
+  }
+  return Value::Object{
+      {"rank", rank.rank},
+      {"scenario", rank.scenario},
+      {"path", rank.path.string()},
+      {"compiled_path", rank.compiled_path.string()},
+      {"provenance", Value::Object{{"eager", map_model(c.eager_provenance)},
+                                   {"compiled", map_model(c.compiled_provenance)}}},
+      {"separate_dumps", c.separate_dumps},
+      {"compiled_baseline", c.compiled_baseline},
+      {"provenance_differences", std::move(differences)}};
+}
+
+Value strings_model(const std::vector<std::string>& strings) {
   Value::Array out;
-  for (const RankComparison& rank : ranks) out.push_back(rank_model(rank));
-  return Value::Object{{"summary", summary_model(ranks)},
-                       {"histogram_edges", histogram_edges_model()},
-                       {"ranks", std::move(out)}};
+  for (const std::string& text : strings) out.emplace_back(text);
+  return out;
+}
+
+Value summary_model(const RunTotals& totals) {
+  Value first_cause = nullptr;
+  if (totals.root_cause_first_seen) {
+    first_cause = Value::Object{{"rank", totals.root_cause_first_seen->rank},
+                                {"step", totals.root_cause_first_seen->step}};
+  }
+  return Value::Object{{"all_pass", totals.all_pass},
+                       {"ranks", totals.ranks},
+                       {"rows", totals.rows},
+                       {"pass", totals.pass},
+                       {"fail", totals.fail},
+                       {"warn", totals.warn},
+                       {"skip", totals.skip},
+                       {"compared", totals.compared},
+                       {"loss_fail", totals.loss_fail},
+                       {"steps", totals.steps},
+                       {"failed_steps", totals.failed_steps},
+                       {"nothing_compared_steps", totals.nothing_compared_steps},
+                       {"root_cause_first_seen", std::move(first_cause)},
+                       {"warnings", strings_model(totals.warnings)}};
+}
+
+Value report_model(const std::vector<RankComparison>& ranks, const RunTotals& totals) {
+  Value::Array out;
+  for (const RankComparison& rank : ranks) {
+    Value::Object object = *rank_header_model(rank).get<Value::Object>();
+    Value::Array steps;
+    for (const StepReport& step : rank.comparison.steps) steps.push_back(step_model(step));
+    object.emplace_back("steps", std::move(steps));
+    object.emplace_back("warnings", strings_model(rank.comparison.warnings));
+    object.emplace_back("all_pass", rank.comparison.all_pass());
+    out.emplace_back(std::move(object));
+  }
+  return Value::Object{{"histogram_edges", histogram_edges_model()},
+                       {"ranks", std::move(out)},
+                       {"summary", summary_model(totals)}};
 }
 
 }  // namespace dynaprobe::analyze

@@ -58,9 +58,10 @@ ModuleAttributes merge_module_attributes(const StepReader* eager, const StepRead
   return modules;
 }
 
-Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOrder& order) {
+Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOrder& order,
+                   Side eager_side) {
   Pairs pairs;
-  const auto collect = [&](const StepReader* reader, Side side) {
+  const auto collect = [&](const StepReader* reader, Side side, const RecordInfo* Pair::*into) {
     if (!reader) return;
     for (const RecordInfo& info : reader->records()) {
       if (info.key.side != side || info.key.kind == Kind::kLoss ||
@@ -68,12 +69,11 @@ Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOr
         continue;
       }
       order.add(info.key.module);
-      Pair& pair = pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}];
-      (side == Side::kEager ? pair.eager : pair.compiled) = &info;
+      pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}].*into = &info;
     }
   };
-  collect(eager, Side::kEager);
-  collect(compiled, Side::kCompiled);
+  collect(eager, eager_side, &Pair::eager);
+  collect(compiled, Side::kCompiled, &Pair::compiled);
   const StepReader* reference_reader = compiled ? compiled : eager;
   if (reference_reader) {
     for (const RecordInfo& info : reference_reader->records()) {

@@ -69,8 +69,10 @@ using Pairs = std::map<TensorKey, Pair>;
 // null), and attaches the fp64 reference records, which live with the compiled side (single-pass
 // writes both in one file). Loss records are not paired (the report's LOSS check reads them).
 // Adds the modules of the records to `order`. The pointers point into the readers' records().
+// `eager_side`: the side of `eager` read as the eager one (kCompiled when a baseline capture of
+// the compiled side stands in for it, Comparison::compiled_baseline).
 Pairs pair_records(const formats::StepReader* eager, const formats::StepReader* compiled,
-                   ModuleOrder& order);
+                   ModuleOrder& order, formats::Side eager_side = formats::Side::kEager);
 
 // The pair a row compares. Single-pass re-runs the eager module on the very inputs of the compiled
 // one and seeds its backward with the compiled module's grad_output: a fwd_input or grad_output

@@ -5,10 +5,13 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <sstream>
+
 #include "bindings.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/report_model.h"
+#include "dynaprobe/analyze/run.h"
 
 namespace py = pybind11;
 namespace analyze = dynaprobe::analyze;
@@ -147,6 +150,7 @@ void bind_analyze(py::module_& m) {
         std::vector<analyze::RankComparison> converted;
         for (const auto& [rank, scenario, comparison, compiled_dump] : ranks) {
           analyze::RankComparison result{rank, scenario, comparison};
+          result.path = result.compiled_path = compiled_dump;  // a dump holding both sides
           if (format.needs_graphs && !compiled_dump.empty()) {
             result.graphs = analyze::read_graphs(compiled_dump);
           }
@@ -156,8 +160,8 @@ void bind_analyze(py::module_& m) {
         return format.render(converted);
       },
       py::arg("format"), py::arg("ranks"),
-      "The report in a registered format. ranks: (rank, scenario, Comparison, compiled dump "
-      "path) tuples; the dump is read for the formats that show graphs (html)");
+      "The report in a registered format. ranks: (rank, scenario, Comparison, dump path) "
+      "tuples; the dump is read for the formats that show graphs (html)");
   m.def(
       "render_merged_csv",
       [](const std::vector<std::tuple<int, std::string, analyze::Comparison>>& ranks) {
@@ -168,4 +172,69 @@ void bind_analyze(py::module_& m) {
         return analyze::render_merged_csv(converted);
       },
       py::arg("ranks"), "ranks: (rank, scenario, Comparison) tuples");
+
+  m.def(
+      "plan_run",
+      [](const std::filesystem::path& eager_run, const std::filesystem::path& compiled_run,
+         const std::string& ranks, const std::string& steps) {
+        analyze::RunOptions options;
+        if (!ranks.empty()) options.ranks = analyze::IndexSet::parse(ranks, "ranks");
+        if (!steps.empty()) options.steps = analyze::IndexSet::parse(steps, "steps");
+        std::vector<std::pair<int, std::vector<std::int64_t>>> out;
+        for (const auto& rank : analyze::plan_run(eager_run, compiled_run, options).ranks) {
+          out.emplace_back(rank.rank, rank.steps);
+        }
+        return out;
+      },
+      py::arg("eager_run"), py::arg("compiled_run"), py::arg("ranks") = "", py::arg("steps") = "",
+      "The ranks and steps of a run that ranks and steps (\"0-3,8\", empty: all) select: "
+      "[(rank, [step, ...])], as dynaprobe compare --ranks/--steps plans them");
+  m.def(
+      "analyze_run_json",
+      [](const std::filesystem::path& eager_run, const std::filesystem::path& compiled_run,
+         const std::string& ranks, const std::string& steps, std::optional<double> atol,
+         std::optional<double> rtol, const std::string& module_glob, int threads) {
+        analyze::RunOptions options;
+        if (!ranks.empty()) options.ranks = analyze::IndexSet::parse(ranks, "ranks");
+        if (!steps.empty()) options.steps = analyze::IndexSet::parse(steps, "steps");
+        options.compare.atol = atol;
+        options.compare.rtol = rtol;
+        options.compare.module_glob = module_glob;
+        options.compare.threads = threads;
+        py::gil_scoped_release release;
+        const analyze::RunPlan plan = analyze::plan_run(eager_run, compiled_run, options);
+        std::ostringstream out;
+        const auto writer = analyze::report_format("json").open(out, plan.shape);
+        analyze::analyze_run(plan, options, {writer.get()});
+        return std::move(out).str();
+      },
+      py::arg("eager_run"), py::arg("compiled_run"), py::arg("ranks") = "", py::arg("steps") = "",
+      py::arg("atol") = py::none(), py::arg("rtol") = py::none(), py::arg("module_glob") = "",
+      py::arg("threads") = 0,
+      "The JSON report of the ranks and steps of a run that ranks and steps select, as "
+      "dynaprobe compare --ranks R --steps S --json writes it");
+  m.def(
+      "render_run",
+      [](const std::vector<std::pair<std::string, std::string>>& reports, const std::string& format,
+         bool all_steps) {
+        std::vector<analyze::JsonReport> parts;
+        for (const auto& [name, text] : reports) parts.push_back({name, text});
+        py::gil_scoped_release release;
+        const std::vector<analyze::RankComparison> ranks = analyze::read_json_reports(parts);
+        const analyze::RunShape shape = analyze::RunShape::of(ranks);
+        std::ostringstream out;
+        std::unique_ptr<analyze::ReportWriter> writer;
+        if (format == "text") {
+          analyze::TextOptions text;
+          text.every_step = all_steps;
+          writer = analyze::open_text_report(out, shape, text);
+        } else {
+          writer = analyze::report_format(format).open(out, shape);
+        }
+        analyze::write_run(ranks, {writer.get()});
+        return std::move(out).str();
+      },
+      py::arg("reports"), py::arg("format"), py::arg("all_steps") = false,
+      "The report of a run in `format` (\"text\": the stdout report, or a registered format) "
+      "from partial JSON reports [(name, text)], as dynaprobe merge writes it");
 }

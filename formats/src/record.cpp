@@ -1,6 +1,7 @@
 #include "dynaprobe/formats/record.h"
 
 #include <array>
+#include <charconv>
 #include <cstdio>
 
 #include "dynaprobe/formats/error.h"
@@ -183,6 +184,21 @@ std::filesystem::path step_file_name(std::int64_t step) {
                 static_cast<long long>(step), static_cast<int>(schema::kStepFileSuffix.size()),
                 schema::kStepFileSuffix.data());
   return name;
+}
+
+std::optional<std::int64_t> step_of_file_name(const std::filesystem::path& file) {
+  const std::string name = file.filename().string();
+  const std::string_view prefix = schema::kStepFilePrefix, suffix = schema::kStepFileSuffix;
+  if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) ||
+      !name.ends_with(suffix)) {
+    return std::nullopt;
+  }
+  const char* first = name.data() + prefix.size();
+  const char* last = name.data() + name.size() - suffix.size();
+  std::int64_t step = 0;
+  const auto parsed = std::from_chars(first, last, step);
+  if (parsed.ec != std::errc() || parsed.ptr != last || step < 0) return std::nullopt;
+  return step;
 }
 
 std::string provenance_value(const Provenance& provenance, std::string_view key) {

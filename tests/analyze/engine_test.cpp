@@ -335,9 +335,37 @@ TEST(Engine, SwappedSidesAreAUsageError) {
       error_of<dynaprobe::UsageError>([&] { compare(compiled, eager, {}); });
   EXPECT_NE(swapped.find("the two sides look swapped"), std::string::npos) << swapped;
   EXPECT_NE(swapped.find("give the eager dump first"), std::string::npos) << swapped;
-  const std::string both_compiled =
-      error_of<dynaprobe::UsageError>([&] { compare(compiled, dir.path() / "compiled2", {}); });
-  EXPECT_NE(both_compiled.find("holds only the compiled side"), std::string::npos) << both_compiled;
+}
+
+// Two captures of the compiled side alone: the first is a baseline, its compiled side compared in
+// the eager side's place (before and after a torch upgrade); the provenance names what changed.
+TEST(Engine, TwoCompiledCapturesCompareTheBaselineWithTheNewOne) {
+  const std::vector<float> before = {1, 2, 3}, after = {1, 2, 3.5f};
+  TempDir dir;
+  const auto write = [&](const char* name, const char* torch, const std::vector<float>& values) {
+    formats::StepWriter writer(dir.path() / name, 0,
+                               {{"mode", "compiled_only"}, {"torch_version", torch}});
+    writer.write(record(Side::kCompiled, DType::kFloat32, {3}, values.data()));
+    writer.commit();
+  };
+  write("baseline", "2.12.0", before);
+  write("same", "2.13.0", before);
+  write("changed", "2.13.0", after);
+  const Comparison same = compare(dir.path() / "baseline", dir.path() / "same", {});
+  EXPECT_TRUE(same.compiled_baseline);
+  EXPECT_TRUE(same.all_pass());
+  const Comparison changed = compare(dir.path() / "baseline", dir.path() / "changed", {});
+  ASSERT_EQ(changed.steps.size(), 1u);
+  const Row& row = changed.steps[0].rows.at(0);
+  EXPECT_EQ(row.status, Status::kFail);
+  EXPECT_DOUBLE_EQ(row.metrics->max_abs, 0.5);
+  const std::string provenance = render_provenance(changed);
+  EXPECT_EQ(provenance.rfind("Baseline:      torch_version=2.12.0 mode=compiled_only\n", 0), 0u)
+      << provenance;
+  EXPECT_NE(provenance.find("Provenance differs between the baseline and the compiled dump:\n"
+                            "  torch_version: baseline=2.12.0  compiled=2.13.0\n"),
+            std::string::npos)
+      << provenance;
 }
 
 // Two one-sided captures differ in their mode by design; only real differences are listed.

@@ -287,11 +287,13 @@ TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
                       "\"nothing_compared\": false}"),
             std::string::npos)
       << json;
-  EXPECT_NE(json.find("\"summary\": {\"all_pass\": false, \"rows\": 5, \"pass\": 3, "
-                      "\"fail\": 0, \"warn\": 2, \"skip\": 0, \"compared\": 3, "
-                      "\"loss_fail\": 0, \"steps\": 1, \"failed_steps\": 1, "
-                      "\"nothing_compared_steps\": 0, \"root_cause_first_seen\": null}"),
-            std::string::npos)
+  EXPECT_NE(
+      json.find(
+          "\"summary\": {\"all_pass\": false, \"ranks\": 1, \"rows\": 5, \"pass\": 3, "
+          "\"fail\": 0, \"warn\": 2, \"skip\": 0, \"compared\": 3, "
+          "\"loss_fail\": 0, \"steps\": 1, \"failed_steps\": 1, "
+          "\"nothing_compared_steps\": 0, \"root_cause_first_seen\": null, \"warnings\": []}"),
+      std::string::npos)
       << json;
 }
 
@@ -493,7 +495,9 @@ TEST(Report, JsonRowHasTheWorstElementAndTheHistogram) {
             std::string::npos)
       << json;
   EXPECT_NE(json.find("\"worst\": null"), std::string::npos) << json;  // rows without one
-  EXPECT_NE(json.find("\"histogram_edges\": [9.09494702e-13, 3.63797881e-12, 1.45519152e-11"),
+  // 2^-40, 2^-38, 2^-36: doubles as their shortest round-trip text.
+  EXPECT_NE(json.find("\"histogram_edges\": [9.094947017729282e-13, 3.637978807091713e-12, "
+                      "1.4551915228366852e-11"),
             std::string::npos)
       << json;
 }

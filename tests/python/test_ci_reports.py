@@ -51,3 +51,39 @@ def test_junit_and_markdown_name_the_failing_module_and_the_root_cause(tmp_path,
     assert listed == failing
     assert all(cells[0] == "| 0" and cells[1] == str(result.step) for cells in table)
     assert "### Root cause (first seen at rank 0, step" in text
+
+
+def test_a_baseline_capture_gates_a_compiler_change(tmp_path, dynaprobe_cli):
+    """The torch-upgrade gate of the guide (first-check.md, "Gating a torch upgrade"): a capture of
+    the compiled side kept as a baseline, compared with one made after the change."""
+    import torch
+    import torch.nn as nn
+
+    from dynaprobe import PrecisionChecker
+    from models import perturbed_gelu_backend
+
+    def capture(folder, backend):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        batch = torch.randn(4, 8)
+        checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / folder))
+        checker.wrap(model)
+        checker.capture(lambda m: m(batch).pow(2).mean(), model, side="compiled")
+
+    capture("baseline", "aot_eager")
+    capture("same", "aot_eager")
+    capture("changed", perturbed_gelu_backend)  # the "upgrade" that changes GELU
+    same = subprocess.run([dynaprobe_cli, "compare", str(tmp_path / "baseline"),
+                           str(tmp_path / "same")], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert same.stdout.startswith("Baseline:      ") and "RESULT: ALL PASS" in same.stdout
+    junit = tmp_path / "junit.xml"
+    changed = subprocess.run([dynaprobe_cli, "compare", str(tmp_path / "baseline"),
+                              str(tmp_path / "changed"), "--junit", str(junit)],
+                             capture_output=True, text=True)
+    assert changed.returncode == 1, changed.stdout + changed.stderr
+    assert "Provenance differs between the baseline and the compiled dump:" in changed.stdout
+    assert "  backend: baseline=aot_eager  compiled=" in changed.stdout
+    assert "FAIL  Sequential" in changed.stdout
+    failures = {case.get("name"): case.find("failure") for case in ET.parse(junit).iter("testcase")}
+    assert "FAIL fwd_output[0]" in failures["Sequential"].text

@@ -50,10 +50,10 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
 
 @pytest.mark.parametrize("args, message", [
     (["comapre", "DUMP"],
-     "unknown command 'comapre'; did you mean 'compare'? the commands are compare, ls, graphs, "
+     "unknown command 'comapre'; did you mean 'compare'? the commands are compare, merge, ls, graphs, "
      "runs, repro, bisect and bundle (dynaprobe --help says what each does)"),
     (["frobnicate"],
-     "unknown command 'frobnicate'; the commands are compare, ls, graphs, runs, repro, bisect "
+     "unknown command 'frobnicate'; the commands are compare, merge, ls, graphs, runs, repro, bisect "
      "and bundle (dynaprobe --help says what each does)"),
     ([], "a command is required: compare, ls or graphs (e.g. dynaprobe compare DUMP); run "
          "'dynaprobe --help' for what each does"),
@@ -70,14 +70,14 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
      "compare: --rtol: expected a finite number >= 0 (such as 1e-3), but received 'inf' "
      "('dynaprobe compare --help' lists the options)"),
     (["compare", "DUMP", "--step", "1.5"],
-     "compare: --step: expected an integer >= 0 (such as 3), but received '1.5' "
+     "compare: --steps: expected N, N-M or a list of them (such as 0-3,8), but received '1.5' "
      "('dynaprobe compare --help' lists the options)"),
     # Suggestions from meaning: words other tools use, options another command has.
     (["report", "DUMP"],
-     "unknown command 'report'; did you mean 'compare'? the commands are compare, ls, graphs, "
+     "unknown command 'report'; did you mean 'compare'? the commands are compare, merge, ls, graphs, "
      "runs, repro, bisect and bundle (dynaprobe --help says what each does)"),
     (["list", "DUMP"],
-     "unknown command 'list'; did you mean 'ls'? the commands are compare, ls, graphs, runs, "
+     "unknown command 'list'; did you mean 'ls'? the commands are compare, merge, ls, graphs, runs, "
      "repro, bisect and bundle (dynaprobe --help says what each does)"),
     (["compare", "DUMP", "-o", "out.csv"],
      "compare: unknown option -o; did you mean --csv PATH, --json PATH or --html PATH (a file per "
@@ -91,8 +91,8 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
     (["compare", "DUMP", "-j", "4"],
      "compare: unknown option -j; did you mean --threads N? ('dynaprobe compare --help' lists the "
      "options)"),
-    (["compare", "DUMP", "--steps", "3"],
-     "compare: unknown option --steps; did you mean --step N? ('dynaprobe compare --help' lists "
+    (["compare", "DUMP", "--rank", "3"],
+     "compare: unknown option --rank; did you mean '--ranks'? ('dynaprobe compare --help' lists "
      "the options)"),
     (["ls", "DUMP", "--module", "layers.*"],
      "ls: unknown option --module; --module is an option of 'dynaprobe compare' ('dynaprobe ls "
@@ -114,17 +114,26 @@ def test_usage_errors_name_the_mistake_and_the_fix(dynaprobe_cli, dump, args, me
     assert proc.stdout == ""
 
 
-def test_several_steps_end_with_a_summary_naming_the_failed_ones(tmp_path, dynaprobe_cli):
+def test_several_steps_open_with_a_summary_naming_the_failed_ones(tmp_path, dynaprobe_cli):
     eager = randn(4)
     write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(eager))], step=0)
     write_dump(tmp_path / "dump", [Rec("m", "fwd_output", eager=eager, compiled=eager + 1)], step=1)
     write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(eager))], step=2)
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
     assert proc.returncode == 1, proc.stderr
-    assert proc.stdout.endswith(
-        "Summary: 3 steps, 2 ALL PASS, 1 FAILED: step 1 (1 FAIL, 0 WARN)\n"
+    assert proc.stdout.startswith(
+        "Summary: 3 steps, 2 ALL PASS, 1 FAILED (1 FAIL row, 0 WARN rows)\n"
+        "Failing modules, root cause first:\n"
+        "   step  module  FAIL  WARN  first failing row\n"
+        "      1  m          1     0  fwd_output[0] max_abs=1.000e+00  <- forward root cause, local\n"
         "Root cause first seen in step 1: forward m fwd_output[0] (max_abs=1.000e+00): local, "
-        "it has no tensor inputs\n")
+        "it has no tensor inputs\n"
+        "Full reports: --html PATH, --json PATH or --junit PATH write every rank and step\n"
+        "\n"
+        "The report of each failing step follows (--all-steps prints every step's).\n"
+        "\n"
+        "Step 1\n")
+    assert proc.stdout.count("RESULT:") == 1  # passing steps' reports are left out
     one_step = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "1")
     assert "Summary" not in one_step.stdout  # a single step's RESULT line says it all
 
@@ -134,7 +143,9 @@ def test_several_passing_steps_summary(tmp_path, dynaprobe_cli):
         write_dump(tmp_path / "dump", [Rec("m", "fwd_output", **same(randn(3)))], step=step)
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.endswith("Summary: 2 steps, 2 ALL PASS\n")
+    assert proc.stdout == ("Summary: 2 steps, 2 ALL PASS\n"
+                           "Full reports: --html PATH, --json PATH or --junit PATH write every "
+                           "rank and step\n")
 
 
 def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path, dynaprobe_cli):
@@ -143,8 +154,8 @@ def test_a_step_that_is_not_there_is_named_with_the_steps_that_are(tmp_path, dyn
     proc = run_cli(dynaprobe_cli, "compare", tmp_path / "dump", "--step", "7")
     assert proc.returncode == 2
     assert proc.stderr == (
-        f"dynaprobe: error: step 7 is not in {tmp_path / 'dump'}; the steps there are 0, 3; give "
-        "one of them with --step, or leave --step out to compare every step\n")
+        f"dynaprobe: error: --steps 7 matches no step of {tmp_path / 'dump'}; its steps are 0,3: "
+        "give some of them, or leave --steps out to compare every step\n")
 
 
 def test_a_folder_of_runs_stands_for_its_newest_run(tmp_path, dynaprobe_cli):

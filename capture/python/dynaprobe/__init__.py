@@ -15,6 +15,7 @@ from dynaprobe._C import DumpIOError, FormatError, format_version
 from dynaprobe._assertions import assert_precision
 from dynaprobe._checker import PrecisionChecker
 from dynaprobe._result import CompareResult, ModuleDiff, Row, TensorDiff
+from dynaprobe._run import RunReport, analyze_run
 
 # Keep in sync with pyproject.toml's version and CMakeLists.txt's project(VERSION), which
 # `dynaprobe --version` prints (tests/python/test_cli.py checks all three).
@@ -27,8 +28,10 @@ __all__ = [
     "ModuleDiff",
     "PrecisionChecker",
     "Row",
+    "RunReport",
     "TensorDiff",
     "__version__",
+    "analyze_run",
     "assert_precision",
     "format_version",
     "hdf5_plugin_dir",

@@ -197,6 +197,10 @@ struct Comparison {
   formats::Provenance eager_provenance;
   formats::Provenance compiled_provenance;
   bool separate_dumps = false;  // eager and compiled sides come from two different dumps
+  // Both dumps hold only the compiled side (PrecisionChecker.capture(side="compiled")): the first
+  // is a baseline, its compiled side compared in the eager side's place with the second's, e.g.
+  // before and after a torch upgrade. The report's "eager" numbers are the baseline's.
+  bool compiled_baseline = false;
   std::vector<ProvenanceDifference> provenance_differences;  // only when two dumps are compared
   std::vector<std::string> warnings;  // unfinished steps, steps found on one side only, ...
 
@@ -218,7 +222,10 @@ struct CompareOptions {
   std::optional<bool> reference_decides;
   std::optional<std::int64_t> step;  // only this step
   std::string module_glob;           // only modules matching (fnmatch), empty: all
-  int threads = 0;                   // 0: all cores
+  // A module_glob that matches no module of the dumps is a UsageError; false for a caller that
+  // compares a run a step at a time and checks the whole run (analyze_run).
+  bool require_module_match = true;
+  int threads = 0;  // 0: all cores
   // Recompute every pair from its stored tensors, also where the capture stored its metrics
   // (PrecisionChecker judges rows in memory): checks those against the tensors. Pairs whose
   // tensors were not stored keep their stored metrics.
@@ -245,6 +252,11 @@ Comparison compare(const std::filesystem::path& eager_dump,
 // step's. Reads the file (waiting for the commit) only for pairs without metrics judged in
 // memory.
 Comparison compare_pending(formats::PendingStep pending, const CompareOptions& options);
+
+// Throws the UsageError compare() throws when `glob` (CompareOptions::module_glob) matches no
+// module of the dumps' steps, naming the modules they have; reads every step file's index.
+void check_module_glob(const std::filesystem::path& eager_dump,
+                       const std::filesystem::path& compiled_dump, const std::string& glob);
 
 // Throws FormatError unless `files` (formats::list_dump of `path`) holds a committed step: an
 // empty folder and one holding only unfinished (.partial) steps are errors for every command.

@@ -5,7 +5,12 @@
 // explains the choices where the spec's examples disagree.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,7 +26,7 @@ std::string render_text(const StepReport& report);
 // The spec's 9-column CSV of one or more steps (a header, then each step's LOSS row and rows).
 std::string render_csv(const std::vector<StepReport>& steps);
 
-// One comparison per rank and scenario, for the merged multi-rank CSV.
+// One comparison per rank and scenario, for the reports of a run.
 struct RankComparison {
   int rank = 0;
   std::string scenario;
@@ -29,6 +34,49 @@ struct RankComparison {
   // The compiler's graphs (read_graphs() of the compiled side's dump), for the formats that show
   // them (ReportFormat::needs_graphs); empty otherwise.
   std::vector<formats::Graph> graphs{};
+  // The rank's dump, and its compiled side's when two are compared; empty when not known.
+  std::filesystem::path path{};
+  std::filesystem::path compiled_path{};
+};
+
+// The totals of a run, which its reports' summaries state (the JSON's "summary").
+struct RunTotals {
+  bool all_pass = false;  // at least one step, and every step of every rank passes
+  std::size_t ranks = 0;
+  std::size_t steps = 0;  // (rank, step) pairs
+  std::size_t failed_steps = 0;
+  std::size_t nothing_compared_steps = 0;
+  std::size_t loss_fail = 0;  // steps whose loss check FAILs
+  std::size_t rows = 0, pass = 0, fail = 0, warn = 0, skip = 0, compared = 0;
+  // Where a root cause first appears: the earliest step, on its lowest rank.
+  struct Place {
+    int rank = 0;
+    std::int64_t step = 0;
+  };
+  std::optional<Place> root_cause_first_seen;
+  // What makes the run inconsistent (run.h): each names the rank folders concerned.
+  std::vector<std::string> warnings;
+};
+
+// A report written while a run is analysed (run.h): the steps arrive one at a time, rank by rank,
+// so a writer that streams (merged CSV, JSON, JUnit) holds one step, never the run.
+class ReportWriter {
+ public:
+  virtual ~ReportWriter() = default;
+  // One step of `rank`, whose comparison holds the rank's provenance but none of its steps.
+  virtual void add_step(const RankComparison& rank, const StepReport& step) = 0;
+  // After a rank's last step: its warnings are in rank.comparison.warnings.
+  virtual void end_rank(const RankComparison& rank, bool all_pass) = 0;
+  // After the last rank.
+  virtual void finish(const RunTotals& totals) = 0;
+};
+
+// What a writer is told before the run starts.
+struct RunShape {
+  std::size_t ranks = 0;       // ranks to come
+  bool several_steps = false;  // some rank has more than one step (a CSV's step column)
+  // Of `ranks`, as write_run() is given them.
+  static RunShape of(const std::vector<RankComparison>& ranks);
 };
 // "rank,scenario" followed by the 9 columns, every rank's rows in rank order.
 std::string render_merged_csv(const std::vector<RankComparison>& ranks);
@@ -65,8 +113,23 @@ struct ReportFormat {
   std::string_view title;        // "JSON", as in "JSON report saved to: PATH"
   std::string_view description;  // the CLI option's help
   bool needs_graphs;             // fill RankComparison::graphs before rendering
-  std::string (*render)(const std::vector<RankComparison>& ranks);
+  // The format's writer, writing to `out` as the run arrives.
+  std::unique_ptr<ReportWriter> (*open)(std::ostream& out, const RunShape& shape);
+
+  // The whole report of `ranks` at once.
+  std::string render(const std::vector<RankComparison>& ranks) const;
 };
+// The writers of the registered formats (one renderer file each).
+std::unique_ptr<ReportWriter> open_merged_csv(std::ostream& out, const RunShape& shape);
+std::unique_ptr<ReportWriter> open_json(std::ostream& out, const RunShape& shape);
+std::unique_ptr<ReportWriter> open_html(std::ostream& out, const RunShape& shape);
+std::unique_ptr<ReportWriter> open_junit(std::ostream& out, const RunShape& shape);
+std::unique_ptr<ReportWriter> open_markdown(std::ostream& out, const RunShape& shape);
+// The 9-column CSV of each rank to a file of its own ("report.csv" -> "report_rank1.csv" when the
+// run has several ranks); each file is written when its rank ends.
+std::unique_ptr<ReportWriter> open_rank_csvs(
+    const std::filesystem::path& path, const RunShape& shape,
+    std::function<void(const std::filesystem::path&, const std::string&)> write_file);
 // In the order the CLI writes them.
 const std::vector<ReportFormat>& report_formats();
 // The format called `name`; throws UsageError naming the known formats otherwise.

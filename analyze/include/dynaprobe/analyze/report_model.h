@@ -73,14 +73,26 @@ Value ops_model(const StepReport& report);
 Value step_model(const StepReport& report);
 
 struct RankComparison;
-// The whole report: {"summary": {...}, "histogram_edges": [...], "ranks": [{rank, scenario,
-// all_pass, provenance, provenance_differences, warnings, steps}]}.
-Value report_model(const std::vector<RankComparison>& ranks);
+struct RunTotals;
+// What the report says of a rank before its steps: rank, scenario, path, provenance ({eager,
+// compiled}), separate_dumps, provenance_differences. A rank of the report adds steps, warnings
+// and all_pass after them, in that order (the JSON report streams them).
+Value rank_header_model(const RankComparison& rank);
+// A list of strings (warnings).
+Value strings_model(const std::vector<std::string>& strings);
+// A run's totals (the report's "summary"): all_pass, ranks, rows, pass, fail, warn, skip,
+// compared, loss_fail, steps, failed_steps, nothing_compared_steps, root_cause_first_seen
+// ({rank, step} or null), warnings (the run's consistency).
+Value summary_model(const RunTotals& totals);
+// The whole report: {"histogram_edges": [...], "ranks": [{rank header..., steps, warnings,
+// all_pass}], "summary": {...}}.
+Value report_model(const std::vector<RankComparison>& ranks, const RunTotals& totals);
 
 // `value` as JSON text (render_json.cpp): strings as formats::printable_name() spells them (valid
 // UTF-8, no control characters), non-finite numbers as the strings "nan", "inf", "-inf", arrays
 // of objects one element per line. With `keep_newlines`, strings keep their newlines (graph code,
 // each line made printable); without, a newline is escaped as printable_name() escapes it.
-std::string to_json(const Value& value, bool keep_newlines = false);
+// `depth` is where `value` sits in an enclosing document (its arrays of objects indent to match).
+std::string to_json(const Value& value, bool keep_newlines = false, int depth = 0);
 
 }  // namespace dynaprobe::analyze

@@ -111,7 +111,9 @@ struct Graph {
 
 // Naming rules of a dump, defined once (docs/dump-format.md).
 std::string dataset_path(const RecordKey& key);  // "/tensors/layers.0/fwd_output.eager.0.1"
-std::filesystem::path step_file_name(std::int64_t step);            // "step_00000042.h5"
+std::filesystem::path step_file_name(std::int64_t step);  // "step_00000042.h5"
+// The step a committed step file's name says (step_file_name's inverse); none for another name.
+std::optional<std::int64_t> step_of_file_name(const std::filesystem::path& file);
 std::string shape_string(const std::vector<std::int64_t>& shape);   // "(2, 128, 4096)", "()"
 std::uint64_t shape_numel(const std::vector<std::int64_t>& shape);  // 1 for a scalar's ()
 
