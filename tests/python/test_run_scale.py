@@ -164,6 +164,23 @@ def test_the_summary_warns_about_an_inconsistent_run(tmp_path, dynaprobe_cli):
     assert "### Run warnings" in (tmp_path / "r.md").read_text()
 
 
+def test_a_rank_folder_from_another_run_is_named(tmp_path, dynaprobe_cli):
+    import torch
+    import torch.nn as nn
+
+    from dynaprobe import PrecisionChecker
+
+    for run in ("runA", "runB"):
+        model = nn.Sequential(nn.Linear(4, 4))
+        checker = PrecisionChecker(dump_dir=str(tmp_path / run / "rank0"))
+        checker.wrap(model)
+        checker.compare(lambda m: m(torch.ones(2, 4)).sum(), model)
+    shutil.move(tmp_path / "runB" / "rank0", tmp_path / "runA" / "rank1")  # copied by hand
+    proc = run_cli(dynaprobe_cli, "compare", tmp_path / "runA")
+    assert "  run differs between ranks: runA on rank 0, runB on rank 1\n" in proc.stdout
+    assert "  rank1/ holds the files of rank 0 (provenance rank=0)" in proc.stdout
+
+
 @pytest.mark.slow
 def test_a_real_eight_rank_gloo_run_with_one_fault(tmp_path, dynaprobe_cli):
     run = tmp_path / "run"

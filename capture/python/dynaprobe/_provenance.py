@@ -4,6 +4,7 @@ the checker's options, the mode, the model's devices and the machine (docs/dump-
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Dict
 
@@ -48,6 +49,9 @@ def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
         "compile_scope": compile_scope,
         vocabulary.PROVENANCE_RANK: str(rank),
         "world_size": str(world),
+        # The run folder's name, the same on every rank: a rank folder copied from another run
+        # says so (dynaprobe compare's run warnings).
+        "run": os.path.basename(os.path.normpath(os.path.abspath(checker.run_dir))),
         vocabulary.PROVENANCE_SCENARIO: checker.scenario,
         vocabulary.PROVENANCE_ATOL: repr(float(checker.threshold)),
         vocabulary.PROVENANCE_RTOL: repr(float(checker.rtol)),
