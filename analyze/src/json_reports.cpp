@@ -200,30 +200,27 @@ class Reader {
     throw FormatError(name_ + ": not a dynaprobe JSON report: \"" + std::string(field) +
                       "\" is not " + std::string(expected));
   }
+  // The value as a T, or a FormatError naming the field and what was `expected`.
+  template <typename T>
+  const T& typed(const Value& value, std::string_view field, std::string_view expected) const {
+    const T* typed_value = value.get<T>();
+    if (!typed_value) fail(field, expected);
+    return *typed_value;
+  }
   const Value::Object& object(const Value& value, std::string_view field) const {
-    const auto* object = value.get<Value::Object>();
-    if (!object) fail(field, "an object");
-    return *object;
+    return typed<Value::Object>(value, field, "an object");
   }
   const Value::Array& array(const Value& value, std::string_view field) const {
-    const auto* array = value.get<Value::Array>();
-    if (!array) fail(field, "an array");
-    return *array;
+    return typed<Value::Array>(value, field, "an array");
   }
   std::string string(const Value& value, std::string_view field) const {
-    const auto* text = value.get<std::string>();
-    if (!text) fail(field, "a string");
-    return *text;
+    return typed<std::string>(value, field, "a string");
   }
   bool boolean(const Value& value, std::string_view field) const {
-    const auto* flag = value.get<bool>();
-    if (!flag) fail(field, "true or false");
-    return *flag;
+    return typed<bool>(value, field, "true or false");
   }
   std::int64_t integer(const Value& value, std::string_view field) const {
-    const auto* number = value.get<std::int64_t>();
-    if (!number) fail(field, "an integer");
-    return *number;
+    return typed<std::int64_t>(value, field, "an integer");
   }
   // A number, or the strings "nan", "inf", "-inf" the model writes for non-finite ones.
   double number(const Value& value, std::string_view field) const {

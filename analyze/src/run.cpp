@@ -255,22 +255,10 @@ class RunTally {
     totals_.loss_fail += counts.loss_failed ? 1 : 0;
     totals_.nothing_compared_steps += counts.nothing_compared() ? 1 : 0;
     totals_.compared += counts.compared;
-    for (const Row& row : step.rows) {
-      switch (row.status) {
-        case Status::kPass:
-          ++totals_.pass;
-          break;
-        case Status::kFail:
-          ++totals_.fail;
-          break;
-        case Status::kWarn:
-          ++totals_.warn;
-          break;
-        case Status::kSkip:
-          ++totals_.skip;
-          break;
-      }
-    }
+    totals_.pass += counts.pass;
+    totals_.fail += counts.fail;
+    totals_.warn += counts.warn;
+    totals_.skip += counts.skip;
     totals_.rows += step.rows.size();
     auto& first = totals_.root_cause_first_seen;
     if (!step.root_cause.empty() && (!first || step.step < first->step ||
