@@ -1,5 +1,5 @@
-// The phases of building one step's report rows (engine.cpp's StepBuilder runs them in order):
-// the report header from the provenance, the modules in model order with their /modules
+// The phases of building one step's report rows (step_builder.cpp's StepBuilder runs them in
+// order): the report header from the provenance, the modules in model order with their /modules
 // attributes, the records paired by key, which calls each side ran, and the verdict table for
 // module notes and for tensors that only one side holds. Private to analyze; the engine and
 // tests/analyze/step_rows_test.cpp include it.
