@@ -12,14 +12,11 @@
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <pthread.h>
 #include <tbb/info.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdlib>
-#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
@@ -28,18 +25,16 @@
 #include <set>
 #include <system_error>
 #include <thread>
-#include <tuple>
-#include <type_traits>
 #include <utility>
-#include <variant>
 #include <vector>
 
+#include "background_thread.h"
 #include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
-#include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/vocabulary.h"
+#include "queue_items.h"
 
 namespace dynaprobe::capture {
 namespace fs = std::filesystem;
@@ -69,21 +64,6 @@ formats::DType dtype_of(const at::Tensor& tensor) {
 }
 
 namespace {
-
-// A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to;
-// for a device tensor they are valid once `copied` has completed (see snapshot_of).
-struct RecordItem {
-  formats::Record record;
-  at::Tensor snapshot;
-  std::size_t bytes = 0;
-  std::shared_ptr<c10::Event> copied;
-  std::uint64_t batch = 0;  // the background thread's batch that took it from the queue
-};
-struct BeginItem {
-  std::int64_t step = 0;
-};
-struct EndItem {};
-using Item = std::variant<BeginItem, RecordItem, formats::Graph, formats::ModuleInfo, EndItem>;
 
 // Bytes of the contiguous host copy of `tensor`.
 std::size_t host_bytes(const at::Tensor& tensor) {
@@ -208,223 +188,24 @@ Snapshot snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   return snapshot;
 }
 
-// The background thread's judging in memory (see Recorder): holds each snapshot until its twin
-// arrives, compares the pair with the engine's code and says which tensors to store.
-class PairJudge {
+// A record's snapshot for the background thread: its bytes are valid once `copied` has completed.
+class TensorSnapshot final : public detail::HostSnapshot {
  public:
-  PairJudge(const formats::Provenance& provenance, const fs::path& dump, StoreMode mode,
-            std::size_t chunk_bytes, std::size_t hold_cap)
-      : judging_(analyze::dump_judging(provenance, dump)),
-        mode_(mode),
-        chunk_bytes_(chunk_bytes),
-        hold_cap_(hold_cap) {
-    namespace vocabulary = formats::vocabulary;
-    const std::string capture_mode =
-        formats::provenance_value(provenance, vocabulary::provenance::kMode);
-    single_pass_ = capture_mode == vocabulary::mode::kSinglePass;
-    active_ = single_pass_ || capture_mode == vocabulary::mode::kTwoPass;
+  explicit TensorSnapshot(Snapshot snapshot) : snapshot_(std::move(snapshot)) {}
+  void wait_copied() override {
+    if (snapshot_.copied) snapshot_.copied->synchronize();
   }
-
-  // Takes a record: into `store` (its tensor is written), `describe` (its index row only) or
-  // held for its twin; a held record may go out later, with another record's call.
-  void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
-    const formats::RecordKey& key = item.record.key;
-    if (!active_ || key.kind == formats::Kind::kLoss || !formats::is_compared(key.kind) ||
-        key.side == formats::Side::kReference || spilled_.count(pair_key(key))) {
-      store.push_back(std::move(item));
-      return;
-    }
-    if (mode_ == StoreMode::kFull) store.push_back(item);
-    const PairKey pair = pair_key(key);
-    Slot& slot = pending_[pair];
-    held_bytes_ += item.bytes;
-    (key.side == formats::Side::kEager ? slot.eager : slot.compiled) = std::move(item);
-    order_.push_back(pair);
-    if (slot.eager && slot.compiled) finish(pair, store, describe);
-    spill_over_cap(store);
-  }
-
-  // The step's end: records whose twin never came (single-pass fwd_input and grad_output are
-  // recorded once and compared with themselves; others are one-sided rows).
-  void end_step(std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
-    while (!pending_.empty()) finish(pending_.begin()->first, store, describe);
-    order_.clear();
-    spilled_.clear();
-  }
-
-  std::vector<formats::StoredMetrics> take_metrics() { return std::exchange(metrics_, {}); }
-  // The calls with a pair found failing (or spilled, so not judged in memory) since the last
-  // take, as (module, call).
-  std::vector<CallKey> take_failing() { return std::exchange(failing_, {}); }
-  std::size_t held_bytes() const { return held_bytes_; }
 
  private:
-  using PairKey = std::tuple<std::string, std::uint32_t, formats::Kind, std::uint32_t>;
-  struct Slot {
-    std::optional<RecordItem> eager, compiled;
-  };
-  static PairKey pair_key(const formats::RecordKey& key) {
-    return {key.module, key.call, key.kind, key.tensor_index};
-  }
-
-  // Judges pending pair `pair` (or its one record) and hands its records on.
-  void finish(const PairKey& pair, std::vector<RecordItem>& store,
-              std::vector<RecordItem>& describe) {
-    auto found = pending_.find(pair);
-    Slot slot = std::move(found->second);
-    pending_.erase(found);
-    const RecordItem* eager = slot.eager ? &*slot.eager : nullptr;
-    const RecordItem* compiled = slot.compiled ? &*slot.compiled : nullptr;
-    if (!eager || !compiled) {
-      const RecordItem* only = eager ? eager : compiled;
-      if (analyze::recorded_once(only->record.key.kind, single_pass_)) eager = compiled = only;
-    }
-    bool keep_tensors = true;  // a one-sided row, a shape mismatch or a failing pair
-    if (eager && compiled && eager->record.tensor.shape == compiled->record.tensor.shape) {
-      const formats::TensorView& a = eager->record.tensor;
-      const formats::TensorView& b = compiled->record.tensor;
-      formats::StoredMetrics stored;
-      stored.key = compiled->record.key;
-      stored.tolerances =
-          judging_.row_tolerances(stored.key.module, stored.key.kind, a.dtype, b.dtype);
-      stored.metrics = analyze::compare_in_memory(a, b, stored.tolerances, chunk_bytes_);
-      keep_tensors = !stored.metrics.allclose;
-      metrics_.push_back(std::move(stored));
-    }
-    if (keep_tensors && eager && compiled)
-      failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));
-    for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled}) {
-      if (!*side) continue;
-      held_bytes_ -= (*side)->bytes;
-      if (mode_ == StoreMode::kFull) continue;  // stored when it came
-      const bool store_it = mode_ == StoreMode::kFailing && keep_tensors;
-      (store_it ? store : describe).push_back(std::move(**side));
-    }
-  }
-
-  // Holds at most hold_cap_ bytes: the oldest waiting records are stored whole, and their twins
-  // follow them when they come (the pair is then compared from the dump).
-  void spill_over_cap(std::vector<RecordItem>& store) {
-    while (held_bytes_ > hold_cap_ && !order_.empty()) {
-      const PairKey pair = order_.front();
-      order_.pop_front();
-      auto found = pending_.find(pair);
-      if (found == pending_.end()) continue;
-      for (std::optional<RecordItem>* side : {&found->second.eager, &found->second.compiled}) {
-        if (!*side) continue;
-        held_bytes_ -= (*side)->bytes;
-        if (mode_ != StoreMode::kFull) store.push_back(std::move(**side));
-      }
-      pending_.erase(found);
-      spilled_.insert(pair);
-      failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));  // judged later, from the dump
-    }
-  }
-
-  analyze::Judging judging_;
-  StoreMode mode_;
-  std::size_t chunk_bytes_;
-  std::size_t hold_cap_;
-  bool single_pass_ = false;
-  bool active_ = false;  // the step holds both sides
-  std::map<PairKey, Slot> pending_;
-  std::deque<PairKey> order_;  // when each record came, for spilling the oldest first
-  std::set<PairKey> spilled_;
-  std::size_t held_bytes_ = 0;
-  std::vector<formats::StoredMetrics> metrics_;
-  std::vector<CallKey> failing_;
+  Snapshot snapshot_;
 };
-
-// `error` with a note that the step is lost, keeping its type so callers can tell disk trouble
-// (IoError) from a bad record (UsageError).
-std::exception_ptr step_lost(std::exception_ptr error, std::int64_t step, const fs::path& dir) {
-  const std::string note = "\n(dynaprobe discarded step " + std::to_string(step) + " of dump " +
-                           dir.string() + "; earlier steps are intact)";
-  try {
-    std::rethrow_exception(error);
-  } catch (const FormatError& e) {
-    return std::make_exception_ptr(FormatError(e.what() + note));
-  } catch (const IoError& e) {
-    return std::make_exception_ptr(IoError(e.what() + note));
-  } catch (const UsageError& e) {
-    return std::make_exception_ptr(UsageError(e.what() + note));
-  } catch (const Error& e) {
-    return std::make_exception_ptr(Error(e.what() + note));
-  } catch (...) {
-    return error;  // bad_alloc and the like: as they are
-  }
-}
-
-// Whether a step's file is committed yet (Recorder::finish_step): shared by the background
-// thread, which commits it, and by the step's PendingStep, which may outlive the recorder.
-struct CommitState {
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool done = false;
-  std::exception_ptr error;  // why the step could not be committed
-
-  void finish(std::exception_ptr why) {
-    {
-      std::lock_guard lock(mutex);
-      if (done) return;
-      done = true;
-      error = std::move(why);
-    }
-    cv.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mutex);
-    cv.wait(lock, [&] { return done; });
-    if (error) std::rethrow_exception(error);
-  }
-};
-
-// The writer's side of the background thread: what is left to write, in queue order. The judging
-// side runs ahead of it, so that a step is judged (and reported) while its tensors are still
-// being written.
-struct BeginWrite {
-  std::int64_t step = 0;
-};
-struct RecordsWrite {
-  std::vector<RecordItem> store, describe;  // see PairJudge::take
-  std::size_t bytes = 0;                    // of the queue's snapshots this write releases
-};
-struct CommitWrite {
-  std::vector<formats::StoredMetrics> metrics;
-  std::shared_ptr<CommitState> state;
-};
-using WriteOp =
-    std::variant<BeginWrite, RecordsWrite, formats::Graph, formats::ModuleInfo, CommitWrite>;
-
-// Records of a step as its index will list them, and the bytes of the smallest (the loss), for
-// the step's PendingStep.
-void add_pending(formats::PendingStep& pending, const std::vector<RecordItem>& items, bool stored) {
-  constexpr std::size_t kKeptBytes = 64;
-  for (const RecordItem& item : items) {
-    formats::RecordInfo info;
-    info.key = item.record.key;
-    info.label = item.record.label;
-    info.dtype = item.record.tensor.dtype;
-    info.shape = item.record.tensor.shape;
-    info.stored = stored || info.numel() == 0;
-    // A device tensor's copy has landed by now: the background thread waited for it to judge.
-    if (stored && item.bytes <= kKeptBytes && item.bytes > 0) {
-      const auto* data = static_cast<const std::byte*>(item.record.tensor.data);
-      pending.small_tensors.emplace(info.key, std::vector<std::byte>(data, data + item.bytes));
-    }
-    pending.records.push_back(std::move(info));
-  }
-}
 
 }  // namespace
 
 struct Recorder::Impl {
   fs::path dump_dir;
-  formats::Provenance provenance;
   RecorderOptions options;
-  std::unique_ptr<formats::DumpLock> lock;  // one writer per folder
-  // Why nothing can be written (the folder cannot be made, its lock is held): strict_io false.
-  std::exception_ptr storage_error;
+  std::unique_ptr<formats::DumpLock> dump_lock;  // one writer per folder
   // Keeps up to a quarter of the budget of written snapshots' memory for the next snapshots.
   std::shared_ptr<SnapshotPool> pool;
 
@@ -438,31 +219,9 @@ struct Recorder::Impl {
   std::set<std::string, std::less<>> graph_names;
   std::set<std::string, std::less<>> module_names;
 
-  // Shared with the background thread, under `mutex`.
-  mutable std::mutex mutex;
-  std::condition_variable work_cv;    // the background thread waits for items
-  std::condition_variable caller_cv;  // callers wait for budget or for the end of a step
-  std::deque<Item> queue;
-  std::size_t queued_bytes = 0;   // snapshots queued, being judged or written
-  std::size_t held_bytes = 0;     // snapshots the background thread holds for their twin
-  std::exception_ptr step_error;  // why the current step is lost
-  std::uint64_t pushed = 0;       // items queued so far
-  std::uint64_t handled = 0;      // items the background thread has judged or handled
-  std::set<CallKey> failing;      // of the current step (PairJudge::take_failing)
-  // The current step once the background thread has judged its EndItem.
-  std::optional<formats::PendingStep> judged;
-  bool stopping = false;
+  detail::SharedState shared;  // with the background thread
+  std::thread worker;          // last: starts once everything above exists
 
-  std::thread worker;  // last: starts once everything above exists
-
-  void push(Item item) {
-    {
-      std::lock_guard lock(mutex);
-      queue.push_back(std::move(item));
-      ++pushed;
-    }
-    work_cv.notify_one();
-  }
   void require_step(std::string_view action) const {
     if (!in_step) {
       throw UsageError("cannot " + std::string(action) +
@@ -470,347 +229,21 @@ struct Recorder::Impl {
     }
   }
   // Throws the current step's background error the first time a caller can see it; afterwards
-  // returns true: the step is lost and further items are dropped. Needs `mutex` held.
+  // returns true: the step is lost and further items are dropped. Needs `shared.mutex` held.
   bool step_lost_locked() {
-    if (!step_error) return false;
+    if (!shared.step_error) return false;
     if (!error_reported) {
       error_reported = true;
-      std::rethrow_exception(step_error);
+      std::rethrow_exception(shared.step_error);
     }
     return true;
   }
   bool check_step(std::string_view action) {
     require_step(action);
-    std::lock_guard lock(mutex);
+    std::lock_guard lock(shared.mutex);
     return step_lost_locked();
   }
-
-  void run();
 };
-
-// Writes the tensors of `store` and the index rows of `describe` (see PairJudge).
-void write_items(formats::StepWriter& writer, std::vector<RecordItem>& store,
-                 std::vector<RecordItem>& describe) {
-  for (auto* items : {&store, &describe}) {
-    if (items->empty()) continue;
-    std::vector<formats::Record> records;
-    records.reserve(items->size());
-    for (auto& r : *items) records.push_back(std::move(r.record));
-    if (items == &store) {
-      writer.write(records);
-    } else {
-      writer.describe(records);
-    }
-  }
-}
-
-// The background thread. Its judging side turns queue items into verdicts (PairJudge) and write
-// operations, batching consecutive records so that StepWriter::write compresses many tensors in
-// parallel; its writing side owns the StepWriter and carries the operations out in order. It
-// judges whatever is queued before it writes anything more, so that finish_step() returns once a
-// step is judged while the step's last tensors (the parameter gradients) are still being written.
-void Recorder::Impl::run() {
-  // A batch stays well under the budget, so that the caller can keep snapshotting while it is
-  // written.
-  const std::size_t batch_cap = std::max<std::size_t>(options.memory_budget_bytes / 4, 1);
-  constexpr std::size_t kMaxBatchRecords = 4096;
-  // A write operation holds about this many bytes, so that judging waits at most for one.
-  constexpr std::size_t kWriteOpBytes = std::size_t{32} << 20;
-
-  // Judging side: the step being judged.
-  std::unique_ptr<PairJudge> judge;
-  std::int64_t judging_step = 0;
-  bool judging_open = false;  // its EndItem is not judged yet: the caller is in it
-  bool judge_lost = false;    // the step failed: drop its items
-  formats::PendingStep pending;
-  // Writing side: the step being written.
-  std::deque<WriteOp> writes;
-  std::unique_ptr<formats::StepWriter> writer;
-  std::int64_t writing_step = 0;
-  std::exception_ptr write_error;  // the step being written is lost: skip its operations
-
-  // Named, so that per-thread profiles (top -H, perf, py-spy) tell it from torch's threads;
-  // the TBB workers it starts inherit the name.
-  pthread_setname_np(pthread_self(), "dynaprobe-rec");
-  // Judging runs below the training threads, at the writer's niceness: this thread and the TBB
-  // workers that compare its large pairs in parallel (analyze::compare_in_memory). On a host
-  // whose cores training keeps busy, judging at the same priority preempts one of torch's
-  // OpenMP threads and the whole parallel region waits for it; below them it takes the gaps,
-  // and every core once the training thread waits for it at the step's end (docs/performance.md,
-  // Scale).
-  const int nice = options.writer.nice;
-  if (nice != 0) setpriority(PRIO_PROCESS, 0, nice);  // with 0, Linux means the calling thread
-  tbb::task_arena judge_arena;
-  judge_arena.initialize();
-  std::optional<formats::NiceObserver> judge_nice;
-  if (nice != 0) judge_nice.emplace(judge_arena, nice);
-
-  // The step being judged is lost: the caller hears of it at its next call.
-  const auto fail_judging = [&](std::exception_ptr error) {
-    judge.reset();  // frees the snapshots it held
-    judge_lost = true;
-    {
-      std::lock_guard lock(mutex);
-      held_bytes = 0;
-      if (!step_error) step_error = step_lost(error, judging_step, dump_dir);
-    }
-    caller_cv.notify_all();
-  };
-  // The step being written is lost: its partial file goes, and the error reaches the caller
-  // through the step's commit (and at once while the caller is still in the step).
-  // Without strict_io only the file is lost: the step is still judged in memory.
-  const auto fail_writing = [&](std::exception_ptr error) {
-    writer.reset();  // removes the partial file
-    write_error = step_lost(error, writing_step, dump_dir);
-    if (options.strict_io && judging_open && judging_step == writing_step && !judge_lost) {
-      fail_judging(error);
-    }
-  };
-  std::uint64_t batches = 0;
-  const auto judge_batch = [&](std::vector<RecordItem>& batch) {
-    std::size_t bytes = 0;
-    for (const auto& r : batch) bytes += r.bytes;
-    const std::size_t count = batch.size();
-    const std::uint64_t this_batch = ++batches;
-    std::size_t released = bytes;  // of the queue's bytes, those not waiting for a write
-    if (judge && !judge_lost) {
-      try {
-        std::vector<RecordItem> store, describe;
-        judge_arena.execute([&] {
-          for (auto& r : batch) {
-            if (r.copied) r.copied->synchronize();  // a device tensor's copy has landed
-            r.batch = this_batch;
-            judge->take(std::move(r), store, describe);
-          }
-        });
-        add_pending(pending, store, true);
-        add_pending(pending, describe, false);
-        for (RecordItem& r : describe) {  // only their index rows are written
-          r.snapshot = at::Tensor();
-          r.copied.reset();
-          r.record.tensor.data = nullptr;
-        }
-        // Cut into operations of about kWriteOpBytes, never between the sides of a pair (the
-        // writer stores a repeat of a multi-chunk tensor once only within one write). Each
-        // releases the queue's bytes of its records from this batch once written; the rest of
-        // the batch (held for a twin, described only) is released now.
-        const auto pair_of = [](const formats::RecordKey& k) {
-          return std::tie(k.module, k.call, k.kind, k.tensor_index);
-        };
-        std::vector<RecordsWrite> ops;
-        std::size_t from = 0, op_bytes = 0, op_queued = 0;
-        for (std::size_t i = 0; i < store.size(); ++i) {
-          op_bytes += store[i].bytes;
-          if (store[i].batch == this_batch) op_queued += store[i].bytes;
-          const bool last = i + 1 == store.size();
-          if (!last && (op_bytes < kWriteOpBytes ||
-                        pair_of(store[i].record.key) == pair_of(store[i + 1].record.key))) {
-            continue;
-          }
-          RecordsWrite op;
-          op.store.assign(std::make_move_iterator(store.begin() + from),
-                          std::make_move_iterator(store.begin() + i + 1));
-          if (last) op.describe = std::move(describe);
-          op.bytes = op_queued;
-          ops.push_back(std::move(op));
-          from = i + 1;
-          op_bytes = op_queued = 0;
-        }
-        if (store.empty()) ops.push_back(RecordsWrite{{}, std::move(describe), 0});
-        for (RecordsWrite& op : ops) {
-          released -= op.bytes;
-          writes.push_back(std::move(op));
-        }
-        {  // judged: failing_calls() need not wait for the write
-          std::lock_guard lock(mutex);
-          for (auto& call : judge->take_failing()) failing.insert(std::move(call));
-          held_bytes = judge->held_bytes();
-          queued_bytes -= released;
-          handled += count;
-        }
-        caller_cv.notify_all();
-        return;
-      } catch (...) {
-        fail_judging(std::current_exception());
-      }
-    }
-    batch.clear();  // frees the snapshots before the budget says they are gone
-    {
-      std::lock_guard lock(mutex);
-      queued_bytes -= bytes;
-      handled += count;
-    }
-    caller_cv.notify_all();
-  };
-  const auto judge_item = [&](Item& item) {
-    std::visit(
-        [&](auto& value) {
-          using T = std::decay_t<decltype(value)>;
-          if constexpr (std::is_same_v<T, BeginItem>) {
-            judging_step = value.step;
-            judging_open = true;
-            judge_lost = false;
-            pending = formats::PendingStep{};
-            pending.file = dump_dir / formats::step_file_name(value.step);
-            pending.step = value.step;
-            pending.provenance = provenance;
-            judge = std::make_unique<PairJudge>(provenance, dump_dir, options.store,
-                                                options.writer.chunk_bytes,
-                                                options.memory_budget_bytes / 2);
-            {
-              std::lock_guard lock(mutex);
-              failing.clear();
-            }
-            writes.push_back(BeginWrite{value.step});
-          } else if constexpr (std::is_same_v<T, formats::Graph>) {
-            if (!judge_lost) writes.push_back(std::move(value));
-          } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
-            if (!judge_lost) {
-              pending.modules.push_back(value);
-              writes.push_back(std::move(value));
-            }
-          } else if constexpr (std::is_same_v<T, EndItem>) {
-            auto state = std::make_shared<CommitState>();
-            CommitWrite commit{{}, state};
-            if (judge && !judge_lost) {
-              try {
-                std::vector<RecordItem> store, describe;
-                judge_arena.execute([&] { judge->end_step(store, describe); });
-                add_pending(pending, store, true);
-                add_pending(pending, describe, false);
-                writes.push_back(RecordsWrite{std::move(store), std::move(describe), 0});
-                commit.metrics = judge->take_metrics();
-                pending.metrics = commit.metrics;
-              } catch (...) {
-                fail_judging(std::current_exception());
-              }
-            }
-            judge.reset();
-            judging_open = false;
-            pending.wait_committed = [state] { state->wait(); };
-            {
-              std::lock_guard lock(mutex);
-              held_bytes = 0;
-              // A lost step is never committed: its commit says why, as end_step() does.
-              if (judge_lost) state->finish(step_error);
-              judged = std::move(pending);
-            }
-            if (!judge_lost) writes.push_back(std::move(commit));
-            caller_cv.notify_all();
-          }
-        },
-        item);
-  };
-  const auto write_op = [&](WriteOp& op) {
-    std::size_t released = 0;
-    std::shared_ptr<CommitState> committed;
-    std::exception_ptr commit_error;
-    try {
-      std::visit(
-          [&](auto& value) {
-            using T = std::decay_t<decltype(value)>;
-            if constexpr (std::is_same_v<T, BeginWrite>) {
-              writer.reset();
-              writing_step = value.step;
-              write_error = storage_error;
-              if (!write_error) {
-                writer = std::make_unique<formats::StepWriter>(dump_dir, value.step, provenance,
-                                                               options.writer);
-              }
-            } else if constexpr (std::is_same_v<T, RecordsWrite>) {
-              released = value.bytes;
-              if (writer && !write_error) write_items(*writer, value.store, value.describe);
-            } else if constexpr (std::is_same_v<T, formats::Graph>) {
-              if (writer && !write_error) writer->write_graph(value);
-            } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
-              if (writer && !write_error) writer->write_module(value);
-            } else if constexpr (std::is_same_v<T, CommitWrite>) {
-              committed = value.state;
-              if (writer && !write_error) {
-                writer->write_metrics(value.metrics);
-                writer->commit();
-              }
-              writer.reset();
-              commit_error = write_error;
-            }
-          },
-          op);
-    } catch (...) {
-      fail_writing(std::current_exception());
-      if (committed) commit_error = write_error;
-    }
-    op = BeginWrite{};  // frees the snapshots before the budget says they are gone
-    if (released) {
-      std::lock_guard lock(mutex);
-      queued_bytes -= released;
-    }
-    if (committed) committed->finish(commit_error);
-    caller_cv.notify_all();
-  };
-
-  for (;;) {
-    std::vector<RecordItem> batch;
-    std::optional<Item> item;
-    {
-      std::unique_lock lock(mutex);
-      work_cv.wait(lock, [&] { return stopping || !queue.empty() || !writes.empty(); });
-      if (stopping) {
-        for (const Item& left : queue) {  // the step in progress is discarded (see ~Recorder)
-          if (const auto* record = std::get_if<RecordItem>(&left)) queued_bytes -= record->bytes;
-        }
-        queue.clear();
-        break;
-      }
-      std::size_t batch_bytes = 0;
-      while (!queue.empty() && std::holds_alternative<RecordItem>(queue.front()) &&
-             batch.size() < kMaxBatchRecords) {
-        auto& next = std::get<RecordItem>(queue.front());
-        if (!batch.empty() && batch_bytes + next.bytes > batch_cap) break;
-        batch_bytes += next.bytes;
-        batch.push_back(std::move(next));
-        queue.pop_front();
-      }
-      if (batch.empty() && !queue.empty()) {
-        item = std::move(queue.front());
-        queue.pop_front();
-      }
-    }
-    if (!batch.empty()) {
-      judge_batch(batch);
-      continue;
-    }
-    if (item) {
-      try {
-        judge_item(*item);
-      } catch (...) {
-        fail_judging(std::current_exception());
-        if (std::holds_alternative<EndItem>(*item)) {
-          judging_open = false;
-          std::lock_guard lock(mutex);
-          if (!judged) judged.emplace();  // finish_step() throws the step's error
-        }
-      }
-      {
-        std::lock_guard lock(mutex);
-        ++handled;
-      }
-      caller_cv.notify_all();
-      continue;
-    }
-    write_op(writes.front());
-    writes.pop_front();
-  }
-  // Stopping: the steps the caller ended are written and committed; the step in progress (its
-  // operations after the last commit) is discarded with its partial file.
-  while (!writes.empty() && std::any_of(writes.begin(), writes.end(), [](const WriteOp& op) {
-    return std::holds_alternative<CommitWrite>(op);
-  })) {
-    write_op(writes.front());
-    writes.pop_front();
-  }
-  writes.clear();
-  writer.reset();
-}
 
 // Who holds a dump folder's lock, as a second writer's message names it.
 static std::string lock_holder(const formats::Provenance& provenance) {
@@ -835,19 +268,19 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
     throw UsageError("RecorderOptions.writer.chunk_bytes must be positive, but is 0");
   }
   analyze::dump_judging(provenance, dump_dir);  // a bad tolerance fails here, not at a step
+  detail::BackgroundConfig background;
   try {
     std::error_code error;
     fs::create_directories(dump_dir, error);
     if (error) {
       throw IoError("cannot create dump folder " + dump_dir.string() + ": " + error.message());
     }
-    impl.lock = std::make_unique<formats::DumpLock>(dump_dir, lock_holder(provenance));
+    impl.dump_lock = std::make_unique<formats::DumpLock>(dump_dir, lock_holder(provenance));
   } catch (const IoError&) {
     if (options.strict_io) throw;
-    impl.storage_error = std::current_exception();
+    background.storage_error = std::current_exception();
   }
   impl.dump_dir = std::move(dump_dir);
-  impl.provenance = std::move(provenance);
   impl.options = options;
   impl.options.writer.create_folder = false;  // made above, with its lock
   if (impl.options.writer.threads == 0) {
@@ -855,15 +288,20 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
         std::max(1, tbb::info::default_concurrency() - at::get_num_threads());
   }
   impl.pool = std::make_shared<SnapshotPool>(options.memory_budget_bytes / 4);
-  impl.worker = std::thread([&impl] { impl.run(); });
+  background.dump_dir = impl.dump_dir;
+  background.provenance = std::move(provenance);
+  background.options = impl.options;
+  impl.worker = std::thread([&shared = impl.shared, background = std::move(background)] {
+    detail::run_background(shared, background);
+  });
 }
 
 Recorder::~Recorder() {
   {
-    std::lock_guard lock(impl_->mutex);
-    impl_->stopping = true;
+    std::lock_guard lock(impl_->shared.mutex);
+    impl_->shared.stopping = true;
   }
-  impl_->work_cv.notify_one();
+  impl_->shared.work_cv.notify_one();
   impl_->worker.join();
 }
 
@@ -881,10 +319,10 @@ void Recorder::begin_step(std::int64_t step) {
   impl.graph_names.clear();
   impl.module_names.clear();
   {
-    std::lock_guard lock(impl.mutex);
-    impl.step_error = nullptr;
+    std::lock_guard lock(impl.shared.mutex);
+    impl.shared.step_error = nullptr;
   }
-  impl.push(BeginItem{step});
+  impl.shared.push(detail::BeginItem{step});
 }
 
 void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::string label,
@@ -919,35 +357,35 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   // Back-pressure: wait for room before allocating the snapshot, so host memory stays within
   // the budget (plus one tensor larger than the budget, taken once the queue is empty).
   {
-    std::unique_lock lock(impl.mutex);
-    impl.caller_cv.wait(lock, [&] {
-      return impl.step_error || impl.queued_bytes == 0 ||
-             impl.queued_bytes + impl.held_bytes + bytes <= impl.options.memory_budget_bytes;
+    std::unique_lock lock(impl.shared.mutex);
+    impl.shared.caller_cv.wait(lock, [&] {
+      return impl.shared.step_error || impl.shared.queued_bytes == 0 ||
+             impl.shared.queued_bytes + impl.shared.held_bytes + bytes <=
+                 impl.options.memory_budget_bytes;
     });
     if (impl.step_lost_locked()) return;
   }
 
-  RecordItem item;
+  detail::RecordItem item;
   const bool keep_as_is = handed_over && tensor.device().is_cpu() && tensor.is_contiguous() &&
                           tensor.layout() == at::kStrided && !tensor.is_conj() && !tensor.is_neg();
   Snapshot snapshot =
       keep_as_is ? Snapshot{tensor.detach(), nullptr} : snapshot_of(tensor, *impl.pool);
-  item.snapshot = std::move(snapshot.host);
-  item.copied = std::move(snapshot.copied);
   item.bytes = bytes;
   item.record.key = key;
   item.record.label = std::move(label);
-  item.record.tensor.dtype = dtype_of(item.snapshot);
-  const auto sizes = item.snapshot.sizes();
+  item.record.tensor.dtype = dtype_of(snapshot.host);
+  const auto sizes = snapshot.host.sizes();
   item.record.tensor.shape.assign(sizes.begin(), sizes.end());
-  item.record.tensor.data = item.snapshot.const_data_ptr();
+  item.record.tensor.data = snapshot.host.const_data_ptr();
+  item.snapshot = std::make_shared<TensorSnapshot>(std::move(snapshot));
   {
-    std::lock_guard lock(impl.mutex);
-    impl.queued_bytes += bytes;
-    impl.queue.push_back(std::move(item));
-    ++impl.pushed;
+    std::lock_guard lock(impl.shared.mutex);
+    impl.shared.queued_bytes += bytes;
+    impl.shared.queue.push_back(std::move(item));
+    ++impl.shared.pushed;
   }
-  impl.work_cv.notify_one();
+  impl.shared.work_cv.notify_one();
   impl.keys.insert(std::move(key));
 }
 
@@ -972,7 +410,7 @@ void Recorder::record_graph(formats::Graph graph) {
                      std::to_string(impl.step));
   }
   impl.graph_names.insert(graph.name);
-  impl.push(std::move(graph));
+  impl.shared.push(std::move(graph));
 }
 
 void Recorder::record_module(formats::ModuleInfo module) {
@@ -985,22 +423,22 @@ void Recorder::record_module(formats::ModuleInfo module) {
                      std::to_string(impl.step));
   }
   impl.module_names.insert(module.module);
-  impl.push(std::move(module));
+  impl.shared.push(std::move(module));
 }
 
 formats::PendingStep Recorder::finish_step() {
   Impl& impl = *impl_;
   std::lock_guard call(impl.call_mutex);
   impl.require_step("end a step");
-  impl.push(EndItem{});
+  impl.shared.push(detail::EndItem{});
   std::exception_ptr error;
   formats::PendingStep pending;
   {
-    std::unique_lock lock(impl.mutex);
-    impl.caller_cv.wait(lock, [&] { return impl.judged.has_value(); });
-    error = std::exchange(impl.step_error, nullptr);
-    pending = std::move(*impl.judged);
-    impl.judged.reset();
+    std::unique_lock lock(impl.shared.mutex);
+    impl.shared.caller_cv.wait(lock, [&] { return impl.shared.judged.has_value(); });
+    error = std::exchange(impl.shared.step_error, nullptr);
+    pending = std::move(*impl.shared.judged);
+    impl.shared.judged.reset();
   }
   impl.in_step = false;
   if (error) std::rethrow_exception(error);
@@ -1017,22 +455,23 @@ std::vector<CallKey> Recorder::failing_calls() {
   Impl& impl = *impl_;
   std::lock_guard call(impl.call_mutex);
   impl.require_step("ask for the failing calls");
-  std::unique_lock lock(impl.mutex);
-  const std::uint64_t queued = impl.pushed;
-  impl.caller_cv.wait(lock, [&] { return impl.step_error || impl.handled >= queued; });
-  return {impl.failing.begin(), impl.failing.end()};
+  std::unique_lock lock(impl.shared.mutex);
+  const std::uint64_t queued = impl.shared.pushed;
+  impl.shared.caller_cv.wait(
+      lock, [&] { return impl.shared.step_error || impl.shared.handled >= queued; });
+  return {impl.shared.failing.begin(), impl.shared.failing.end()};
 }
 
 const fs::path& Recorder::dump_dir() const { return impl_->dump_dir; }
 
 std::size_t Recorder::held_bytes() const {
-  std::lock_guard lock(impl_->mutex);
-  return impl_->held_bytes;
+  std::lock_guard lock(impl_->shared.mutex);
+  return impl_->shared.held_bytes;
 }
 
 std::size_t Recorder::queued_bytes() const {
-  std::lock_guard lock(impl_->mutex);
-  return impl_->queued_bytes;
+  std::lock_guard lock(impl_->shared.mutex);
+  return impl_->shared.queued_bytes;
 }
 
 }  // namespace dynaprobe::capture

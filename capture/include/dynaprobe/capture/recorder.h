@@ -13,45 +13,14 @@
 #include <utility>
 #include <vector>
 
+#include "dynaprobe/capture/recorder_options.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/writer.h"
 
 namespace dynaprobe::capture {
 
-// What a step keeps of the pairs it judges (PrecisionChecker(dump=...)).
-enum class StoreMode {
-  kFull,     // every tensor, and the metrics of every pair
-  kFailing,  // metrics of every pair; tensors of the pairs that fail and of one-sided records
-  kStats,    // metrics only (dtype and shape of every record)
-};
-
-struct RecorderOptions {
-  // Host bytes of snapshots waiting to be written. record() waits (the caller blocks) while the
-  // queue holds more; nothing is dropped. A single tensor larger than the budget is still taken
-  // once the queue is empty. The memory of written snapshots is kept for the next ones (up to a
-  // quarter of the budget), so that snapshotting does not page-fault fresh memory in each step.
-  std::size_t memory_budget_bytes = std::size_t{1} << 30;
-  // The background thread (judging in memory, compression, writes) and the TBB workers it uses
-  // run at a lower priority (niceness 10) than the training threads: on a machine whose cores
-  // training keeps busy, capture fills the gaps instead of slowing it. writer.threads 0: the
-  // step files are compressed and written by as many threads as training leaves cores free (the
-  // cores TBB may use less torch's intra-op threads), at least one. More would only wait for
-  // the disk, and TBB workers waiting for work spin: on a 2-core host training on both, a second
-  // writer thread took 0.3 s of CPU per 124M-parameter step from training (docs/performance.md).
-  formats::WriterOptions writer{.nice = 10};
-  StoreMode store = StoreMode::kFull;
-  // What a dump that cannot be written costs. true: the step is lost (see Errors below). false:
-  // only the file is: a step whose file cannot be written (no space, an I/O error, a folder
-  // removed or made read-only) or a recorder that cannot write at all (its folder cannot be made,
-  // or another writer holds the folder's lock, formats::DumpLock) is judged in memory as usual,
-  // finish_step() gives it, and its PendingStep::wait_committed() throws why it was not stored.
-  // Each step tries to write again, so a disk that has room again is written again.
-  bool strict_io = true;
-};
-
-// A call of a module: (module path, call index).
-using CallKey = std::pair<std::string, std::uint32_t>;
+// StoreMode, RecorderOptions and CallKey are in recorder_options.h.
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
 formats::DType dtype_of(const at::Tensor& tensor);

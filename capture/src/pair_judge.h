@@ -1,0 +1,78 @@
+// The background thread's judging in memory (see Recorder): holds each snapshot until its twin
+// arrives, compares the pair with the engine's code (analyze/judging.h) and says which tensors to
+// store. Torch-free; private to capture.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/capture/recorder_options.h"
+#include "dynaprobe/formats/metrics.h"
+#include "queue_items.h"
+
+namespace dynaprobe::capture::detail {
+
+// One step's pairs; not thread-safe (the background thread's alone).
+class PairJudge {
+ public:
+  // Judges with the tolerances `provenance` names (throws FormatError naming `dump` for a damaged
+  // one), computing metrics over chunks of `chunk_bytes` as the dump will store them, and holds
+  // at most `hold_cap` bytes of snapshots waiting for their twin.
+  PairJudge(const formats::Provenance& provenance, const std::filesystem::path& dump,
+            StoreMode mode, std::size_t chunk_bytes, std::size_t hold_cap);
+
+  // Takes a record: into `store` (its tensor is written), `describe` (its index row only) or
+  // held for its twin; a held record may go out later, with another record's call.
+  void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe);
+
+  // The step's end: records whose twin never came (single-pass fwd_input and grad_output are
+  // recorded once and compared with themselves; others are one-sided rows).
+  void end_step(std::vector<RecordItem>& store, std::vector<RecordItem>& describe);
+
+  std::vector<formats::StoredMetrics> take_metrics() { return std::exchange(metrics_, {}); }
+  // The calls with a pair found failing (or spilled, so not judged in memory) since the last
+  // take, as (module, call).
+  std::vector<CallKey> take_failing() { return std::exchange(failing_, {}); }
+  std::size_t held_bytes() const { return held_bytes_; }
+
+ private:
+  using PairKey = std::tuple<std::string, std::uint32_t, formats::Kind, std::uint32_t>;
+  struct Slot {
+    std::optional<RecordItem> eager, compiled;
+  };
+  static PairKey pair_key(const formats::RecordKey& key) {
+    return {key.module, key.call, key.kind, key.tensor_index};
+  }
+
+  // Judges pending pair `pair` (or its one record) and hands its records on.
+  void finish(const PairKey& pair, std::vector<RecordItem>& store,
+              std::vector<RecordItem>& describe);
+  // Holds at most hold_cap_ bytes: the oldest waiting records are stored whole, and their twins
+  // follow them when they come (the pair is then compared from the dump).
+  void spill_over_cap(std::vector<RecordItem>& store);
+
+  analyze::Judging judging_;
+  StoreMode mode_;
+  std::size_t chunk_bytes_;
+  std::size_t hold_cap_;
+  bool single_pass_ = false;
+  bool active_ = false;  // the step holds both sides
+  std::map<PairKey, Slot> pending_;
+  std::deque<PairKey> order_;  // when each record came, for spilling the oldest first
+  std::set<PairKey> spilled_;
+  std::size_t held_bytes_ = 0;
+  std::vector<formats::StoredMetrics> metrics_;
+  std::vector<CallKey> failing_;
+};
+
+}  // namespace dynaprobe::capture::detail

@@ -1,0 +1,39 @@
+// What a Recorder's caller side queues for its background thread, in order: a step's begin, its
+// records (each a snapshot of a tensor in host memory), graphs and module descriptions, its end.
+// Torch-free: the snapshot's owner is type-erased (recorder.cpp makes it from an at::Tensor), so
+// that the background thread's stages compile without torch headers. Private to capture.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <variant>
+
+#include "dynaprobe/formats/record.h"
+
+namespace dynaprobe::capture::detail {
+
+// Owns the host bytes a record's tensor view points to.
+class HostSnapshot {
+ public:
+  virtual ~HostSnapshot() = default;
+  // Returns once the bytes are valid: a device tensor's copy to the host has landed. Called on
+  // the background thread before it reads them.
+  virtual void wait_copied() = 0;
+};
+
+// A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to;
+// they are valid once snapshot->wait_copied() has returned. Copies share the snapshot.
+struct RecordItem {
+  formats::Record record;
+  std::shared_ptr<HostSnapshot> snapshot;
+  std::size_t bytes = 0;
+  std::uint64_t batch = 0;  // the background thread's batch that took it from the queue
+};
+struct BeginItem {
+  std::int64_t step = 0;
+};
+struct EndItem {};
+using Item = std::variant<BeginItem, RecordItem, formats::Graph, formats::ModuleInfo, EndItem>;
+
+}  // namespace dynaprobe::capture::detail
