@@ -134,10 +134,10 @@ def small_disk(tmp_path):
 
 def _readable(dynaprobe_cli, dump_dir):
     """The committed steps as the CLI reads them: `ls` and `compare` exit with a verdict (0 or
-    1), not with an error about the dump (2, 3)."""
+    1), not with an error about the dump (2, 3); every step's report (--all-steps)."""
     listed = subprocess.run([dynaprobe_cli, "ls", str(dump_dir)], capture_output=True, text=True)
-    compared = subprocess.run([dynaprobe_cli, "compare", str(dump_dir)], capture_output=True,
-                              text=True)
+    compared = subprocess.run([dynaprobe_cli, "compare", str(dump_dir), "--all-steps"],
+                              capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert compared.returncode in (0, 1), compared.stderr
     return compared.stdout
