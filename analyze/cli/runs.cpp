@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/report.h"
 #include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
@@ -64,7 +65,8 @@ RunSummary summarize(const fs::path& run) {
       }
       all_pass = all_pass && analyze::compare(rank.path, rank.path, {}).all_pass();
     }
-    summary.verdict = summary.steps == 0 ? "no committed step" : all_pass ? "ALL PASS" : "FAILED";
+    summary.verdict =
+        summary.steps == 0 ? "no committed step" : std::string(analyze::verdict_text(all_pass));
   } catch (const std::exception& error) {
     summary.verdict = std::string("unreadable: ") + error.what();
   }

@@ -109,8 +109,12 @@ class HtmlWriter : public ReportWriter {
       for (const formats::Graph& graph : rank.graphs) by_name.emplace_back(graph.name, graph.text);
       graphs.emplace_back(std::move(by_name));
     }
+    // The verdict words, for the page's own labels ("rank 1 (FAILED)"): from report.h, not the
+    // template's spelling.
+    const Value verdicts = Value::Object{{"all_pass", kVerdictAllPass}, {"failed", kVerdictFailed}};
     const std::string data = "{\"report\": " + to_json(report_model(ranks_, totals)) +
-                             ",\n\"graphs\": " + to_json(Value(std::move(graphs)), true) + "}";
+                             ",\n\"graphs\": " + to_json(Value(std::move(graphs)), true) +
+                             ",\n\"verdicts\": " + to_json(verdicts) + "}";
     out_ << fill_template(html::kChartJs, base64(gzip(data)));
     out_.flush();
   }

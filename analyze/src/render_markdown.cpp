@@ -100,7 +100,7 @@ class MarkdownWriter : public ReportWriter {
   }
   void end_rank(const RankComparison&, bool) override {}
   void finish(const RunTotals& totals) override {
-    out_ << "## dynaprobe: " << (totals.all_pass ? "ALL PASS" : "FAILED") << "\n\n"
+    out_ << "## dynaprobe: " << verdict_text(totals.all_pass) << "\n\n"
          << totals.failed_steps << " of " << plural(totals.steps, "step") << " failed across "
          << plural(totals.ranks, "rank") << ". Rows: " << totals.fail << " FAIL, " << totals.warn
          << " WARN, " << totals.pass << " PASS, " << totals.skip << " SKIP.\n";

@@ -167,10 +167,10 @@ class TextWriter : public ReportWriter {
     if (provenance_) out_ << *provenance_;
     out_ << "Summary: " << plural(totals.steps, "step")
          << (many_ranks_ ? " on " + plural(totals.ranks, "rank") : std::string()) << ", "
-         << totals.steps - totals.failed_steps << " ALL PASS";
+         << totals.steps - totals.failed_steps << " " << kVerdictAllPass;
     if (totals.failed_steps) {
-      out_ << ", " << totals.failed_steps << " FAILED (" << plural(totals.fail, "FAIL row") << ", "
-           << plural(totals.warn, "WARN row") << ")";
+      out_ << ", " << totals.failed_steps << " " << kVerdictFailed << " ("
+           << plural(totals.fail, "FAIL row") << ", " << plural(totals.warn, "WARN row") << ")";
     }
     out_ << "\n" << table_text() << (cause_ ? *cause_ : "") << warnings_text(totals);
     if (!options_.full_reports.empty()) out_ << "Full reports: " << options_.full_reports << "\n";

@@ -6,6 +6,7 @@
 
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/root_cause.h"
+#include "dynaprobe/formats/vocabulary.h"
 #include "report_common.h"
 
 namespace dynaprobe::analyze {
@@ -82,10 +83,8 @@ bool names_a_key(const std::string& label) {
 std::string detail_text(const Row& row) {
   if (!row.note.empty()) return formats::printable_name(row.note);
   const Numbers n = numbers(row);
-  std::string text = std::string(row.status == Status::kPass ? "[OK]" : "[!!]") +
-                     " max_abs=" + format_float(n.max_abs, "%.3e") +
-                     "  mean_abs=" + format_float(n.mean_abs, "%.3e") +
-                     "  max_rel=" + format_float(n.max_rel, "%.3e") + "  shape=" + shape_text(row);
+  std::string text = tensor_detail_text(row.status == Status::kPass, n.max_abs, n.mean_abs,
+                                        n.max_rel, shape_text(row));
   // Complex rows say so: their metrics are over the real and imaginary parts.
   for (const auto* side : {&row.eager, &row.compiled}) {
     if (*side && formats::is_complex((*side)->dtype)) {
@@ -247,6 +246,13 @@ std::string ops_text(const StepReport& report) {
 
 }  // namespace
 
+std::string tensor_detail_text(bool ok, double max_abs, double mean_abs, double max_rel,
+                               std::string_view shape) {
+  return std::string(ok ? "[OK]" : "[!!]") + " max_abs=" + format_float(max_abs, "%.3e") +
+         "  mean_abs=" + format_float(mean_abs, "%.3e") +
+         "  max_rel=" + format_float(max_rel, "%.3e") + "  shape=" + std::string(shape);
+}
+
 std::string render_text(const StepReport& report) {
   std::string out = kRule + "\n";
   const double compiled = report.loss_compiled.value_or(NAN);
@@ -315,18 +321,20 @@ std::string render_text(const StepReport& report) {
 
 std::string render_provenance(const Comparison& comparison) {
   if (!comparison.separate_dumps) return "";
-  static const char* kKeys[] = {"host",         "torch_version", "device", "backend",
-                                "param_dtypes", "cast_dtype",    "mode"};
+  namespace named = formats::vocabulary::provenance;
+  static constexpr std::string_view kKeys[] = {
+      named::kHost,        named::kTorchVersion, named::kDevice, named::kBackend,
+      named::kParamDtypes, named::kCastDtype,    named::kMode};
   std::string out;
   for (const auto& [label, provenance] :
        {std::pair{comparison.compiled_baseline ? "Baseline:     " : "Eager side:   ",
                   &comparison.eager_provenance},
         std::pair{"Compiled side:", &comparison.compiled_provenance}}) {
     out += label;
-    for (const char* key : kKeys) {
-      auto found = provenance->find(key);
+    for (const std::string_view key : kKeys) {
+      auto found = provenance->find(std::string(key));
       if (found != provenance->end() && !found->second.empty()) {
-        out += std::string(" ") + key + "=" + formats::printable_name(found->second);
+        out += " " + std::string(key) + "=" + formats::printable_name(found->second);
       }
     }
     out += "\n";

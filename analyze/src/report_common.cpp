@@ -65,7 +65,7 @@ std::string row_note(const Row& row) {
 }
 
 std::string result_text(const StepCounts& counts) {
-  return counts.all_pass() ? "ALL PASS" : "FAILED";
+  return std::string(verdict_text(counts.all_pass()));
 }
 
 std::string verdict_reasons(const StepCounts& counts) {

@@ -27,7 +27,7 @@ Numbers numbers(const Row& row);
 std::string reference_text(const Row& row);
 // The CSV's note column: "NOTE: reason; fp64: ...".
 std::string row_note(const Row& row);
-// "ALL PASS" or "FAILED".
+// "ALL PASS" or "FAILED" (verdict_text).
 std::string result_text(const StepCounts& counts);
 // Why a step FAILED, before the tolerances in the RESULT line: "2 FAIL, 3 WARN; ", then ", loss
 // FAIL" and ", nothing compared" when they apply. Empty for a pass, whose line the spec fixes.

@@ -197,6 +197,7 @@ Value row_model(const Row& row) {
       {"module", row.module},
       {"call", row.call},
       {"check_type", row.kind ? formats::kind_name(*row.kind) : std::string_view("note")},
+      {"pass", row.kind ? Value(formats::pass_name(*row.kind)) : Value()},
       {"tensor_index", row.tensor_index},
       {"label", row.label},
       {"status", status_name(row.status)},
@@ -211,7 +212,7 @@ Value row_model(const Row& row) {
 }
 
 Value counts_model(const StepCounts& counts) {
-  return Value::Object{{"verdict", counts.all_pass() ? "ALL PASS" : "FAILED"},
+  return Value::Object{{"verdict", verdict_text(counts.all_pass())},
                        {"fail", counts.fail},
                        {"warn", counts.warn},
                        {"pass", counts.pass},

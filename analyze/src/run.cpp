@@ -89,11 +89,11 @@ namespace {
 namespace provenance = formats::vocabulary::provenance;
 
 // What the ranks of a run must agree on: which run, what was captured, how, and how it is judged.
-constexpr std::string_view kAgreedKeys[] = {"run",
-                                            "world_size",
-                                            "torch_version",
-                                            "backend",
-                                            "compile_scope",
+constexpr std::string_view kAgreedKeys[] = {provenance::kRun,
+                                            provenance::kWorldSize,
+                                            provenance::kTorchVersion,
+                                            provenance::kBackend,
+                                            provenance::kCompileScope,
                                             provenance::kMode,
                                             provenance::kAtol,
                                             provenance::kRtol,
@@ -158,7 +158,7 @@ std::string check_agreement(const std::vector<RankSeen>& ranks,
       if (said)
         by_value[value != rank.provenance.end() ? value->second : "(none)"].push_back(rank.rank);
     }
-    if (by_value.size() == 1 && key == "world_size") world_size = by_value.begin()->first;
+    if (by_value.size() == 1 && key == provenance::kWorldSize) world_size = by_value.begin()->first;
     if (by_value.size() < 2) continue;
     std::vector<std::pair<std::string, std::vector<std::int64_t>>> values(by_value.begin(),
                                                                           by_value.end());

@@ -6,6 +6,8 @@
 #include <pybind11/stl/filesystem.h>
 
 #include <sstream>
+#include <utility>
+#include <variant>
 
 #include "bindings.h"
 #include "dynaprobe/analyze/engine.h"
@@ -18,6 +20,34 @@ namespace analyze = dynaprobe::analyze;
 namespace fmt = dynaprobe::formats;
 
 void bind_analyze(py::module_& m) {
+  // The report's words (report.h, engine.h), beside the dump's names bind_formats exported.
+  auto vocabulary = m.attr("vocabulary").cast<py::module_>();
+  vocabulary.attr("VERDICT_ALL_PASS") = std::string(analyze::kVerdictAllPass);
+  vocabulary.attr("VERDICT_FAILED") = std::string(analyze::kVerdictFailed);
+  for (const auto status : {analyze::Status::kPass, analyze::Status::kFail, analyze::Status::kSkip,
+                            analyze::Status::kWarn}) {
+    const std::string name(analyze::status_name(status));
+    vocabulary.attr(("STATUS_" + name).c_str()) = name;
+  }
+  m.def(
+      "tensor_detail",
+      [](bool ok, double max_abs, double mean_abs, double max_rel, const std::string& shape) {
+        return analyze::tensor_detail_text(ok, max_abs, mean_abs, max_rel, shape);
+      },
+      py::arg("ok"), py::arg("max_abs"), py::arg("mean_abs"), py::arg("max_rel"), py::arg("shape"),
+      "A tensor row's details as the stdout report shows them: \"[OK] max_abs=...  mean_abs=...  "
+      "max_rel=...  shape=...\" ([!!] when not ok); shape as the report writes it.");
+  using Shape = std::vector<std::int64_t>;
+  m.def(
+      "shape_text",
+      [](const std::variant<Shape, std::pair<Shape, Shape>>& shape) {
+        if (const auto* one = std::get_if<Shape>(&shape)) return fmt::shape_string(*one);
+        const auto& [eager, compiled] = std::get<std::pair<Shape, Shape>>(shape);
+        return "(" + fmt::shape_string(eager) + ", " + fmt::shape_string(compiled) + ")";
+      },
+      py::arg("shape"),
+      "A shape as the reports write it: \"(2, 3)\", \"(4,)\", \"()\"; an (eager, compiled) "
+      "pair of a shape mismatch as \"((2, 3), (3, 2))\".");
   py::class_<analyze::StepReport>(m, "StepReport")
       .def_readonly("step", &analyze::StepReport::step)
       .def_readonly("loss_eager", &analyze::StepReport::loss_eager)

@@ -11,8 +11,10 @@
 #include <string>
 
 #include "bindings.h"
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/capture/recorder.h"
 #include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/writer.h"
 
 namespace py = pybind11;
 namespace fmt = dynaprobe::formats;
@@ -37,7 +39,56 @@ fmt::Side side_arg(const std::string& side) {
   return *parsed;
 }
 
+namespace {
+
+// Whether a pair of tensors passes as the engine judges their row (analyze/judging.h): the
+// tolerances raised to the dtype-aware floor, then the last matching rule, then allclose over the
+// metrics compare_in_memory computes. reference="failing" asks this, so that it decides with the
+// report's rules, never with a judge of its own.
+bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std::string& module,
+                  const std::string& kind, double atol, double rtol,
+                  const std::vector<std::tuple<std::string, double, double>>& rules,
+                  bool dtype_aware) {
+  if (eager.numel() != compiled.numel()) {
+    throw dynaprobe::UsageError(
+        "tensors_pass: the tensors must have as many elements, but "
+        "received " +
+        std::to_string(eager.numel()) + " and " + std::to_string(compiled.numel()));
+  }
+  dynaprobe::analyze::Judging judging;
+  judging.tolerances = {atol, rtol};
+  judging.dtype_aware = dtype_aware;
+  for (const auto& [pattern, rule_atol, rule_rtol] : rules) {
+    judging.rules.push_back({pattern, {rule_atol, rule_rtol}});
+  }
+  const at::Tensor e = eager.detach().cpu().contiguous();
+  const at::Tensor c = compiled.detach().cpu().contiguous();
+  const auto view = [](const at::Tensor& t) {
+    fmt::TensorView v;
+    v.dtype = dynaprobe::capture::dtype_of(t);
+    v.shape.assign(t.sizes().begin(), t.sizes().end());
+    v.data = t.const_data_ptr();
+    return v;
+  };
+  const fmt::TensorView eager_view = view(e), compiled_view = view(c);
+  const auto tolerances =
+      judging.row_tolerances(module, kind_arg(kind), eager_view.dtype, compiled_view.dtype);
+  py::gil_scoped_release release;
+  return dynaprobe::analyze::compare_in_memory(eager_view, compiled_view, tolerances,
+                                               fmt::WriterOptions{}.chunk_bytes)
+      .allclose;
+}
+
+}  // namespace
+
 void bind_capture(py::module_& m) {
+  m.def("tensors_pass", &tensors_pass, py::arg("eager"), py::arg("compiled"), py::arg("module"),
+        py::arg("kind"), py::arg("atol"), py::arg("rtol"),
+        py::arg("rules") = std::vector<std::tuple<std::string, double, double>>{},
+        py::arg("dtype_aware") = true,
+        "Whether the pair passes as the engine judges its row: atol/rtol raised to the "
+        "dtype-aware floor of either side's dtype (dtype_aware), then the last rule "
+        "(pattern, atol, rtol) matching module or kind, then allclose.");
   py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
 A step the recorder has judged and is still writing (Recorder.finish_step()).
 )doc")

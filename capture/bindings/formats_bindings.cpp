@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl/filesystem.h>
 
+#include <cctype>
 #include <cstring>
 
 #include "bindings.h"
@@ -202,6 +203,26 @@ void bind_formats(py::module_& m) {
   for (const auto& [name, value] : fmt::vocabulary::kExported) {
     vocabulary.attr(std::string(name).c_str()) = std::string(value);
   }
+  // Record kinds and sides (formats/record.h): KIND_FWD_INPUT = "fwd_input", ..., SIDE_EAGER =
+  // "eager", ..., and KINDS: {kind: its pass} for every compared kind, in enumerator order.
+  const auto upper = [](std::string_view name) {
+    std::string out(name);
+    for (char& c : out) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return out;
+  };
+  py::dict kinds;
+  for (int i = 0; i <= static_cast<int>(fmt::Kind::kReplay); ++i) {
+    const auto kind = static_cast<fmt::Kind>(i);
+    const std::string name(fmt::kind_name(kind));
+    vocabulary.attr(("KIND_" + upper(name)).c_str()) = name;
+    if (fmt::is_compared(kind)) kinds[py::str(name)] = std::string(fmt::pass_name(kind));
+  }
+  vocabulary.attr("KINDS") = kinds;
+  for (const fmt::Side side : {fmt::Side::kEager, fmt::Side::kCompiled, fmt::Side::kReference}) {
+    const std::string name(fmt::side_name(side));
+    vocabulary.attr(("SIDE_" + upper(name)).c_str()) = name;
+  }
+  vocabulary.attr("LOSS_MODULE") = std::string(fmt::kLossModule);
   m.def("format_version", [] {
     return std::to_string(fmt::schema::kFormatMajor) + "." +
            std::to_string(fmt::schema::kFormatMinor);

@@ -6,6 +6,7 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
+#include "dynaprobe/formats/vocabulary.h"
 
 namespace dynaprobe::formats {
 namespace {
@@ -61,6 +62,9 @@ std::string kind_names() {
 }
 bool is_forward(Kind kind) { return kind_info(kind).forward; }
 bool is_compared(Kind kind) { return kind_info(kind).compared; }
+std::string_view pass_name(Kind kind) {
+  return is_forward(kind) ? vocabulary::pass::kForward : vocabulary::pass::kBackward;
+}
 std::string_view side_name(Side side) { return kSideNames[static_cast<std::size_t>(side)]; }
 std::optional<Side> parse_side(std::string_view name) { return parse_name<Side>(kSideNames, name); }
 

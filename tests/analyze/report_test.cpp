@@ -558,7 +558,8 @@ TEST(Report, HtmlIsSelfContainedAndDumpTextCannotCloseItsScript) {
   json.pop_back();  // its final newline
   EXPECT_EQ(data, "{\"report\": " + json +
                       ",\n\"graphs\": [\n  {\"__compiled_fn_1.Forward_Graph.0\": \"x = "
-                      "'</script><script>alert(1)'\\n\"}]}");
+                      "'</script><script>alert(1)'\\n\"}],\n\"verdicts\": {\n  \"all_pass\": \"ALL "
+                      "PASS\",\n  \"failed\": \"FAILED\"\n}}");
 }
 
 }  // namespace

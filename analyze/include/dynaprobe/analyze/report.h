@@ -20,8 +20,24 @@
 
 namespace dynaprobe::analyze {
 
+// The verdict of a step or a run, as every report words it (the RESULT line, the JSON's
+// "verdict", the Markdown title, `dynaprobe runs`) and Python has it
+// (dynaprobe._C.vocabulary.VERDICT_ALL_PASS / VERDICT_FAILED,
+// capture/bindings/analyze_bindings.cpp).
+inline constexpr std::string_view kVerdictAllPass = "ALL PASS";
+inline constexpr std::string_view kVerdictFailed = "FAILED";
+constexpr std::string_view verdict_text(bool all_pass) {
+  return all_pass ? kVerdictAllPass : kVerdictFailed;
+}
+
 // The stdout report of one step, byte for byte in the spec's layout.
 std::string render_text(const StepReport& report);
+
+// A compared tensor's details as the stdout report's row shows them:
+// "[OK] max_abs=1.000e-05  mean_abs=…  max_rel=…  shape=(2, 3)", "[!!]" when `ok` is false;
+// `shape` as formats::shape_string writes it. Python's TensorDiff.__str__ is this text.
+std::string tensor_detail_text(bool ok, double max_abs, double mean_abs, double max_rel,
+                               std::string_view shape);
 
 // The spec's 9-column CSV of one or more steps (a header, then each step's LOSS row and rows).
 std::string render_csv(const std::vector<StepReport>& steps);

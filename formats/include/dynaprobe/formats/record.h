@@ -37,6 +37,9 @@ std::string kind_names();
 // is MISSING_fwd_*, and the text report lists it in a FORWARD section. Every other kind is of the
 // backward pass.
 bool is_forward(Kind kind);
+// The kind's pass in words: vocabulary::pass::kForward ("forward") or kBackward ("backward"), as
+// the report model's "pass" has it.
+std::string_view pass_name(Kind kind);
 // Whether records of the kind are paired and judged (every kind but replay, which the capture
 // stores whole for replaying a call and the analyzer leaves out of reports).
 bool is_compared(Kind kind);

@@ -33,6 +33,23 @@ inline constexpr std::string_view kAutocast = "autocast";
 inline constexpr std::string_view kOpsModule = "ops_module";
 inline constexpr std::string_view kOpsCall = "ops_call";
 inline constexpr std::string_view kOpsBackend = "ops_backend";
+// Where and with what the step was captured (docs/dump-format.md#provenance): the ranks of a run
+// must agree on run, world_size, torch_version, backend and compile_scope (analyze/src/run.cpp).
+inline constexpr std::string_view kProducer = "producer";
+inline constexpr std::string_view kTorchVersion = "torch_version";
+inline constexpr std::string_view kBackend = "backend";
+inline constexpr std::string_view kCompileScope = "compile_scope";
+inline constexpr std::string_view kWorldSize = "world_size";
+inline constexpr std::string_view kRun = "run";  // the run folder's name
+inline constexpr std::string_view kHost = "host";
+inline constexpr std::string_view kDevice = "device";
+inline constexpr std::string_view kParamDtypes = "param_dtypes";
+inline constexpr std::string_view kPythonVersion = "python_version";
+inline constexpr std::string_view kOs = "os";
+inline constexpr std::string_view kCpu = "cpu";
+inline constexpr std::string_view kCudaVersion = "cuda_version";
+inline constexpr std::string_view kGpu = "gpu";
+inline constexpr std::string_view kGpuDriver = "gpu_driver";
 }  // namespace provenance
 namespace mode {
 inline constexpr std::string_view kSinglePass = "single_pass";
@@ -40,6 +57,12 @@ inline constexpr std::string_view kTwoPass = "two_pass";
 inline constexpr std::string_view kEagerOnly = "eager_only";  // capture(side="eager")
 inline constexpr std::string_view kCompiledOnly = "compiled_only";
 }  // namespace mode
+
+// The pass a record kind belongs to (formats::pass_name), as the report model's rows say it.
+namespace pass {
+inline constexpr std::string_view kForward = "forward";
+inline constexpr std::string_view kBackward = "backward";
+}  // namespace pass
 
 // Attributes of /modules/<module>.
 namespace module_attribute {
@@ -107,10 +130,27 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"PROVENANCE_OPS_MODULE", provenance::kOpsModule},
     {"PROVENANCE_OPS_CALL", provenance::kOpsCall},
     {"PROVENANCE_OPS_BACKEND", provenance::kOpsBackend},
+    {"PROVENANCE_PRODUCER", provenance::kProducer},
+    {"PROVENANCE_TORCH_VERSION", provenance::kTorchVersion},
+    {"PROVENANCE_BACKEND", provenance::kBackend},
+    {"PROVENANCE_COMPILE_SCOPE", provenance::kCompileScope},
+    {"PROVENANCE_WORLD_SIZE", provenance::kWorldSize},
+    {"PROVENANCE_RUN", provenance::kRun},
+    {"PROVENANCE_HOST", provenance::kHost},
+    {"PROVENANCE_DEVICE", provenance::kDevice},
+    {"PROVENANCE_PARAM_DTYPES", provenance::kParamDtypes},
+    {"PROVENANCE_PYTHON_VERSION", provenance::kPythonVersion},
+    {"PROVENANCE_OS", provenance::kOs},
+    {"PROVENANCE_CPU", provenance::kCpu},
+    {"PROVENANCE_CUDA_VERSION", provenance::kCudaVersion},
+    {"PROVENANCE_GPU", provenance::kGpu},
+    {"PROVENANCE_GPU_DRIVER", provenance::kGpuDriver},
     {"MODE_SINGLE_PASS", mode::kSinglePass},
     {"MODE_TWO_PASS", mode::kTwoPass},
     {"MODE_EAGER_ONLY", mode::kEagerOnly},
     {"MODE_COMPILED_ONLY", mode::kCompiledOnly},
+    {"PASS_FORWARD", pass::kForward},
+    {"PASS_BACKWARD", pass::kBackward},
     {"ATTRIBUTE_ROLE", module_attribute::kRole},
     {"ATTRIBUTE_NOTE", module_attribute::kNote},
     {"ATTRIBUTE_REASON", module_attribute::kReason},
