@@ -342,7 +342,8 @@ std::vector<ProvenanceDifference> provenance_differences(const formats::Provenan
   for (const auto& [key, value] : eager) keys.insert(key);
   for (const auto& [key, value] : compiled) keys.insert(key);
   for (const std::string& key : keys) {
-    if (key == vocabulary::provenance::kCreated) continue;  // always differs
+    // Always differ between two captures: when, and the run folder each was written to.
+    if (key == vocabulary::provenance::kCreated || key == vocabulary::provenance::kRun) continue;
     const std::string a = formats::provenance_value(eager, key);
     const std::string b = formats::provenance_value(compiled, key);
     // Two one-sided captures differ in their mode by design (check_sides checks the sides).
