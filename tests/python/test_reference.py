@@ -343,3 +343,52 @@ def test_a_reference_that_cannot_run_is_a_warn_row_that_says_why(tmp_path, dynap
     cli = subprocess.run([dynaprobe_cli, "compare", result.dump_dir], capture_output=True,
                          text=True)
     assert "NO_REFERENCE" in cli.stdout and cli.returncode == 1
+
+
+class OneMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = Mlp(nn.GELU())
+
+    def forward(self, x):
+        return self.mlp(x).float().square().mean()
+
+
+@pytest.mark.parametrize("dtype_aware", [True, False])
+def test_failing_asks_the_engine_so_the_bf16_floor_applies(dtype_aware, tmp_path):
+    # A bf16 call whose output differs by more than atol/rtol (1e-4, 1e-3) but within the bf16
+    # floor (1e-2, 1.6e-2) passes its row, so it is not "failing" and gets no reference; without
+    # the floor it fails the tolerances and gets one (whose verdict, noise, then passes it).
+    # torch.allclose with atol/rtol, the judge reference="failing" had before, called it failing
+    # either way.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = OneMlp()
+    checker = PrecisionChecker(backend=_scaled_gelu_backend(1.004), cast_dtype=torch.bfloat16,
+                               reference="failing", dtype_aware_tolerances=dtype_aware,
+                               dump_dir=str(tmp_path / "dump"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(_step(torch.randn(8, 64)), model)
+    row = next(r for r in result.rows if r.module == "mlp" and r.check_type == "fwd_output")
+    assert row.max_abs > 1e-4 + 1e-3 * row.metrics["worst"]["compiled"], row.metrics
+    if dtype_aware:
+        assert row.tolerances == {"atol": 1e-2, "rtol": 1.6e-2}
+        assert row.status == "PASS" and row.reference is None
+    else:
+        assert row.reference is not None and row.reference["tolerance_status"] == "FAIL"
+
+
+def test_the_failing_judge_is_the_engines_row_judging():
+    from dynaprobe._reference import Judging
+
+    torch.manual_seed(0)
+    eager = torch.randn(64).bfloat16()
+    compiled = eager + eager.abs() * 2**-7  # about one bf16 step: beyond 1e-4/1e-3
+    assert not torch.allclose(eager.float(), compiled.float(), atol=1e-4, rtol=1e-3)
+    assert Judging().output_passes("mlp", eager, compiled)  # the bf16 floor
+    assert not Judging(dtype_aware=False).output_passes("mlp", eager, compiled)
+    # The last matching tolerance rule wins over the floor, as for the report's row.
+    assert not Judging(rules={"ml*": (1e-5, 1e-5)}).output_passes("mlp", eager, compiled)
+    assert Judging(rules={"other": (1e-5, 1e-5)}).output_passes("mlp", eager, compiled)
+    assert Judging(dtype_aware=False, rules={"fwd_output": (0.1, 0.1)}).output_passes(
+        "mlp", eager, compiled)

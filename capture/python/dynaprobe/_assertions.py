@@ -6,6 +6,8 @@ import math
 import os
 from typing import Optional
 
+from dynaprobe._C import vocabulary
+
 
 def _section(text: str, title: str) -> str:
     """The text report's section ``title`` (its heading to the next ``====`` rule or the end)."""
@@ -41,7 +43,7 @@ def assert_precision(result, html_path: Optional[str] = None, max_rows: int = 20
         return
     text = result.text()
     result_line = next((line.strip() for line in text.splitlines() if "RESULT:" in line),
-                       "RESULT: FAILED")
+                       f"RESULT: {vocabulary.VERDICT_FAILED}")
     parts = [f"dynaprobe: {result_line}"]
     root_cause = _section(text, "ROOT CAUSE")
     if root_cause:

@@ -16,11 +16,13 @@ from dynaprobe import _options, _planning, _reporting, _single_pass, _whole_mode
 from dynaprobe._compiling import Compiler
 from dynaprobe._distributed import is_deepcopy_forbidden
 from dynaprobe._provenance import provenance, reference_policy
+from dynaprobe._reference import Judging
 from dynaprobe._result import CompareResult
 from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._single_pass import SinglePass
 from dynaprobe._two_pass import run_step
 from dynaprobe._whole_model import WholeModel
+from dynaprobe._vocabulary import COMPILED, EAGER
 
 
 class PrecisionChecker(_options.CheckerOptions):
@@ -222,7 +224,9 @@ class PrecisionChecker(_options.CheckerOptions):
         plan = _planning.plan_check(model._orig_mod if whole else model, self._wrapped,
                                     self._ignored, self.cast_dtype)
         session = self._dumps.session()  # every rank agrees on the run folder, together
-        options = dict(capture_input=self.capture_input, tolerances=(self.threshold, self.rtol),
+        options = dict(capture_input=self.capture_input,
+                       tolerances=Judging(self.threshold, self.rtol, self.tolerances,
+                                          self.dtype_aware_tolerances),
                        reference=reference_policy(self.reference, self.dump))
         if whole:
             backend = torch._dynamo.eval_frame.innermost_backend(model.dynamo_ctx.callback)
@@ -290,8 +294,8 @@ class PrecisionChecker(_options.CheckerOptions):
                 return self.collect(fn(model))
             finally:
                 self.uninstall()
-        return self._run_sides(fn, model, [("eager", copy.deepcopy(model)),
-                                           ("compiled", copy.deepcopy(model))])
+        return self._run_sides(fn, model, [(EAGER, copy.deepcopy(model)),
+                                           (COMPILED, copy.deepcopy(model))])
 
     def capture(self, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module,
                 side: str) -> str:

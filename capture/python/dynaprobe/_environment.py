@@ -10,19 +10,21 @@ from typing import Dict
 
 import torch
 
+from dynaprobe._C import vocabulary
+
 
 @functools.lru_cache(maxsize=None)
 def environment() -> Dict[str, str]:
-    found = {"python_version": platform.python_version(), "os": platform.platform(),
-             "cpu": _cpu_name()}
+    found = {vocabulary.PROVENANCE_PYTHON_VERSION: platform.python_version(),
+             vocabulary.PROVENANCE_OS: platform.platform(), vocabulary.PROVENANCE_CPU: _cpu_name()}
     if torch.version.cuda:
-        found["cuda_version"] = torch.version.cuda
+        found[vocabulary.PROVENANCE_CUDA_VERSION] = torch.version.cuda
     if torch.cuda.is_available():
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-        found["gpu"] = ", ".join(names)
+        found[vocabulary.PROVENANCE_GPU] = ", ".join(names)
         driver = _first_line("/proc/driver/nvidia/version")
         if driver:
-            found["gpu_driver"] = driver
+            found[vocabulary.PROVENANCE_GPU_DRIVER] = driver
     return found
 
 

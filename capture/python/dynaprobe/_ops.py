@@ -36,6 +36,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe._replay import (GraphReplay, ReplayError, Run, StoredCall, inductor_patch, judge,
                                judging_recorder)
 from dynaprobe._result import CompareResult
+from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, REFERENCE
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -109,7 +110,7 @@ class OpsResult:
         lines = [f"Op localisation of {self.module} call {self.call} (step {self.step}), "
                  f"{self.backend} against eager, fp64 as the noise bound:"]
         for graph in self.graphs:
-            failing = sum(r.status == "FAIL" for r in graph.rows)
+            failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
             lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing} fail")
         for finding in self.findings:
             row = finding.row
@@ -337,7 +338,8 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
         rows = _judged(call, graphs, evaluated, folder, result.backend)
         for graph, (nodes, eager, reference, _, code) in zip(graphs, evaluated):
             ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
-            first = next((i for i, r in enumerate(ops.rows) if r.status == "FAIL"), None)
+            first = next((i for i, r in enumerate(ops.rows)
+                          if r.status == vocabulary.STATUS_FAIL), None)
             if first is not None:
                 with torch.no_grad():
                     ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code,
@@ -392,15 +394,15 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
                 vocabulary.ATTRIBUTE_OP: str(node.target),
                 vocabulary.ATTRIBUTE_GRAPH: graph.kind,
                 vocabulary.ATTRIBUTE_SOURCE: _source(node.meta.get("stack_trace") or "")})
-            for side, tensor in (("eager", eager[node.name]), ("compiled", value),
-                                 ("reference", reference[node.name])):
-                recorder.record(module, 0, "fwd_output", 0, side, tensor)
+            for side, tensor in ((EAGER, eager[node.name]), (COMPILED, value),
+                                 (REFERENCE, reference[node.name])):
+                recorder.record(module, 0, FWD_OUTPUT, 0, side, tensor)
         recorder.record_graph(f"{graph.kind}_graph", graph.kind,
                               graph.gm.print_readable(print_output=False))
     recorder.end_step()
     comparison = _C.compare(folder, folder)
     return {row.module: row for row in CompareResult.from_report(
-        comparison.steps[0], folder, "", comparison).rows if row.check_type == "fwd_output"}
+        comparison.steps[0], folder, "", comparison).rows if row.check_type == FWD_OUTPUT}
 
 
 def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
@@ -408,15 +410,15 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
     """The finding at ``node``; ``eager`` and ``reference`` are the graph's evaluated values."""
     by_name = {n.name: r for n, r in zip(nodes, rows)}
     inputs = [a.name for a in node.all_input_nodes if a.name in by_name]
-    matched = all(by_name[n].status != "FAIL" for n in inputs)
+    matched = all(by_name[n].status != vocabulary.STATUS_FAIL for n in inputs)
     inputs_max = max((by_name[n].max_abs for n in inputs), default=0.0)
     row = by_name[node.name]
     # Cut after the node, only it exposed: the fusion closest to the backend's own.
     alone, alone_code = _compiled_values(graph, [node.name], keep_outputs=False)
     single = judge(call, [(Run([eager[node.name]]), Run(alone))],
                    references=[Run([reference[node.name]])])[0].rows
-    single = next(r for r in single if r.check_type == "fwd_output")
-    if single.status == "FAIL":
+    single = next(r for r in single if r.check_type == FWD_OUTPUT)
+    if single.status == vocabulary.STATUS_FAIL:
         fidelity = ("confirmed with the graph cut after it and only it exposed "
                     f"(max_abs={single.max_abs:.3e})")
         kernel = _kernel(graph.code, node.name) or _kernel(alone_code, node.name)

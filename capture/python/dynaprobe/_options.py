@@ -13,6 +13,7 @@ import torch
 
 from dynaprobe import _replay_store, _storage
 from dynaprobe._reference import expect_reference
+from dynaprobe._vocabulary import COMPILED, EAGER
 
 
 def expect_tolerance(name: str, value) -> float:
@@ -194,7 +195,7 @@ def expect_comparable(model, single_pass: bool, installed, deepcopy_forbidden) -
 
 def expect_side(side) -> None:
     """capture(): one side."""
-    if side not in ("eager", "compiled"):
+    if side not in (EAGER, COMPILED):
         raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
 
 

@@ -125,8 +125,9 @@ def describe_model(model: nn.Module) -> Dict[str, str]:
         else:
             described.append(device)
     return {
-        "device": ", ".join(described),
-        "param_dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
+        vocabulary.PROVENANCE_DEVICE: ", ".join(described),
+        vocabulary.PROVENANCE_PARAM_DTYPES: ", ".join(
+            sorted({str(p.dtype).replace("torch.", "") for p in params})),
     }
 
 

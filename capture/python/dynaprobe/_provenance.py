@@ -42,16 +42,17 @@ def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
     rank, world = rank_and_world()
     backend = checker.backend if backend is None else backend
     return {
-        "producer": "dynaprobe.PrecisionChecker",
-        "torch_version": torch.__version__,
-        "backend": backend_name(backend),
+        vocabulary.PROVENANCE_PRODUCER: "dynaprobe.PrecisionChecker",
+        vocabulary.PROVENANCE_TORCH_VERSION: torch.__version__,
+        vocabulary.PROVENANCE_BACKEND: backend_name(backend),
         vocabulary.PROVENANCE_MODE: mode,
-        "compile_scope": compile_scope,
+        vocabulary.PROVENANCE_COMPILE_SCOPE: compile_scope,
         vocabulary.PROVENANCE_RANK: str(rank),
-        "world_size": str(world),
+        vocabulary.PROVENANCE_WORLD_SIZE: str(world),
         # The run folder's name, the same on every rank: a rank folder copied from another run
         # says so (dynaprobe compare's run warnings).
-        "run": os.path.basename(os.path.normpath(os.path.abspath(checker.run_dir))),
+        vocabulary.PROVENANCE_RUN:
+            os.path.basename(os.path.normpath(os.path.abspath(checker.run_dir))),
         vocabulary.PROVENANCE_SCENARIO: checker.scenario,
         vocabulary.PROVENANCE_ATOL: repr(float(checker.threshold)),
         vocabulary.PROVENANCE_RTOL: repr(float(checker.rtol)),
@@ -68,7 +69,7 @@ def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
             "true" if checker.dtype_aware_tolerances else "false",
         **devices,
         **environment(),
-        "host": socket.gethostname(),
+        vocabulary.PROVENANCE_HOST: socket.gethostname(),
         vocabulary.PROVENANCE_CREATED:
             datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import autocast_device_type
 from dynaprobe._isolation import copy_arguments
@@ -157,19 +159,38 @@ def copy_reference_arguments(args: tuple, kwargs: dict, dtype: torch.dtype):
                           convert=convert)
 
 
-def outputs_differ(eager_out, compiled_out, leaves: Callable, atol: float, rtol: float) -> bool:
-    """Whether any output tensor fails the report's allclose check, compared in float32 as the
-    analyzer compares (decided in the process, for reference="failing")."""
+@dataclass(frozen=True)
+class Judging:
+    """What "failing" means for reference="failing": the checker's tolerances, tolerance rules
+    and dtype-aware floor, which the engine applies (``_C.tensors_pass``, analyze/judging.h) as it
+    judges the report's rows. Python judges no number itself."""
+
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    rules: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # {pattern: (atol, rtol)}
+    dtype_aware: bool = True
+
+    def output_passes(self, module: str, eager: torch.Tensor, compiled: torch.Tensor) -> bool:
+        """Whether the module's output pair passes as its fwd_output row will be judged."""
+        return _C.tensors_pass(
+            eager, compiled, module, vocabulary.KIND_FWD_OUTPUT, self.atol, self.rtol,
+            [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
+            self.dtype_aware)
+
+
+def outputs_differ(eager_out, compiled_out, leaves: Callable, module: str,
+                   judging: Judging) -> bool:
+    """Whether any output tensor of ``module`` fails as the report's row will (decided in the
+    process, for reference="failing"): a different structure or shape, or the engine's verdict
+    on the pair with the row's tolerances."""
     eager, compiled = leaves(eager_out), leaves(compiled_out)
     if len(eager) != len(compiled):
         return True
     for (_, a), (_, b) in zip(eager, compiled):
         if a.shape != b.shape:
             return True
-        if a.is_floating_point() or a.is_complex():
-            a, b = (t.detach() if t.is_complex() else t.detach().float() for t in (a, b))
-            if not torch.allclose(a, b, atol=atol, rtol=rtol):
-                return True
+        if (a.is_floating_point() or a.is_complex()) and not judging.output_passes(module, a, b):
+            return True
     return False
 
 

@@ -34,6 +34,8 @@ from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, GRAPH_ARG, GRAPH_GRAD,
                                      split_label)
 from dynaprobe._result import CompareResult
 from dynaprobe._storage import committed_steps
+from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_OUTPUT, GRAD_INPUT, PARAM_GRAD,
+                                    REFERENCE)
 
 # The provenance a replay's judging keeps from the original dump: the tolerances and how rows
 # are judged, so that the metrics and verdicts are the report's.
@@ -394,10 +396,10 @@ class GraphReplay:
                                  self.call.autocast_dtype, self.device)
         run = Run([t for _, t in replayed.outputs])
         for index, (name, _) in enumerate(replayed.outputs):
-            run.labels[("fwd_output", index)] = name
+            run.labels[(FWD_OUTPUT, index)] = name
         for index, (name, grad) in enumerate(replayed.grad_inputs):
             run.grad_input[index] = grad
-            run.labels[("grad_input", index)] = name
+            run.labels[(GRAD_INPUT, index)] = name
         order = [split_label(label)[1] for label in self.call.tensors
                  if split_label(label)[0] == PARAM]  # the module's order, as the report's
         run.param_grad = sorted(replayed.param_grads.items(),
@@ -535,12 +537,12 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
             if record["call"] != call and role not in (STRUCTURE, GRAPH_TENSOR):
                 continue
             tensor = tensor_from_bytes(*_C.read_record(path, module, record["call"], KIND,
-                                                       record["tensor_index"], "compiled"))
+                                                       record["tensor_index"], COMPILED))
             if role == STRUCTURE:
                 structure = tensor.numpy().tobytes()
             else:
                 tensors[record["label"]] = tensor
-        elif record["call"] == call and record["kind"] == "fwd_output" and record["stored"]:
+        elif record["call"] == call and record["kind"] == FWD_OUTPUT and record["stored"]:
             outputs[(record["side"], record["kind"], record["tensor_index"])] = tensor_from_bytes(
                 *_C.read_record(path, module, call, record["kind"], record["tensor_index"],
                                 record["side"]))
@@ -555,9 +557,9 @@ def judging_recorder(call: StoredCall, folder: str, producer: str = "dynaprobe r
     tolerances, rules and dtype floors (single-pass: one set of inputs for both sides);
     ``extra`` provenance besides."""
     provenance = {key: call.provenance[key] for key in _JUDGING_KEYS if key in call.provenance}
-    provenance.update({"producer": producer, vocabulary.PROVENANCE_MODE:
+    provenance.update({vocabulary.PROVENANCE_PRODUCER: producer, vocabulary.PROVENANCE_MODE:
                        vocabulary.MODE_SINGLE_PASS, vocabulary.PROVENANCE_CAPTURE_INPUT: "false",
-                       "torch_version": torch.__version__, **extra})
+                       vocabulary.PROVENANCE_TORCH_VERSION: torch.__version__, **extra})
     return _C.Recorder(folder, provenance)
 
 
@@ -571,18 +573,18 @@ def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] 
     recorder = judging_recorder(call, folder)
     for index, (eager, other) in enumerate(pairs):
         recorder.begin_step(index)
-        sides = [("eager", eager), ("compiled", other)]
+        sides = [(EAGER, eager), (COMPILED, other)]
         if references is not None:
-            sides.append(("reference", references[index]))
+            sides.append((REFERENCE, references[index]))
         for side, run in sides:
             for position, tensor in enumerate(run.outputs):
-                recorder.record(call.module, call.call, "fwd_output", position, side, tensor,
-                                run.labels.get(("fwd_output", position), ""))
+                recorder.record(call.module, call.call, FWD_OUTPUT, position, side, tensor,
+                                run.labels.get((FWD_OUTPUT, position), ""))
             for position, grad in sorted(run.grad_input.items()):
-                recorder.record(call.module, call.call, "grad_input", position, side, grad,
-                                run.labels.get(("grad_input", position), ""))
+                recorder.record(call.module, call.call, GRAD_INPUT, position, side, grad,
+                                run.labels.get((GRAD_INPUT, position), ""))
             for position, (name, grad) in enumerate(run.param_grad):
-                recorder.record(call.module, 0, "param_grad", position, side, grad, name)
+                recorder.record(call.module, 0, PARAM_GRAD, position, side, grad, name)
         recorder.end_step()
     comparison = _C.compare(folder, folder)
     return [CompareResult.from_report(report, folder, "", comparison)

@@ -22,7 +22,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe._graph_data import UnstorableGraph, graph_to_data
 
 REPLAY_MODES = ("failing", "all", "none")
-KIND = "replay"  # Keep in sync with formats::kind_name(Kind::kReplay).
+KIND = vocabulary.KIND_REPLAY  # formats::kind_name(Kind::kReplay)
 # Labels of replay records: "<role>:<name>". Keep in sync with _replay.py.
 INPUT, GRAD_OUTPUT, PARAM, BUFFER, RNG, STRUCTURE = (
     "input", "grad_output", "param", "buffer", "rng", "structure")
@@ -131,7 +131,8 @@ class CallRecord:
         self.next_index = 0
 
     def add(self, label: str, tensor: torch.Tensor) -> None:
-        self.step.record(self.module, self.call, KIND, self.next_index, "compiled", tensor, label)
+        self.step.record(self.module, self.call, KIND, self.next_index, vocabulary.SIDE_COMPILED,
+                         tensor, label)
         self.next_index += 1
 
 

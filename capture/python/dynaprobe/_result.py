@@ -53,10 +53,14 @@ class Row:
     # {"atol", "rtol"} the row was judged with when not the step's (a tolerance rule of
     # PrecisionChecker(tolerances=...) or the dtype-aware floor), else None.
     tolerances: Optional[dict] = None
+    # The pass of the row's kind, the model's "pass": "forward" or "backward"
+    # (vocabulary.PASS_*); None for a note about a whole module. Left out of repr(), which keeps
+    # the fields it had.
+    pass_: Optional[str] = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
-        return self.status in ("PASS", "SKIP")
+        return self.status in (vocabulary.STATUS_PASS, vocabulary.STATUS_SKIP)
 
 
 # The flat worst-element keys of earlier versions: (its key in metrics["worst"], value without one).
@@ -107,10 +111,13 @@ def _row_from_dict(d: dict) -> Row:
         compiled_shape=_shape(d["compiled"]),
         reference=d["reference"],
         tolerances=d["tolerances"],
+        pass_=d["pass"],
     )
 
 
-_TENSOR_KINDS = ("fwd_input", "fwd_output", "grad_input", "grad_output", "param_grad")
+# The kinds a ModuleDiff lists, from the engine's table of kinds (every compared kind but the
+# loss, which is the LOSS row's): a new kind appears here with no change.
+_TENSOR_KINDS = tuple(kind for kind in vocabulary.KINDS if kind != vocabulary.KIND_LOSS)
 
 
 @dataclass
@@ -134,17 +141,15 @@ class TensorDiff:
 
     def __str__(self) -> str:
         """The report's text for the tensor: ``[OK] max_abs=…  mean_abs=…  max_rel=…  shape=…``
-        (``[!!]`` when it is not ``allclose``)."""
-        ok = "OK" if self.allclose else "!!"
-        return (
-            f"[{ok}] max_abs={self.max_abs:.3e}  mean_abs={self.mean_abs:.3e}  "
-            f"max_rel={self.max_rel:.3e}  shape={self.shape}"
-        )
+        (``[!!]`` when it is not ``allclose``), rendered by the engine as its report rows are.
+        A shape that is not a tuple (one built by hand) is shown as ``str()`` shows it."""
+        shape = _C.shape_text(self.shape) if type(self.shape) is tuple else str(self.shape)
+        return _C.tensor_detail(self.allclose, self.max_abs, self.mean_abs, self.max_rel, shape)
 
 
 def _is_skip_note(note: str) -> bool:
     # The analyzer's note table (the spec's SKIP_* markers and IGNORED are skips).
-    return _C.note_status(note) == "SKIP"
+    return _C.note_status(note) == vocabulary.STATUS_SKIP
 
 
 @dataclass
@@ -192,7 +197,7 @@ class ModuleDiff:
 def _tensor_diff(row: Row) -> Optional[TensorDiff]:
     """A tensor row as a TensorDiff; None when one side lacks the tensor (the row's note says
     why) or the row is a note about the whole module."""
-    if row.check_type not in _TENSOR_KINDS or row.eager_dtype is None or row.compiled_dtype is None:
+    if row.pass_ is None or row.eager_dtype is None or row.compiled_dtype is None:
         return None
     if row.metrics:
         return TensorDiff(
@@ -213,9 +218,9 @@ def _module_note(rows: List[Row]) -> str:
     whose other tensors were compared stays in ``rows``: as the module's note it would make code
     that treats SKIP notes as passes overlook those tensors."""
     for row in rows:
-        if row.status == "WARN":
+        if row.status == vocabulary.STATUS_WARN:
             return row.note
-    return rows[0].note if all(row.status == "SKIP" for row in rows) else ""
+    return rows[0].note if all(row.status == vocabulary.STATUS_SKIP for row in rows) else ""
 
 
 def _module_diffs(rows: List[Row]) -> List[ModuleDiff]:
@@ -424,7 +429,8 @@ class CompareResult:
     @property
     def failures(self) -> list:
         """Rows that FAIL or WARN."""
-        return [row for row in self.rows if row.status in ("FAIL", "WARN")]
+        return [row for row in self.rows
+                if row.status in (vocabulary.STATUS_FAIL, vocabulary.STATUS_WARN)]
 
     def text(self) -> str:
         """The stdout report. A step whose file is known not to have been written when the
@@ -457,12 +463,13 @@ class CompareResult:
 
     def __repr__(self) -> str:
         if self._report is None:
-            verdict = "ALL PASS" if self.all_pass else "FAILED"
+            verdict = vocabulary.VERDICT_ALL_PASS if self.all_pass else vocabulary.VERDICT_FAILED
             return (
                 f"<CompareResult loss_eager={self.loss_eager} loss_compiled="
                 f"{self.loss_compiled} {verdict} diffs={len(self.diffs)}>"
             )
-        verdict = "ALL PASS" if self.all_pass else f"FAILED ({len(self.failures)} rows)"
+        verdict = (vocabulary.VERDICT_ALL_PASS if self.all_pass
+                   else f"{vocabulary.VERDICT_FAILED} ({len(self.failures)} rows)")
         return (
             f"<CompareResult step={self.step} {verdict} rows={len(self.rows)} "
             f"dump={self._dump_file}>"

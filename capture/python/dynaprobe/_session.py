@@ -20,6 +20,7 @@ from dynaprobe._graphs import GraphRecorder, write_graph_files
 from dynaprobe._reference import user_autocast
 from dynaprobe._result import CompareResult
 from dynaprobe._step import Step, Target
+from dynaprobe._vocabulary import COMPILED, EAGER
 
 # Sessions with a step whose file may still be being committed (collect() in a run).
 _committing_sessions: "weakref.WeakSet[StepSession]" = weakref.WeakSet()
@@ -35,7 +36,7 @@ def _commit_before_exit() -> None:
             print(f"dynaprobe: {error}", file=sys.stderr)
 
 
-CAPTURE_MODES = {"eager": vocabulary.MODE_EAGER_ONLY, "compiled": vocabulary.MODE_COMPILED_ONLY}
+CAPTURE_MODES = {EAGER: vocabulary.MODE_EAGER_ONLY, COMPILED: vocabulary.MODE_COMPILED_ONLY}
 
 
 @dataclasses.dataclass
@@ -152,7 +153,7 @@ class StepSession:
             return None
         installation.finish(step)
         if loss is not None:
-            step.record_loss("compiled", loss)
+            step.record_loss(COMPILED, loss)
         installation.conclude(step)
         return self.finish()
 

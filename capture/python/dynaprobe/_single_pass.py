@@ -37,6 +37,7 @@ from dynaprobe._reference import (
     ReferenceRun,
     call_precision,
     copy_reference_arguments,
+    Judging,
     outputs_differ,
     run_reference,
     shapes_differ,
@@ -49,6 +50,8 @@ from dynaprobe._step import (
     record_shared_param_grads,
     run_pending,
 )
+from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
+                                    GRAD_OUTPUT, REFERENCE)
 
 
 def install(model: torch.nn.Module, plan: Plan, session, compiler, **options) -> "SinglePass":
@@ -116,7 +119,7 @@ class SinglePass:
 
     def __init__(self, targets: List[Target], session, compiler, capture_input: bool,
                  cast_dtype, reference: ReferencePolicy = ReferencePolicy(None),
-                 tolerances: Tuple[float, float] = (1e-4, 1e-3),
+                 tolerances: Judging = Judging(),
                  replay: str = "none", backend=None):
         self.targets = targets
         self.session = session
@@ -124,7 +127,7 @@ class SinglePass:
         self.capture_input = capture_input
         self.cast_dtype = cast_dtype
         self.reference = reference  # which calls get a reference, in which dtype
-        self.tolerances = tolerances  # (atol, rtol): what "failing" means
+        self.tolerances = tolerances  # what "failing" means
         self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
         self.backend = backend
         self.graphs = compiler.graphs  # the GraphRecorder: the runs of compiled graphs
@@ -192,7 +195,7 @@ class SinglePass:
         if self.capture_input:
             # Single-pass feeds both sides the same inputs: recorded once, for both.
             for index, (label, tensor) in enumerate(call.inputs):
-                step.record(name, call.index, "fwd_input", index, "compiled", tensor, label)
+                step.record(name, call.index, FWD_INPUT, index, COMPILED, tensor, label)
         # Copies taken before the training call, which may change its inputs (a cache it
         # appends to, a tensor modified in place) and its module's state.
         call.eager_args, call.eager_kwargs, shared = copy_arguments(
@@ -276,7 +279,8 @@ class SinglePass:
                 call.step.replay_candidates[(call.name, call.index)] = call.candidate
             if call.reference_args is not None and (
                     call.reference_dtype is not None or outputs_differ(
-                        call.eager_out, compiled_out, tensor_leaves, *self.tolerances)):
+                        call.eager_out, compiled_out, tensor_leaves, call.name,
+                        self.tolerances)):
                 call.rng_before.restore()
                 call.reference = self._reference_call(
                     call.step, target, call.index, call.reference_args, call.wanted,
@@ -308,9 +312,9 @@ class SinglePass:
             name, call.left_watch, call.args, call.kwargs, call.eager_args, call.eager_kwargs,
             compiled_leaves, call.reference, call.reference_args)
         for index, (label, tensor) in enumerate(compiled_leaves):
-            step.record(name, call.index, "fwd_output", index, "compiled", tensor, label)
+            step.record(name, call.index, FWD_OUTPUT, index, COMPILED, tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
-            step.record(name, call.index, "fwd_output", index, "eager", tensor, label)
+            step.record(name, call.index, FWD_OUTPUT, index, EAGER, tensor, label)
         return left, eager_left
 
     def _await_backward(self, call: _Call, compiled_out, left: list, eager_left: list):
@@ -384,7 +388,7 @@ class SinglePass:
             step.reference_missing(target.name, differ)
             return None
         for index, (label, tensor) in enumerate(leaves):
-            step.record(target.name, call, "fwd_output", index, "reference", tensor, label)
+            step.record(target.name, call, FWD_OUTPUT, index, REFERENCE, tensor, label)
         return run
 
     def decide_replays(self, step: Step, final: bool = False) -> None:
@@ -537,14 +541,14 @@ class SinglePass:
                 return
             pending.on_output_grad(index, grad)
             # Seeds both sides' backward: recorded once, for both.
-            step.record(pending.target.name, pending.call, "grad_output", index, "compiled", grad)
+            step.record(pending.target.name, pending.call, GRAD_OUTPUT, index, COMPILED, grad)
 
         return hook
 
     def _compiled_grad_input_hook(self, step: Step, target: Target, call: int, index: int):
         def hook(grad: Optional[torch.Tensor]) -> None:
             if grad is not None:
-                step.record(target.name, call, "grad_input", index, "compiled", grad)
+                step.record(target.name, call, GRAD_INPUT, index, COMPILED, grad)
             # The compiled backward of this call is done: every grad_output has arrived.
             for pending in step.pending:
                 if pending.target is target and pending.call == call:

@@ -11,8 +11,9 @@ import torch.nn as nn
 
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import Shard, _eager_backward, _in_eager_backward, local_tensor
+from dynaprobe._vocabulary import COMPILED, EAGER, GRAD_INPUT, PARAM_GRAD, REFERENCE
 
-LOSS_MODULE = "LOSS"  # Keep in sync with formats::kLossModule.
+LOSS_MODULE = vocabulary.LOSS_MODULE  # formats::kLossModule
 
 
 class Target:
@@ -43,7 +44,7 @@ class Step:
         # Summed per side, keyed by id(parameter); "reference" (the reference's gradients) is
         # keyed by the real parameter in single-pass, by the reference copy's in two-pass.
         self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {
-            "eager": {}, "compiled": {}, "reference": {}}
+            EAGER: {}, COMPILED: {}, REFERENCE: {}}
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
@@ -75,7 +76,7 @@ class Step:
     def record_loss(self, side: str, loss) -> None:
         """The step's loss (a tensor or a number), as the LOSS record of ``side``."""
         value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        self.record(LOSS_MODULE, 0, "loss", 0, side, value.reshape(()))
+        self.record(LOSS_MODULE, 0, vocabulary.KIND_LOSS, 0, side, value.reshape(()))
 
     def add_param_grad(self, side: str, param: torch.Tensor, grad: torch.Tensor,
                        owned: bool = False) -> None:
@@ -103,10 +104,10 @@ class Step:
                 label = param_name if shard is None else (
                     f"{param_name} ({shard.describe()}, this rank's batch, before "
                     f"reduce-scatter)")
-                for side, param in zip(("eager", "compiled", "reference"), by_side):
+                for side, param in zip((EAGER, COMPILED, REFERENCE), by_side):
                     grad = None if param is None else self.param_grads[side].get(id(param))
                     if grad is not None:  # the step's own sum (add_param_grad)
-                        self.record(name, 0, "param_grad", index, side, grad, label,
+                        self.record(name, 0, PARAM_GRAD, index, side, grad, label,
                                     handed_over=True)
 
     def note(self, module: str, note: str, reason: str) -> None:
@@ -173,10 +174,10 @@ class PendingBackward:
                 grads = ()
             for (index, leaf), grad in zip(self.leaves, grads):
                 if grad is not None:
-                    self.step.record(self.target.name, self.call, "grad_input", index, "eager", grad)
+                    self.step.record(self.target.name, self.call, GRAD_INPUT, index, EAGER, grad)
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
-                    self.step.add_param_grad("eager", param, grad,
+                    self.step.add_param_grad(EAGER, param, grad,
                                              owned=not shares_storage(grad, grad_outputs))
         if self.reference is not None:
             self._run_reference()
@@ -199,11 +200,11 @@ class PendingBackward:
             return
         for (index, _), grad in zip(reference.leaves, grads):
             if grad is not None:
-                self.step.record(self.target.name, self.call, "grad_input", index, "reference",
+                self.step.record(self.target.name, self.call, GRAD_INPUT, index, REFERENCE,
                                  grad)
         for (param, _), grad in zip(reference.params, grads[len(reference.leaves):]):
             if grad is not None:
-                self.step.add_param_grad("reference", param, grad,
+                self.step.add_param_grad(REFERENCE, param, grad,
                                          owned=not shares_storage(grad, grad_outputs))
 
     def params_freed(self) -> bool:
@@ -266,6 +267,6 @@ def compiled_param_grad_hook(session, param: torch.Tensor):
         # Autograd hands hooks None for a gradient it left undefined (AXK2): zero, nothing to add.
         step = session.step
         if step is not None and grad is not None and not _in_eager_backward():
-            step.add_param_grad("compiled", param, grad)
+            step.add_param_grad(COMPILED, param, grad)
 
     return hook

@@ -22,8 +22,10 @@ from dynaprobe._capture import (
 )
 from dynaprobe._reference import ReferencePolicy, call_precision, no_autocast, upcast
 from dynaprobe._step import Step, Target
+from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
+                                    GRAD_OUTPUT, REFERENCE)
 
-SIDES = ("eager", "compiled", "reference")
+SIDES = (EAGER, COMPILED, REFERENCE)
 
 
 def run_step(session, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
@@ -36,8 +38,8 @@ def run_step(session, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.
     try:
         by_side = run_sides(step, fn, model, sides, targets, compiler.compile, capture_input,
                             cast_dtype, reference)
-        if "compiled" in by_side:
-            compiler.summarize(step, by_side["compiled"])
+        if COMPILED in by_side:
+            compiler.summarize(step, by_side[COMPILED])
         return session.finish(compare=compare)
     finally:
         session.abandon()
@@ -71,10 +73,10 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
     try:
         for side, side_model in sides:
             patch(side, side_model,
-                  (lambda _, forward: forward) if side == "eager" else compile_forward,
+                  (lambda _, forward: forward) if side == EAGER else compile_forward,
                   lambda target, side=side: _one_side_forward(
                       step, target, side, capture_input, cast_dtype,
-                      seen_low if side == "eager" else None))
+                      seen_low if side == EAGER else None))
         rng = RngState(devices_of([], model))
         for i, (side, side_model) in enumerate(sides):
             if i:
@@ -84,8 +86,8 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
                 step.record_loss(side, loss)
         dtype = reference.dtype(seen_low[0] if seen_low else None)
         if seen_low:  # said to the caller of run_step's caller (PrecisionChecker.compare)
-            reference.warn_unavailable(by_side["eager"][0].name, seen_low[0], stacklevel=5)
-        if dtype is not None and "compiled" in by_side:
+            reference.warn_unavailable(by_side[EAGER][0].name, seen_low[0], stacklevel=5)
+        if dtype is not None and COMPILED in by_side:
             _run_reference_side(step, fn, model, rng, dtype, patch,
                                 [display for display, _ in targets], capture_input)
         first = next(iter(by_side.values()))
@@ -109,7 +111,7 @@ def _run_reference_side(step: Step, fn: Callable, model: nn.Module, rng: RngStat
     a NO_REFERENCE row saying why."""
     try:
         reference_model = copy.deepcopy(model).to(dtype)
-        patch("reference", reference_model, lambda _, forward: forward,
+        patch(REFERENCE, reference_model, lambda _, forward: forward,
               lambda target: _reference_forward(step, target, dtype, capture_input))
         rng.restore()
         fn(reference_model)
@@ -128,7 +130,7 @@ def _reference_forward(step: Step, target: Target, dtype: torch.dtype,
         inputs = input_leaves(args, kwargs)
         devices = devices_of([t for _, t in inputs], target.module)
         with no_autocast(devices):
-            return _recorded_call(step, target, "reference", args, kwargs, capture_input,
+            return _recorded_call(step, target, REFERENCE, args, kwargs, capture_input,
                                   target.run)
 
     return forward
@@ -159,18 +161,18 @@ def _recorded_call(step: Step, target: Target, side: str, args: tuple, kwargs: d
     inputs = input_leaves(args, kwargs)
     if capture_input:
         for index, (label, tensor) in enumerate(inputs):
-            step.record(target.name, call, "fwd_input", index, side, tensor, label)
+            step.record(target.name, call, FWD_INPUT, index, side, tensor, label)
     grad_mode = torch.is_grad_enabled()
     if grad_mode:
         args, kwargs = probe_inputs(args, kwargs, lambda index: _grad_hook(
-            step, target, call, "grad_input", index, side))
+            step, target, call, GRAD_INPUT, index, side))
     out = run(*args, **kwargs)
     for index, (label, tensor) in enumerate(tensor_leaves(out)):
-        step.record(target.name, call, "fwd_output", index, side, tensor, label)
+        step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
     if not grad_mode:
         return out
     return probe_outputs(out, lambda index: _grad_hook(
-        step, target, call, "grad_output", index, side))
+        step, target, call, GRAD_OUTPUT, index, side))
 
 
 def _grad_hook(step: Step, target: Target, call: int, kind: str, index: int, side: str):

@@ -49,6 +49,7 @@ from dynaprobe._reference import (
     ReferenceRun,
     call_precision,
     no_autocast,
+    Judging,
     outputs_differ,
     shapes_differ,
     upcast,
@@ -61,6 +62,8 @@ from dynaprobe._step import (
     record_shared_param_grads,
     run_pending,
 )
+from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
+                                    GRAD_OUTPUT, REFERENCE)
 
 try:
     from torch._dynamo.comptime import comptime as _comptime
@@ -233,10 +236,10 @@ class WholeModel:
     def __init__(self, optimized, targets: List[Target], model_name: str, graphs: GraphRecorder,
                  session, capture_input: bool,
                  reference: ReferencePolicy = ReferencePolicy(None),
-                 tolerances: Tuple[float, float] = (1e-4, 1e-3)):
+                 tolerances: Judging = Judging()):
         self.optimized = optimized
         self.reference = reference  # which calls get a reference, in which dtype
-        self.tolerances = tolerances  # (atol, rtol): what "failing" means
+        self.tolerances = tolerances  # what "failing" means
         self.model: nn.Module = optimized._orig_mod
         self.targets = targets
         self.model_name = model_name
@@ -539,7 +542,7 @@ class WholeModel:
             node = values[label]
             if node.meta["example_value"].requires_grad:
                 with gm.graph.inserting_after(node):
-                    tap = self._tap(gm, node, call, "grad_output", index)
+                    tap = self._tap(gm, node, call, GRAD_OUTPUT, index)
                 node.replace_all_uses_with(tap, lambda user: user is not tap and user not in nodes)
 
     def _tap_inputs(self, gm: fx.GraphModule, call: _Call, nodes: set) -> None:
@@ -553,7 +556,7 @@ class WholeModel:
                 first_use = next(n for n in gm.graph.nodes
                                  if n in nodes and node in n.all_input_nodes)
                 with gm.graph.inserting_before(first_use):
-                    tap = self._tap(gm, node, call, "grad_input", index)
+                    tap = self._tap(gm, node, call, GRAD_INPUT, index)
                 node.replace_all_uses_with(tap, lambda user: user in nodes)
 
     def _tap(self, gm: fx.GraphModule, node: fx.Node, call: _Call, kind: str,
@@ -607,7 +610,7 @@ class WholeModel:
         inputs = [value(s) for s in call.inputs]
         if self.capture_input:
             for i, (label, tensor) in enumerate(zip(call.input_labels, inputs)):
-                step.record(target.name, index, "fwd_input", i, "compiled", tensor, label)
+                step.record(target.name, index, FWD_INPUT, i, COMPILED, tensor, label)
         grad_mode = torch.is_grad_enabled()
         leaves = []
         eager_inputs = []
@@ -630,8 +633,8 @@ class WholeModel:
         reference = self._reference(step, call, target, index, inputs, params, eager_out,
                                     compiled_out, grad_mode)
         for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
-            step.record(target.name, index, "fwd_output", at, "compiled", compiled_out[i], label)
-            step.record(target.name, index, "fwd_output", at, "eager", eager_out[i], label)
+            step.record(target.name, index, FWD_OUTPUT, at, COMPILED, compiled_out[i], label)
+            step.record(target.name, index, FWD_OUTPUT, at, EAGER, eager_out[i], label)
         if not grad_mode:
             return
         eager_outputs = [(at, t) for at, t in zip(call.output_indices, eager_out)
@@ -659,7 +662,8 @@ class WholeModel:
         self.reference.warn_unavailable(target.name, low)
         dtype = self.reference.dtype(low)
         if dtype is None and outputs_differ(list(eager_out), compiled_out,
-                                            lambda out: [("", t) for t in out], *self.tolerances):
+                                            lambda out: [("", t) for t in out], target.name,
+                                            self.tolerances):
             dtype = self.reference.dtype_if_failing(low)
         if dtype is None:
             return None
@@ -691,7 +695,7 @@ class WholeModel:
             step.reference_missing(target.name, differ)
             return None
         for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
-            step.record(target.name, index, "fwd_output", at, "reference", out[i], label)
+            step.record(target.name, index, FWD_OUTPUT, at, REFERENCE, out[i], label)
         if not grad_mode:
             return None
         own = {id(p) for _, p in target.params}
@@ -710,13 +714,13 @@ class WholeModel:
             for pending, inputs_seen in reversed(call.pending):
                 if pending.step is not step:
                     continue
-                if kind == "grad_output" and index not in pending.grads:
+                if kind == GRAD_OUTPUT and index not in pending.grads:
                     pending.on_output_grad(index, grad.clone())
-                    step.record(pending.target.name, pending.call, kind, index, "compiled", grad)
+                    step.record(pending.target.name, pending.call, kind, index, COMPILED, grad)
                     return
-                if kind == "grad_input" and index not in inputs_seen:
+                if kind == GRAD_INPUT and index not in inputs_seen:
                     inputs_seen.add(index)
-                    step.record(pending.target.name, pending.call, kind, index, "compiled", grad)
+                    step.record(pending.target.name, pending.call, kind, index, COMPILED, grad)
                     if len(inputs_seen) == call.tapped_inputs:
                         # The compiled backward has passed this call: every grad_output has
                         # arrived, and FSDP2 has not yet freed the parameters it gathered.

@@ -30,7 +30,9 @@ import torch
 
 from dynaprobe._replay import (UNPICKLE_RISK, ReplayError, StoredCall, inductor_patch, judge,
                                load_call, metrics_lines, replay_of)
+from dynaprobe._C import vocabulary
 from dynaprobe._result import CompareResult
+from dynaprobe._vocabulary import FWD_OUTPUT
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Stage:
 
 
 STAGES = (
-    Stage("eager", "eager"),
+    Stage("eager", "eager"),  # torch.compile's backend "eager", not a side
     Stage("aot_eager", "aot_eager"),
     Stage("aot_eager_decomp_partition", "aot_eager_decomp_partition"),
     Stage("inductor", "inductor"),
@@ -66,14 +68,15 @@ class StageResult:
         if self.result is None:
             return []
         return [r for r in self.result.rows if r.check_type != "note"
-                and (r.check_type == "fwd_output") == forward]
+                and (r.check_type == FWD_OUTPUT) == forward]
 
     def changed(self, forward: bool) -> bool:
-        return bool(self.error) or any(r.max_abs != 0 or r.status != "PASS"
+        return bool(self.error) or any(r.max_abs != 0 or r.status != vocabulary.STATUS_PASS
                                        for r in self.rows(forward))
 
     def failed(self, forward: bool) -> bool:
-        return bool(self.error) or any(r.status == "FAIL" for r in self.rows(forward))
+        return bool(self.error) or any(
+            r.status == vocabulary.STATUS_FAIL for r in self.rows(forward))
 
     def max_abs(self, forward: bool) -> float:
         values = [r.max_abs for r in self.rows(forward)]
@@ -124,7 +127,7 @@ class BisectResult:
                 if not stage.rows(forward):  # no backward replayed (no grad_output stored)
                     cells.append(f"{'-':>16} {'':4}")
                     continue
-                status = "FAIL" if stage.failed(forward) else (
+                status = vocabulary.STATUS_FAIL if stage.failed(forward) else (
                     "diff" if stage.changed(forward) else "same")
                 cells.append(f"{stage.max_abs(forward):16.6e} {status:4}")
             lines.append(f"  {stage.name:28} {cells[0]} {cells[1]}")

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from dynaprobe import _C
+from dynaprobe._C import vocabulary
 from dynaprobe._environment import environment
 from dynaprobe._replay import ReplayError, one_process, replay_attributes, step_file
 from dynaprobe._result import CompareResult
@@ -50,7 +51,7 @@ def failing_modules(result: CompareResult) -> List[str]:
     order."""
     root = result.root_cause or {}
     order = [root[d]["module"] for d in ("forward", "backward") if root.get(d)]
-    order += [r.module for r in result.rows if r.status == "FAIL"]
+    order += [r.module for r in result.rows if r.status == vocabulary.STATUS_FAIL]
     return list(dict.fromkeys(order))
 
 
@@ -92,7 +93,7 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
         environment_text = json.dumps({
             "captured": provenance,
             "inductor_config": _inductor_config(failing),
-            "bundled_on": {"torch_version": torch.__version__, **environment()},
+            "bundled_on": {vocabulary.PROVENANCE_TORCH_VERSION: torch.__version__, **environment()},
         }, indent=1, sort_keys=True)
         parts.append((0, "environment.json", _staged(staging, "environment.json",
                                                      environment_text), "environment"))

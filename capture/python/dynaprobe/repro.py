@@ -25,6 +25,8 @@ from typing import List, Optional
 import torch
 
 from dynaprobe import _C, _graph_runner
+from dynaprobe._C import vocabulary
+from dynaprobe._vocabulary import PARAM_GRAD
 from dynaprobe._graph_data import python_source
 from dynaprobe._replay import (UNPICKLE_RISK, GraphReplay, ReplayError, StoredCall,
                                inductor_patch, judge, load_call, metrics_lines)
@@ -222,7 +224,7 @@ def recorded_lines(stored: StoredCall) -> List[str]:
     recorded = CompareResult.from_report(comparison.steps[0], dump_dir, stored.path, comparison)
     return metrics_lines([r for r in recorded.rows if r.module == stored.module and
                           r.check_type != "note" and (r.call == stored.call or
-                                                      r.check_type == "param_grad")])
+                                                      r.check_type == PARAM_GRAD)])
 
 
 def _write_graph_repro(stored: StoredCall, out_dir: str) -> str:
@@ -265,7 +267,8 @@ def write_graph_folder(stored: StoredCall, out_dir: str, graphs: dict, calls: li
     with open(script, "w", encoding="utf-8") as f:
         f.write(_GRAPH_SCRIPT.format(
             module=_plain(stored.module), call=stored.call, step=stored.step,
-            what=_plain(what), torch_version=_plain(stored.provenance.get("torch_version", "?")),
+            what=_plain(what),
+            torch_version=_plain(stored.provenance.get(vocabulary.PROVENANCE_TORCH_VERSION, "?")),
             backend=_plain(stored.recorded_compile()), data_file=DATA_FILE,
             backend_lines=_backend_lines(stored.replay.get("backend", {})),
             config_lines=_config_lines(stored.replay.get("inductor_config", {}))))
