@@ -1,7 +1,6 @@
 """PrecisionChecker: the spec's API, a façade of verbs (wrap / ignore / install / collect /
 compare / capture / report) over modules of one concern each: _session (the steps' lifecycle),
-_planning, _compiling, the modes (_single_pass, _whole_model, _two_pass: they receive the
-session), _provenance, _reporting, _distributed, _options, _result."""
+_planning, _compiling, the modes (which receive the session), _provenance, _reporting, _result."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class PrecisionChecker(_options.CheckerOptions):
         graph_dir: where graph dumps go.
         cast_dtype: run wrapped modules under ``torch.autocast`` with this dtype, both sides.
         capture_input: record and compare module inputs (FORWARD INPUT).
-        single_pass: compare inside one training run (True) or run an eager and a compiled copy
-            of the model (False).
+        single_pass: compare inside one training run (True) or an eager and a compiled copy (False).
         dump_dir: the folder this checker's dump goes to; default
             ``./dynaprobe_runs/<time>-<pid>-<n>/rank<R>``. With several ranks it names the run
             folder, each rank writing ``<dump_dir>/rank<R>`` (see the ``dump_dir`` property).
@@ -338,7 +336,7 @@ class PrecisionChecker(_options.CheckerOptions):
         through torch.compile's stages (eager, aot_eager, aot_eager_decomp_partition, inductor,
         inductor with fallback_random) and returns a ``dynaprobe.bisect.BisectResult``: the
         report's metrics at each stage against eager, and the first stage whose numbers change,
-        forward and backward (docs/user-guide.md).
+        forward and backward (docs/guide/diagnosis.md).
 
         Args:
             module: the module path, as the report names it.
