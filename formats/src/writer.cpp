@@ -1,15 +1,12 @@
+// StepWriter: a step's records through the chunk pipeline into one HDF5 file, repeats stored
+// once, then the index and the crash-safe commit (durable_file.h, step_tables.h).
 #include "dynaprobe/formats/writer.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <tbb/concurrent_queue.h>
 #include <tbb/parallel_pipeline.h>
 #include <tbb/task_arena.h>
-#include <unistd.h>
-#include <zstd.h>
 
-#include <cerrno>
-#include <cstdio>  // renameat2, RENAME_NOREPLACE (glibc >= 2.28)
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -19,57 +16,19 @@
 #include "chunk_layout.h"
 #include "chunk_pipeline.h"
 #include "direct_driver.h"
+#include "durable_file.h"
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/niceness.h"
 #include "dynaprobe/formats/schema.h"
 #include "h5.h"
 #include "hdf5_types.h"
+#include "step_tables.h"
 
 namespace dynaprobe::formats {
 namespace fs = std::filesystem;
 namespace {
 
 constexpr int kMaxRank = H5S_MAX_RANK;
-
-// A compressor for ZSTD_compress2 at `level`. Every frame carries zstd's content checksum: without
-// it a damaged chunk (a bad sector, a bit flip in transit) whose bytes fall in raw literals
-// decompresses without error into silent garbage; with it any zstd decoder (ours, hdf5plugin, the
-// HDF5 reference plugin) reports the corruption. Costs 4 bytes per chunk and one XXH64 pass over
-// the uncompressed chunk when writing and when reading.
-ZSTD_CCtx* thread_compressor(int level) {
-  thread_local std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> context(ZSTD_createCCtx(),
-                                                                            ZSTD_freeCCtx);
-  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_compressionLevel, level);
-  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_checksumFlag, 1);
-  return context.get();
-}
-
-// Whether zstd can be expected to shrink a chunk, once shuffled, by `min_ratio`, judged from a
-// sample: four windows of 1,024 elements spread over the chunk, their bytes taken plane by plane
-// as the shuffle would order them, compressed together. That costs about 2% of compressing a
-// 1 MiB chunk, and a chunk stored as it is is never shuffled; chunks under 16 times the sample
-// are judged by compressing them.
-bool shrinks_enough(ZSTD_CCtx* compressor, const std::byte* raw, std::size_t size,
-                    std::size_t element_size, double min_ratio, std::vector<std::byte>& work) {
-  constexpr std::size_t kWindows = 4, kWindowElements = 1024;
-  const std::size_t elements = size / element_size;
-  const std::size_t sample_bytes = kWindows * kWindowElements * element_size;
-  if (min_ratio <= 1.0 || size < 16 * sample_bytes) return true;
-  work.resize(sample_bytes + ZSTD_compressBound(sample_bytes));
-  std::byte* sample = work.data();
-  for (std::size_t p = 0; p < element_size; ++p) {
-    for (std::size_t w = 0; w < kWindows; ++w) {
-      const std::byte* window =
-          raw + ((2 * w + 1) * elements / (2 * kWindows) - kWindowElements / 2) * element_size + p;
-      std::byte* out = sample + (p * kWindows + w) * kWindowElements;
-      for (std::size_t i = 0; i < kWindowElements; ++i) out[i] = window[i * element_size];
-    }
-  }
-  const std::size_t compressed = ZSTD_compress2(compressor, work.data() + sample_bytes,
-                                                work.size() - sample_bytes, sample, sample_bytes);
-  return !ZSTD_isError(compressed) &&
-         static_cast<double>(compressed) * min_ratio <= static_cast<double>(sample_bytes);
-}
 
 // A cheap fingerprint of a tensor's bytes for finding repeats: its first, middle and last 64
 // bytes. Equal fingerprints are then compared byte for byte.
@@ -119,129 +78,7 @@ std::vector<std::size_t> holders_of_same_bytes(std::span<const Record> records) 
   return holder;
 }
 
-// Tells the kernel that `size` bytes of the file at `offset` (0: to its end) will not be read
-// soon: their clean pages leave the page cache. Advice only: nothing is lost when it fails.
-void drop_from_page_cache(int fd, off_t offset, off_t size) {
-  ::posix_fadvise(fd, offset, size, POSIX_FADV_DONTNEED);
-}
-
-// fsyncs `path`; with `drop_cached`, its pages then leave the page cache (a step file: see
-// StepWriter::Impl::stream_to_disk).
-void fsync_path(const fs::path& path, const std::string& where, bool drop_cached = false) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    const std::string reason = std::strerror(errno);
-    if (fd >= 0) ::close(fd);
-    throw IoError("fsync of " + path.string() + " failed while committing " + where + ": " +
-                  reason);
-  }
-  if (drop_cached) drop_from_page_cache(fd, 0, 0);
-  ::close(fd);
-}
-
-// A step is written to a new file only. A regular file left at the .partial name by a writer
-// that died is removed (unlink removes a name, never what a link points to); anything else there
-// (a symbolic link, a folder) is refused: nothing is ever written outside the dump folder.
-void prepare_partial_path(const fs::path& partial) {
-  struct stat info {};
-  if (::lstat(partial.c_str(), &info) != 0) {
-    if (errno == ENOENT) return;
-    throw IoError("cannot inspect " + partial.string() + ": " + std::strerror(errno));
-  }
-  if (S_ISLNK(info.st_mode) || !S_ISREG(info.st_mode)) {
-    throw IoError(partial.string() + " exists and is " +
-                  (S_ISLNK(info.st_mode) ? "a symbolic link" : "not a regular file") +
-                  "; dynaprobe never writes through links or over other files in a dump folder: "
-                  "remove it, or write to a new folder");
-  }
-  if (::unlink(partial.c_str()) != 0 && errno != ENOENT) {
-    throw IoError("cannot remove the unfinished step " + partial.string() + ": " +
-                  std::strerror(errno));
-  }
-}
-
-// Commits by renaming, without ever replacing what is at the final name (a committed step, or a
-// link planted there): renameat2(RENAME_NOREPLACE), or link + unlink where the file system lacks
-// it. Both fail with EEXIST instead of replacing.
-void rename_no_replace(const fs::path& from, const fs::path& to, const std::string& where) {
-  int result = -1;
-#if defined(__linux__) && defined(RENAME_NOREPLACE)
-  result = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
-  if (result != 0 && errno != EINVAL && errno != ENOSYS) {
-    throw IoError("cannot rename " + where + " to " + to.string() + ": " + std::strerror(errno));
-  }
-#endif
-  if (result != 0) {
-    if (::link(from.c_str(), to.c_str()) != 0 || ::unlink(from.c_str()) != 0) {
-      throw IoError("cannot rename " + where + " to " + to.string() + ": " + std::strerror(errno));
-    }
-  }
-}
-
 }  // namespace
-
-std::optional<ChunkItem> ChunkSequence::next() {
-  if (next_plan_ == plans_.size()) return std::nullopt;
-  const WritePlan& plan = plans_[next_plan_];
-  const std::size_t count = plan.layout ? plan.layout->chunk_count() : 0;
-  ChunkItem item;
-  item.plan = &plan;
-  item.chunk = next_chunk_;
-  item.has_chunk = count > 0;
-  item.first = next_chunk_ == 0;
-  item.last = next_chunk_ + 1 >= count;
-  if (item.last) {
-    ++next_plan_;
-    next_chunk_ = 0;
-  } else {
-    ++next_chunk_;
-  }
-  return item;
-}
-
-void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_ratio) {
-  if (!item.has_chunk) return;
-  const ChunkLayout& layout = *item.plan->layout;
-  const TensorView& tensor = item.plan->record->tensor;
-  const std::size_t element_size = dtype_size(tensor.dtype);
-  const ChunkExtent extent = layout.extent(item.chunk);
-  const std::size_t chunk_bytes = layout.chunk_elements() * element_size;
-  const std::size_t valid_bytes = extent.element_count * element_size;
-  ChunkBuffers& work = *item.buffers;
-  const std::byte* raw =
-      static_cast<const std::byte*>(tensor.data) + extent.first_element * element_size;
-  if (valid_bytes < chunk_bytes) {  // HDF5 stores edge chunks at full size
-    work.padded.resize(chunk_bytes);
-    std::memcpy(work.padded.data(), raw, valid_bytes);
-    std::memset(work.padded.data() + valid_bytes, 0, chunk_bytes - valid_bytes);
-    raw = work.padded.data();
-  }
-  ZSTD_CCtx* compressor = thread_compressor(zstd_level);
-  std::size_t size = chunk_bytes;
-  if (shrinks_enough(compressor, raw, chunk_bytes, element_size, min_compression_ratio,
-                     work.compressed)) {
-    const std::byte* input = raw;
-    if (element_size > 1) {
-      work.shuffled.resize(chunk_bytes);
-      shuffle_bytes(raw, work.shuffled.data(), chunk_bytes, element_size);
-      input = work.shuffled.data();
-    }
-    work.compressed.resize(ZSTD_compressBound(chunk_bytes));
-    size = ZSTD_compress2(compressor, work.compressed.data(), work.compressed.size(), input,
-                          chunk_bytes);
-  }
-  if (ZSTD_isError(size) ||
-      static_cast<double>(size) * min_compression_ratio >= static_cast<double>(chunk_bytes)) {
-    // not worth it: store the bytes as they are
-    item.payload = raw;
-    item.payload_size = chunk_bytes;
-    item.filter_mask = schema::kAllFiltersSkipped;
-  } else {
-    item.payload = work.compressed.data();
-    item.payload_size = size;
-  }
-  item.payload_hash = xxh3(item.payload, item.payload_size);  // format 2.0: every chunk
-}
 
 struct StepWriter::Impl {
   fs::path final_path;
@@ -267,14 +104,8 @@ struct StepWriter::Impl {
   std::unique_ptr<NiceObserver> nice;
   std::vector<ChunkBuffers> buffers;
   tbb::concurrent_bounded_queue<ChunkBuffers*> free_buffers;
-  // The disk writes the step while later chunks still compress, so commit()'s fsync waits for
-  // the tail only, not the whole step (here 30 ms per 90 MB: 20% of a 256 MiB step's time).
-  static constexpr std::size_t kWritebackBytes = 16 << 20;
   std::optional<int> fd;  // the step file's descriptor (-1: none), looked up on the first write
-  std::size_t unsynced_bytes = 0;
-  off_t writeback_started_until = 0;  // file bytes whose writeback stream_to_disk() started
-  off_t dropped_until = 0;            // file bytes it has written back and dropped
-  void stream_to_disk();
+  WritebackStream writeback;
 
   using Plan = WritePlan;
   // The dataset being written by the serial output stage.
@@ -295,10 +126,8 @@ struct StepWriter::Impl {
   void write_all(const std::vector<Plan>& plans);
   void store(const ChunkItem& item);
   void write_chunk(const ChunkItem& item);
+  // /index with its checksum, and the checksums of /modules and /graphs.
   void write_index();
-  void write_metrics_table();
-  void write_table(std::string_view name, hid_t file_type, hid_t memory_type, const void* rows,
-                   std::size_t count, std::string_view checksum_attr, std::uint64_t checksum);
   void ensure_usable(std::string_view action) const;
   std::set<RecordKey> check_new_records(std::span<const Record> records, bool with_data) const;
   std::vector<StoredMetrics> metrics;  // for /metrics, written by commit()
@@ -465,10 +294,7 @@ void StepWriter::Impl::store(const ChunkItem& item) {
     if (item.has_chunk) write_chunk(item);
     if (item.last) finish_dataset(*item.plan);
   }
-  if (unsynced_bytes >= kWritebackBytes) {  // outside HDF5's lock: this waits for the disk
-    stream_to_disk();
-    unsynced_bytes = 0;
-  }
+  if (writeback.due()) writeback.stream(*fd, partial_path);  // outside HDF5's lock
 }
 
 // Writes the item's payload as its chunk of `dataset` and notes it in `dataset_info`: the bytes
@@ -483,68 +309,12 @@ void StepWriter::Impl::write_chunk(const ChunkItem& item) {
   dataset_info.stored_bytes += item.payload_size;
   if (layout.chunk_count() == 1) locate_only_chunk(item.payload_hash);
   dataset_info.chunk_hashes.push_back(item.payload_hash);
-  unsynced_bytes += item.payload_size;
-}
-
-// Streams the step to disk as it is written, and out of the page cache: starts the writeback of
-// what was written since the last call, waits for the writeback the call before started (most
-// of it done by then, unless the disk is slower than the writer) and drops those pages from the
-// page cache. Chunks the file driver wrote with O_DIRECT (direct_driver.h) were never cached:
-// this covers the rest, and every write where the file system refuses O_DIRECT. A dump is
-// written once and read
-// later, if ever: kept cached, a run's steps would fill the host's memory with dirty and then
-// clean pages, evict what training reads (its dataset), and every new page the next step writes
-// would be memory the kernel must find first. Streaming keeps the writer's pages to two windows
-// of kWritebackBytes, reused step after step; on this machine kind that wrote 1.6 GB/s steadily
-// against 0.4 GB/s once earlier steps filled the cache (docs/performance.md, Scale). Pages that
-// HDF5 writes again later (its metadata) are read back first: correct, and rare. A writeback
-// error throws here: the wait would consume it, and commit()'s fsync would no longer see it.
-void StepWriter::Impl::stream_to_disk() {
-#if defined(__linux__)
-  if (*fd < 0) return;
-  // HDF5's sec2 driver writes with pwrite: the file's size is as far as it has written.
-  struct stat info {};
-  if (::fstat(*fd, &info) != 0) return;
-  if (writeback_started_until > dropped_until) {
-    const off_t size = writeback_started_until - dropped_until;
-    if (::sync_file_range(*fd, dropped_until, size,
-                          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                              SYNC_FILE_RANGE_WAIT_AFTER) != 0 &&
-        errno != ESPIPE && errno != EINVAL) {  // not a file the kernel writes back
-      throw IoError("writing " + partial_path.string() +
-                    " to disk failed: " + std::strerror(errno));
-    }
-    drop_from_page_cache(*fd, dropped_until, size);
-    dropped_until = writeback_started_until;
-  }
-  if (info.st_size > writeback_started_until) {
-    ::sync_file_range(*fd, writeback_started_until, info.st_size - writeback_started_until,
-                      SYNC_FILE_RANGE_WRITE);  // errors: the wait above or commit()'s fsync
-    writeback_started_until = info.st_size;
-  }
-#endif
+  writeback.wrote(item.payload_size);
 }
 
 void StepWriter::Impl::write_index() {
-  std::vector<IndexRow> rows;
-  std::vector<std::uint64_t> chunk_hashes;
-  rows.reserve(index.size());
-  for (const RecordInfo& info : index) {
-    rows.push_back(IndexRow{info.key.module.c_str(), info.key.call, kind_name(info.key.kind).data(),
-                            info.key.tensor_index, side_name(info.key.side).data(),
-                            info.label.c_str(), dtype_name(info.dtype).data(),
-                            hvl_t{info.shape.size(), const_cast<std::int64_t*>(info.shape.data())},
-                            info.stored_bytes, info.chunk_offset, info.chunk_filter_mask,
-                            info.chunk_hash, chunk_hashes.size(), info.chunk_hashes.size()});
-    chunk_hashes.insert(chunk_hashes.end(), info.chunk_hashes.begin(), info.chunk_hashes.end());
-  }
-  const PackedIndex packed = pack_index(rows);
-  const std::uint64_t checksum = index_checksum_v2(packed.bytes, chunk_hashes, step, provenance);
+  write_index_tables(file.get(), index, step, provenance, partial_path.string());
   h5::Lock lock(h5::hdf5_mutex());
-  write_table(schema::kChunkHashesDataset, H5T_STD_U64LE, H5T_NATIVE_UINT64, chunk_hashes.data(),
-              chunk_hashes.size(), "", 0);
-  write_table(schema::kIndexDataset, packed.type.get(), packed.type.get(), packed.bytes.data(),
-              rows.size(), schema::kIndexChecksumAttr, checksum);
   // /modules and /graphs: a checksum each, over what their objects hold (format 2.0).
   const std::string where = partial_path.string();
   h5::write_u64_attribute(modules.get(), schema::kGroupChecksumAttr,
@@ -553,60 +323,6 @@ void StepWriter::Impl::write_index() {
             [](const NamedAttributes& a, const NamedAttributes& b) { return a.name < b.name; });
   h5::write_u64_attribute(graphs.get(), schema::kGroupChecksumAttr,
                           group_checksum(graph_entries, true), where + " /graphs");
-}
-
-// Creates the 1-D dataset `name` under the root of `count` rows and writes them; a non-empty
-// `checksum_attr` gets `checksum`. The caller holds the HDF5 lock.
-void StepWriter::Impl::write_table(std::string_view name, hid_t file_type, hid_t memory_type,
-                                   const void* rows, std::size_t count,
-                                   std::string_view checksum_attr, std::uint64_t checksum) {
-  const std::string where = partial_path.string() + " /" + std::string(name);
-  const hsize_t size = count;
-  h5::Handle space = h5::space_handle(H5Screate_simple(1, &size, nullptr), "creating", where);
-  h5::Handle table =
-      h5::dataset_handle(H5Dcreate2(file.get(), std::string(name).c_str(), file_type, space.get(),
-                                    H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "creating the dataset", where);
-  if (count > 0) {
-    h5::check(H5Dwrite(table.get(), memory_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows),
-              "writing the dataset", where);
-  }
-  if (!checksum_attr.empty()) h5::write_u64_attribute(table.get(), checksum_attr, checksum, where);
-  table.close(where);
-}
-
-void StepWriter::Impl::write_metrics_table() {
-  if (metrics.empty()) return;
-  std::map<RecordKey, std::uint64_t> position;
-  for (std::size_t i = 0; i < index.size(); ++i) position.emplace(index[i].key, i);
-  std::vector<MetricsRow> rows;
-  rows.reserve(metrics.size());
-  for (const StoredMetrics& stored : metrics) {
-    const auto found = position.find(stored.key);
-    if (found == position.end()) {
-      throw UsageError("metrics of " + to_string(stored.key) +
-                       ": no such record in the step; write or describe it first");
-    }
-    rows.push_back(MetricsRow{found->second, stored.tolerances, stored.metrics});
-  }
-  const h5::Handle type = metrics_row_type();
-  h5::Lock lock(h5::hdf5_mutex());
-  // Stored packed (no padding bytes of memory never written), little-endian as the type says;
-  // the checksum covers those bytes.
-  const std::string where = partial_path.string();
-  h5::Handle packed = h5::type_handle(H5Tcopy(type.get()), "copying", where);
-  h5::check(H5Tpack(packed.get()), "packing the /metrics type", where);
-  std::vector<std::byte> bytes(rows.size() * sizeof(MetricsRow));
-  std::memcpy(bytes.data(), rows.data(), bytes.size());
-  if (!rows.empty()) {
-    std::vector<std::byte> background(rows.size() * H5Tget_size(packed.get()));  // compounds
-    h5::check(H5Tconvert(type.get(), packed.get(), rows.size(), bytes.data(), background.data(),
-                         H5P_DEFAULT),
-              "packing the metrics", where);
-  }
-  bytes.resize(rows.size() * H5Tget_size(packed.get()));
-  write_table(schema::kMetricsDataset, packed.get(), packed.get(), bytes.data(), rows.size(),
-              schema::kMetricsChecksumAttr, xxh3(bytes.data(), bytes.size()));
 }
 
 StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance provenance,
@@ -877,7 +593,7 @@ fs::path StepWriter::commit() {
   const std::string where = impl.partial_path.string();
   try {
     impl.write_index();
-    impl.write_metrics_table();
+    write_metrics_table(impl.file.get(), impl.index, impl.metrics, where);
     h5::Lock lock(h5::hdf5_mutex());
     impl.module_groups.clear();
     impl.tensors.close(where);

@@ -286,7 +286,7 @@ bool direct_io_works(const std::filesystem::path& dir) {
 
 // A dump is written once and read later. The chunks of a step go to the disk past the page cache
 // (O_DIRECT, direct_driver.h) where the file system allows it; elsewhere the writer streams the
-// step to disk and out of the page cache while writing it (writer.cpp, stream_to_disk). Either
+// step to disk and out of the page cache while writing it (durable_file.h, WritebackStream). Either
 // way a run's steps do not fill the host's memory, and a committed step reads back bit for bit.
 TEST(RoundTrip, AStepLeavesThePageCacheAsItIsWrittenAndReadsBackFromDisk) {
   TempDir dir;
