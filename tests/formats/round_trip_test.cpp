@@ -311,7 +311,9 @@ TEST(RoundTrip, AStepLeavesThePageCacheAsItIsWrittenAndReadsBackFromDisk) {
     records.push_back(make_record(0, "m" + std::to_string(i), Kind::kFwdOutput, 0, Side::kEager,
                                   DType::kFloat32, shape, data.back()));
     if (i % 2 == 0) {
-      aligned.emplace_back(static_cast<std::byte*>(std::aligned_alloc(4096, kTensorBytes)),
+      // aligned_alloc takes a whole number of alignments (C11; ASan refuses another size).
+      const std::size_t pages = (kTensorBytes + 4095) / 4096;
+      aligned.emplace_back(static_cast<std::byte*>(std::aligned_alloc(4096, pages * 4096)),
                            &std::free);
       std::memcpy(aligned.back().get(), data.back().data(), kTensorBytes);
       records.back().tensor.data = aligned.back().get();
