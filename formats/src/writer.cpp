@@ -358,10 +358,12 @@ StepWriter::StepWriter(const fs::path& dump_dir, std::int64_t step, Provenance p
   }
   // symlink_status: a link (even a dangling one) at the step's name is something to refuse, not
   // to follow.
+  // A storage error, not a usage error: a capture whose folder another run already wrote (it
+  // finished, so its lock is free) loses the step and keeps training (strict_io off).
   if (fs::exists(fs::symlink_status(impl.final_path, error))) {
-    throw UsageError("step " + std::to_string(step) + " already exists in " +
-                     impl.final_path.string() +
-                     "; dynaprobe never overwrites a committed step: write to a new folder");
+    throw IoError("step " + std::to_string(step) + " already exists in " +
+                  impl.final_path.string() +
+                  "; dynaprobe never overwrites a committed step: write to a new folder");
   }
   prepare_partial_path(impl.partial_path);
   const std::string where = impl.partial_path.string();

@@ -266,7 +266,7 @@ TEST(CrashSafety, CommittedStepIsNeverOverwritten) {
   try {
     StepWriter writer(tmp.path(), 0, {});
     FAIL() << "opened a writer over committed step 0";
-  } catch (const UsageError& error) {
+  } catch (const IoError& error) {
     EXPECT_PRED_FORMAT2(::testing::IsSubstring, committed.string(), error.what());
     EXPECT_PRED_FORMAT2(::testing::IsSubstring, "never overwrites", error.what());
   }
@@ -312,7 +312,7 @@ TEST(CrashSafety, LinkAtTheCommittedNameIsNeverReplaced) {
   const testing::TempDir tmp;
   const fs::path target = tmp.path() / "elsewhere.h5";
   fs::create_symlink(target, tmp.path() / step_file_name(0));
-  EXPECT_THROW(StepWriter(tmp.path(), 0, {}), UsageError);
+  EXPECT_THROW(StepWriter(tmp.path(), 0, {}), IoError);
   EXPECT_FALSE(fs::exists(target));
   EXPECT_TRUE(fs::is_symlink(tmp.path() / step_file_name(0)));
 }

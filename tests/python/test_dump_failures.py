@@ -214,6 +214,19 @@ def test_two_processes_on_one_dump_dir_both_train_and_the_first_loses_nothing(
     assert "RESULT: ALL PASS" in _readable(dynaprobe_cli, dump_dir)
 
 
+def test_a_second_run_into_a_finished_runs_folder_keeps_training(tmp_path):
+    """The first run is over (its lock is free) and its steps are committed: the second run's
+    steps cannot be written there, and it trains to the end all the same."""
+    dump_dir = tmp_path / "shared"
+    first_code, first, first_err = _run(tmp_path, dump_dir, "slow", 3)
+    assert first_code == 0 and first["stored"] == [True] * 3, first_err
+    second_code, second, second_err = _run(tmp_path, dump_dir, "slow", 3)
+    assert second_code == 0, second_err
+    assert second["results"] == [True] * 3 and second["stored"] == [False] * 3
+    assert "already exists" in second_err and "never overwrites a committed step" in second_err
+    assert _step_files(dump_dir) == [f"step_{i:08d}.h5" for i in range(3)]
+
+
 def test_the_folder_removed_during_the_run(tmp_path):
     code, out, stderr = _run(tmp_path, tmp_path / "dump", "remove_folder")
     assert code == 0, stderr
