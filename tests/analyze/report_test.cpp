@@ -3,8 +3,8 @@
 // The spec's single-rank numbers (e.g. max_abs=2.300e-07 with max_rel=5.100e-06) cannot come from
 // float32 data: an element whose relative error stays below 5.1e-6 has |a| >= 0.045, where float32
 // differences are multiples of 2^-28 and never round to 2.300e-07. So these goldens render a
-// report holding the spec's numbers; tests/python/test_analyze.py reproduces the spec's multi-rank
-// example from real dumps.
+// report holding the spec's numbers; tests/python/test_analyze_runs.py reproduces the spec's
+// multi-rank example from real dumps.
 #include "dynaprobe/analyze/report.h"
 
 #include <gtest/gtest.h>

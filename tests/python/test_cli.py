@@ -8,7 +8,7 @@ import pytest
 
 import dynaprobe
 from conftest import REPO
-from test_analyze import Rec, randn, run_cli, same, write_dump
+from analyze_dumps import Rec, randn, run_cli, same, write_dump
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ checked, parts of a run analysed apart (--ranks/--steps, a process pool, Dask's 
 merge into the report of the whole, byte for byte, in every format."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from dynaprobe import analyze_run
-from test_analyze import Rec, loss_recs, run_cli, single_pass, write_dump
+from analyze_dumps import Rec, loss_recs, run_cli, single_pass, write_dump
 
 FORMATS = ["merged-csv", "json", "html", "junit", "markdown"]
 

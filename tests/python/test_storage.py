@@ -5,7 +5,6 @@ process and from `dynaprobe compare` (docs/guide/storage-and-scale.md)."""
 import os
 import subprocess
 import sys
-import warnings
 
 import h5py
 import pytest
@@ -14,7 +13,7 @@ import torch.nn as nn
 
 from dynaprobe import PrecisionChecker, _C
 from models import MLP, perturbed_gelu_backend
-from test_analyze import run_cli
+from analyze_dumps import run_cli
 
 
 class Chain(nn.Module):
