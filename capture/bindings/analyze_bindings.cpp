@@ -19,8 +19,11 @@ namespace py = pybind11;
 namespace analyze = dynaprobe::analyze;
 namespace fmt = dynaprobe::formats;
 
-void bind_analyze(py::module_& m) {
-  // The report's words (report.h, engine.h), beside the dump's names bind_formats exported.
+namespace {
+
+// The report's words (report.h, engine.h), beside the dump's names bind_formats exported:
+// verdicts and statuses, a tensor row's details, shapes, the status a note gives.
+void bind_report_words(py::module_& m) {
   auto vocabulary = m.attr("vocabulary").cast<py::module_>();
   vocabulary.attr("VERDICT_ALL_PASS") = std::string(analyze::kVerdictAllPass);
   vocabulary.attr("VERDICT_FAILED") = std::string(analyze::kVerdictFailed);
@@ -48,6 +51,17 @@ void bind_analyze(py::module_& m) {
       py::arg("shape"),
       "A shape as the reports write it: \"(2, 3)\", \"(4,)\", \"()\"; an (eager, compiled) "
       "pair of a shape mismatch as \"((2, 3), (3, 2))\".");
+  m.def(
+      "note_status",
+      [](const std::string& note) {
+        return std::string(analyze::status_name(analyze::note_status(note)));
+      },
+      py::arg("note"),
+      "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
+}
+
+// StepReport: one step's report, its rows as the report model's dicts.
+void bind_step_report(py::module_& m) {
   py::class_<analyze::StepReport>(m, "StepReport")
       .def_readonly("step", &analyze::StepReport::step)
       .def_readonly("loss_eager", &analyze::StepReport::loss_eager)
@@ -102,7 +116,10 @@ void bind_analyze(py::module_& m) {
           py::arg("not_stored") = "",
           "The stdout report; not_stored: why the step's file was not written, when the capture "
           "found out after the report was made");
+}
 
+// Comparison of two dumps, and compare() / compare_pending() that make it.
+void bind_comparison(py::module_& m) {
   py::class_<analyze::Comparison>(m, "Comparison")
       .def_readonly("steps", &analyze::Comparison::steps)
       .def_readonly("eager_provenance", &analyze::Comparison::eager_provenance)
@@ -153,13 +170,10 @@ void bind_analyze(py::module_& m) {
       "Compares a step the recorder is still writing (Recorder.finish_step()): the report "
       "compare() gives of its dump once committed; waits for the commit only for pairs not "
       "judged in memory.");
-  m.def(
-      "note_status",
-      [](const std::string& note) {
-        return std::string(analyze::status_name(analyze::note_status(note)));
-      },
-      py::arg("note"),
-      "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
+}
+
+// The whole-run report formats and their renderers.
+void bind_report_formats(py::module_& m) {
   m.def("render_csv", &analyze::render_csv, py::arg("steps"));
   m.def(
       "report_formats",
@@ -202,7 +216,10 @@ void bind_analyze(py::module_& m) {
         return analyze::render_merged_csv(converted);
       },
       py::arg("ranks"), "ranks: (rank, scenario, Comparison) tuples");
+}
 
+// Runs (folders of ranks' dumps): planning, the JSON report, merging partial reports.
+void bind_runs(py::module_& m) {
   m.def(
       "plan_run",
       [](const std::filesystem::path& eager_run, const std::filesystem::path& compiled_run,
@@ -267,4 +284,14 @@ void bind_analyze(py::module_& m) {
       py::arg("reports"), py::arg("format"), py::arg("all_steps") = false,
       "The report of a run in `format` (\"text\": the stdout report, or a registered format) "
       "from partial JSON reports [(name, text)], as dynaprobe merge writes it");
+}
+
+}  // namespace
+
+void bind_analyze(py::module_& m) {
+  bind_report_words(m);
+  bind_step_report(m);
+  bind_comparison(m);
+  bind_report_formats(m);
+  bind_runs(m);
 }

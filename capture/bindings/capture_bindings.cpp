@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "bindings.h"
@@ -79,73 +80,32 @@ bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std
       .allclose;
 }
 
-}  // namespace
+// A Recorder as Python opens it: `store` named by its word (PrecisionChecker(dump=...)).
+std::unique_ptr<Recorder> open_recorder(const std::filesystem::path& dump_dir,
+                                        fmt::Provenance provenance, std::size_t memory_budget_bytes,
+                                        int zstd_level, std::size_t chunk_bytes,
+                                        const std::string& store, bool strict_io) {
+  using dynaprobe::capture::StoreMode;
+  dynaprobe::capture::RecorderOptions options;
+  options.memory_budget_bytes = memory_budget_bytes;
+  options.writer.zstd_level = zstd_level;
+  options.writer.chunk_bytes = chunk_bytes;
+  options.strict_io = strict_io;
+  if (store == "full") {
+    options.store = StoreMode::kFull;
+  } else if (store == "failing") {
+    options.store = StoreMode::kFailing;
+  } else if (store == "stats") {
+    options.store = StoreMode::kStats;
+  } else {
+    throw dynaprobe::UsageError("store must be 'full', 'failing' or 'stats', not '" + store + "'");
+  }
+  return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);
+}
 
-void bind_capture(py::module_& m) {
-  m.def("tensors_pass", &tensors_pass, py::arg("eager"), py::arg("compiled"), py::arg("module"),
-        py::arg("kind"), py::arg("atol"), py::arg("rtol"),
-        py::arg("rules") = std::vector<std::tuple<std::string, double, double>>{},
-        py::arg("dtype_aware") = true,
-        "Whether the pair passes as the engine judges its row: atol/rtol raised to the "
-        "dtype-aware floor of either side's dtype (dtype_aware), then the last rule "
-        "(pattern, atol, rtol) matching module or kind, then allclose.");
-  py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
-A step the recorder has judged and is still writing (Recorder.finish_step()).
-)doc")
-      .def_property_readonly(
-          "file", [](const fmt::PendingStep& self) { return self.file.string(); },
-          "Where the step is being committed.")
-      .def_readonly("step", &fmt::PendingStep::step)
-      .def(
-          "wait_committed",
-          [](const fmt::PendingStep& self) {
-            py::gil_scoped_release release;
-            self.wait_committed();
-          },
-          "Waits until the step's file is committed; raises the error that lost it.");
-
-  py::class_<Recorder>(m, "Recorder", R"doc(
-Records tensors of one dump (one process, one rank) into step files.
-
-record() only snapshots the tensor into host memory and returns; compression and HDF5 writes run
-on a background thread, under a host-memory budget: record() waits (with the GIL released) while
-more than memory_budget_bytes of snapshots are queued. An error of the background thread (disk
-full, ...) is raised by the next record*() call once and by end_step(); that step is lost,
-earlier steps are intact, and the next begin_step() works normally. With strict_io=False only the
-file is lost: the step is judged in memory, finish_step() gives it and its wait_committed() raises
-why it was not stored; a folder whose lock another writer holds is never written. Calls from
-several threads take turns.
-)doc")
-      .def(py::init([](const std::filesystem::path& dump_dir, fmt::Provenance provenance,
-                       std::size_t memory_budget_bytes, int zstd_level, std::size_t chunk_bytes,
-                       const std::string& store, bool strict_io) {
-             using dynaprobe::capture::StoreMode;
-             dynaprobe::capture::RecorderOptions options;
-             options.memory_budget_bytes = memory_budget_bytes;
-             options.writer.zstd_level = zstd_level;
-             options.writer.chunk_bytes = chunk_bytes;
-             options.strict_io = strict_io;
-             if (store == "full") {
-               options.store = StoreMode::kFull;
-             } else if (store == "failing") {
-               options.store = StoreMode::kFailing;
-             } else if (store == "stats") {
-               options.store = StoreMode::kStats;
-             } else {
-               throw dynaprobe::UsageError("store must be 'full', 'failing' or 'stats', not '" +
-                                           store + "'");
-             }
-             return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);
-           }),
-           py::arg("dump_dir"), py::arg("provenance"),
-           py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
-           py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full",
-           py::arg("strict_io") = true)
-      // Every method releases the GIL before it touches the recorder: a call waiting for the
-      // recorder (another thread's record() under back-pressure) must not hold the GIL.
-      .def("begin_step", &Recorder::begin_step, py::arg("step"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Starts a step; records until end_step() go into its file.")
+// What a step holds: tensors (record(), copy() to hand one over later), graphs and modules.
+void bind_recording(py::class_<Recorder>& recorder) {
+  recorder
       .def(
           "record",
           [](Recorder& self, std::string module, std::uint32_t call, const std::string& kind,
@@ -181,10 +141,6 @@ Args:
            "A private contiguous copy of `tensor` to hand over later (record(..., "
            "handed_over=True)): a CPU tensor goes into the recorder's recycled snapshot memory, "
            "a device tensor is cloned on its device.")
-      .def("failing_calls", &Recorder::failing_calls, py::call_guard<py::gil_scoped_release>(),
-           "The (module, call) pairs of the current step with a pair judged in memory that "
-           "fails its tolerances, as the report judges it (also pairs spilled beyond half the "
-           "budget); waits until every record queued so far is judged, not written.")
       .def(
           "record_graph",
           [](Recorder& self, std::string name, std::string kind, std::string text,
@@ -205,7 +161,54 @@ Args:
             self.record_module(std::move(info));
           },
           py::arg("module"), py::arg("attributes") = std::map<std::string, std::string>{},
-          "Queues what the capture knew about a module in this step (model order).")
+          "Queues what the capture knew about a module in this step (model order).");
+}
+
+// What Recorder.finish_step() gives: registered before the Recorder that returns it.
+void bind_pending_step(py::module_& m) {
+  py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
+A step the recorder has judged and is still writing (Recorder.finish_step()).
+)doc")
+      .def_property_readonly(
+          "file", [](const fmt::PendingStep& self) { return self.file.string(); },
+          "Where the step is being committed.")
+      .def_readonly("step", &fmt::PendingStep::step)
+      .def(
+          "wait_committed",
+          [](const fmt::PendingStep& self) {
+            py::gil_scoped_release release;
+            self.wait_committed();
+          },
+          "Waits until the step's file is committed; raises the error that lost it.");
+}
+
+// Every method releases the GIL before it touches the recorder: a call waiting for the
+// recorder (another thread's record() under back-pressure) must not hold the GIL.
+void bind_recorder(py::module_& m) {
+  py::class_<Recorder> recorder(m, "Recorder", R"doc(
+Records tensors of one dump (one process, one rank) into step files.
+
+record() only snapshots the tensor into host memory and returns; compression and HDF5 writes run
+on a background thread, under a host-memory budget: record() waits (with the GIL released) while
+more than memory_budget_bytes of snapshots are queued. An error of the background thread (disk
+full, ...) is raised by the next record*() call once and by end_step(); that step is lost,
+earlier steps are intact, and the next begin_step() works normally. With strict_io=False only the
+file is lost: the step is judged in memory, finish_step() gives it and its wait_committed() raises
+why it was not stored; a folder whose lock another writer holds is never written. Calls from
+several threads take turns.
+)doc");
+  recorder
+      .def(py::init(&open_recorder), py::arg("dump_dir"), py::arg("provenance"),
+           py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
+           py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full",
+           py::arg("strict_io") = true)
+      .def("begin_step", &Recorder::begin_step, py::arg("step"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Starts a step; records until end_step() go into its file.")
+      .def("failing_calls", &Recorder::failing_calls, py::call_guard<py::gil_scoped_release>(),
+           "The (module, call) pairs of the current step with a pair judged in memory that "
+           "fails its tolerances, as the report judges it (also pairs spilled beyond half the "
+           "budget); waits until every record queued so far is judged, not written.")
       .def("finish_step", &Recorder::finish_step, py::call_guard<py::gil_scoped_release>(),
            "Ends the step once every record is judged and returns it as a PendingStep "
            "(compare_pending(), wait_committed()) while its file is still being written.")
@@ -226,4 +229,19 @@ Args:
                              "Bytes of snapshots not yet written or judged.")
       .def_property_readonly("held_bytes", &Recorder::held_bytes,
                              "Bytes of snapshots waiting for their twin to be judged.");
+  bind_recording(recorder);
+}
+
+}  // namespace
+
+void bind_capture(py::module_& m) {
+  m.def("tensors_pass", &tensors_pass, py::arg("eager"), py::arg("compiled"), py::arg("module"),
+        py::arg("kind"), py::arg("atol"), py::arg("rtol"),
+        py::arg("rules") = std::vector<std::tuple<std::string, double, double>>{},
+        py::arg("dtype_aware") = true,
+        "Whether the pair passes as the engine judges its row: atol/rtol raised to the "
+        "dtype-aware floor of either side's dtype (dtype_aware), then the last rule "
+        "(pattern, atol, rtol) matching module or kind, then allclose.");
+  bind_pending_step(m);
+  bind_recorder(m);
 }
