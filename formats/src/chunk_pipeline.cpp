@@ -111,6 +111,7 @@ void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_rati
     item.payload = raw;
     item.payload_size = chunk_bytes;
     item.filter_mask = schema::kAllFiltersSkipped;
+    item.payload_in_record = valid_bytes == chunk_bytes;
   } else {
     item.payload = work.compressed.data();
     item.payload_size = size;

@@ -40,6 +40,9 @@ struct ChunkItem {
   const std::byte* payload = nullptr;
   std::size_t payload_size = 0;
   unsigned filter_mask = 0;
+  // Whether the payload is the record's own bytes (a chunk stored as it is, not at the edge):
+  // memory that lives as long as the write() call, which the disk may write from directly.
+  bool payload_in_record = false;
   // Of a record's only chunk, for /index, and of every chunk stored as it is, for /chunk_hashes.
   std::uint64_t payload_hash = 0;
 };

@@ -7,41 +7,29 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <new>
+#include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "dynaprobe/formats/error.h"
 #include "h5.h"
 
 namespace dynaprobe::formats::h5 {
 namespace {
 
-// A file open through the driver. `pub` comes first: HDF5 passes &pub to the callbacks.
-struct DirectFile {
-  H5FD_t pub;
-  int fd = -1;         // reads, and every write that is not direct
-  int direct_fd = -1;  // the same file with O_DIRECT; -1 where the file system refuses it
-  haddr_t eoa = 0;     // end of the address space HDF5 has allocated
-  haddr_t eof = 0;     // end of the file as written
-  dev_t device = 0;
-  ino_t inode = 0;
-  void* bounce = nullptr;  // kBounceBytes, aligned: direct writes of a buffer that is not
-};
-
 constexpr std::size_t kBounceBytes = std::size_t{1} << 20;
 constexpr haddr_t kMaxAddress = (haddr_t{1} << 62) - 1;
-
-DirectFile* of(H5FD_t* file) { return reinterpret_cast<DirectFile*>(file); }
-const DirectFile* of(const H5FD_t* file) { return reinterpret_cast<const DirectFile*>(file); }
-
-// Pushes an error with errno's text onto HDF5's stack (h5::error_stack() reports it).
-void push_error(const char* function, hid_t minor, const std::string& what, int error) {
-  const std::string message = what + ": " + std::strerror(error);
-  H5Epush2(H5E_DEFAULT, __FILE__, function, __LINE__, H5E_ERR_CLS, H5E_VFL, minor, "%s",
-           message.c_str());
-}
 
 // Writes all of `size` bytes at `offset`; false with errno set on failure.
 bool write_all(int fd, const void* data, std::size_t size, off_t offset) {
@@ -63,21 +51,211 @@ bool write_all(int fd, const void* data, std::size_t size, off_t offset) {
   return true;
 }
 
-// Writes whole aligned pages past the page cache, through the bounce buffer when `data` is not
-// aligned. False with errno set; EINVAL: the file system refused O_DIRECT for this write.
-bool write_direct(DirectFile& file, const void* data, std::size_t size, off_t offset) {
-  if (reinterpret_cast<std::uintptr_t>(data) % kDirectAlignment == 0) {
-    return write_all(file.direct_fd, data, size, offset);
+// Aligned kBounceBytes buffers for copies of queued writes, kept from file to file (a step file
+// is opened per step; fresh buffers would be mapped and page-faulted every time).
+class CopyBuffers {
+ public:
+  void* take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        void* buffer = free_.back();
+        free_.pop_back();
+        return buffer;
+      }
+    }
+    return std::aligned_alloc(h5::kDirectAlignment, kBounceBytes);
   }
-  const auto* bytes = static_cast<const std::byte*>(data);
-  for (std::size_t done = 0; done < size; done += kBounceBytes) {
-    const std::size_t piece = std::min(kBounceBytes, size - done);
-    std::memcpy(file.bounce, bytes + done, piece);
-    if (!write_all(file.direct_fd, file.bounce, piece, offset + static_cast<off_t>(done))) {
-      return false;
+  void give_back(void* buffer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(buffer);  // at most kQueuedCopyBytes / kBounceBytes per file writing at once
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<void*> free_;
+};
+
+CopyBuffers& copy_buffers() {
+  static auto* buffers =
+      new CopyBuffers;  // never destroyed: a queue may outlive static destructors
+  return *buffers;
+}
+
+// The first direct write of a file that failed.
+struct WriteFailure {
+  int error = 0;
+  std::size_t size = 0;
+  off_t offset = 0;
+  // What failed, as the driver reports any write that fails (push_error adds the reason).
+  std::string what() const {
+    return "cannot write " + std::to_string(size) + " bytes at offset " + std::to_string(offset);
+  }
+};
+
+// The direct writes of one file, written in order by a thread of their own, so that the caller
+// (HDF5's write callback, under HDF5's lock) returns while the disk writes. Bounded: at most
+// kQueuedWrites writes and kQueuedCopyBytes of copies; push() waits for the disk beyond that.
+// After a write fails, the later ones are dropped and push() and wait() report the failure.
+class WriteQueue {
+ public:
+  WriteQueue(int fd, int direct_fd) : fd_(fd), direct_fd_(direct_fd) {}
+  ~WriteQueue() {
+    wait();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  WriteQueue(const WriteQueue&) = delete;
+  WriteQueue& operator=(const WriteQueue&) = delete;
+
+  // Queues `size` bytes for `offset`: a page-aligned `data` that `borrowed` as it is, anything
+  // else copied piece by piece. The failure of an earlier write, if any, instead.
+  std::optional<WriteFailure> push(const void* data, std::size_t size, off_t offset,
+                                   bool borrowed) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    if (borrowed) {
+      space_.wait(lock, [&] { return failure_ || requests_.size() < kQueuedWrites; });
+      if (failure_) return failure_;
+      requests_.push_back({data, size, offset, nullptr});
+      work_.notify_one();
+      return std::nullopt;
+    }
+    const auto* bytes = static_cast<const std::byte*>(data);
+    for (std::size_t done = 0; done < size; done += kBounceBytes) {
+      space_.wait(lock, [&] {
+        return failure_ || (requests_.size() < kQueuedWrites && copies_ < kMaxCopies);
+      });
+      if (failure_) return failure_;
+      ++copies_;
+      lock.unlock();  // copying takes longer than writing takes to pick the next request
+      const std::size_t piece = std::min(kBounceBytes, size - done);
+      void* copy = copy_buffers().take();
+      if (copy) std::memcpy(copy, bytes + done, piece);
+      lock.lock();
+      if (!copy) {
+        --copies_;
+        if (!failure_) failure_ = WriteFailure{ENOMEM, piece, offset + static_cast<off_t>(done)};
+        return failure_;
+      }
+      requests_.push_back({copy, piece, offset + static_cast<off_t>(done), copy});
+      work_.notify_one();
+    }
+    return std::nullopt;
+  }
+
+  // Waits until every queued write is done; their first failure, if any.
+  std::optional<WriteFailure> wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return requests_.empty(); });
+    return failure_;
+  }
+
+  // Waits until no queued write touches [offset, offset + size): HDF5 reads only what the disk
+  // has (rarely raw data in a file it writes; never a queued chunk's bytes in dynaprobe's use).
+  void wait_for_range(off_t offset, std::size_t size) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] {
+      return std::none_of(requests_.begin(), requests_.end(), [&](const Request& r) {
+        return r.offset < offset + static_cast<off_t>(size) &&
+               offset < r.offset + static_cast<off_t>(r.size);
+      });
+    });
+  }
+
+  // Whether the file system refused O_DIRECT (EINVAL): the queue then writes through the page
+  // cache, and the driver need not queue at all.
+  bool direct_refused() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return direct_refused_;
+  }
+
+ private:
+  static constexpr std::size_t kMaxCopies = kQueuedCopyBytes / kBounceBytes;
+  struct Request {
+    const void* data;
+    std::size_t size;
+    off_t offset;
+    void* copy;  // the copy's buffer, given back once written; nullptr for borrowed bytes
+  };
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      work_.wait(lock, [&] { return stopping_ || !requests_.empty(); });
+      if (requests_.empty()) return;
+      const Request request = requests_.front();  // stays queued, for wait_for_range, until done
+      const bool skip = failure_.has_value();
+      const bool buffered = direct_refused_;
+      lock.unlock();
+      int error = 0;
+      bool refused = false;
+      if (!skip) {
+        bool written =
+            !buffered && write_all(direct_fd_, request.data, request.size, request.offset);
+        if (!written && !buffered && errno == EINVAL) refused = true;  // refused after all
+        if (!written && (buffered || refused)) {
+          written = write_all(fd_, request.data, request.size, request.offset);
+        }
+        if (!written) error = errno;
+      }
+      if (request.copy) copy_buffers().give_back(request.copy);
+      lock.lock();
+      if (refused) direct_refused_ = true;
+      if (error && !failure_) failure_ = WriteFailure{error, request.size, request.offset};
+      if (request.copy) --copies_;
+      requests_.pop_front();
+      space_.notify_all();
+      idle_.notify_all();  // wait() and wait_for_range()
     }
   }
-  return true;
+
+  const int fd_;
+  const int direct_fd_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_, space_, idle_;
+  std::deque<Request> requests_;
+  std::size_t copies_ = 0;
+  std::optional<WriteFailure> failure_;
+  bool direct_refused_ = false;
+  bool stopping_ = false;
+  std::thread thread_;  // started by the first push()
+};
+
+// The queues of the files open for writing, by descriptor, for wait_for_direct_writes().
+std::mutex queues_mutex;
+std::map<int, std::shared_ptr<WriteQueue>>& queues() {
+  static auto* by_fd = new std::map<int, std::shared_ptr<WriteQueue>>;
+  return *by_fd;
+}
+
+// The buffer BorrowedPayload lends on this thread.
+thread_local const void* borrowed_payload = nullptr;
+
+// A file open through the driver. `pub` comes first: HDF5 passes &pub to the callbacks.
+struct DirectFile {
+  H5FD_t pub;
+  int fd = -1;         // reads, and every write that is not direct
+  int direct_fd = -1;  // the same file with O_DIRECT; -1 where the file system refuses it
+  haddr_t eoa = 0;     // end of the address space HDF5 has allocated
+  haddr_t eof = 0;     // end of the file as written
+  dev_t device = 0;
+  ino_t inode = 0;
+  std::shared_ptr<WriteQueue> queue;  // the direct writes, when direct_fd is open
+};
+
+DirectFile* of(H5FD_t* file) { return reinterpret_cast<DirectFile*>(file); }
+const DirectFile* of(const H5FD_t* file) { return reinterpret_cast<const DirectFile*>(file); }
+
+// Pushes an error with errno's text onto HDF5's stack (h5::error_stack() reports it).
+void push_error(const char* function, hid_t minor, const std::string& what, int error) {
+  const std::string message = what + ": " + std::strerror(error);
+  H5Epush2(H5E_DEFAULT, __FILE__, function, __LINE__, H5E_ERR_CLS, H5E_VFL, minor, "%s",
+           message.c_str());
 }
 
 H5FD_t* open_file(const char* name, unsigned flags, hid_t, haddr_t) {
@@ -109,26 +287,46 @@ H5FD_t* open_file(const char* name, unsigned flags, hid_t, haddr_t) {
     // The same open file again (not the name, which might meanwhile lead elsewhere), with
     // O_DIRECT; a file system without it refuses here, and every write is buffered.
     const std::string self = "/proc/self/fd/" + std::to_string(fd);
-    file->bounce = std::aligned_alloc(kDirectAlignment, kBounceBytes);
-    if (file->bounce) file->direct_fd = ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    file->direct_fd = ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    if (file->direct_fd >= 0) {
+      file->queue = std::make_shared<WriteQueue>(fd, file->direct_fd);
+      std::lock_guard<std::mutex> lock(queues_mutex);
+      queues()[fd] = file->queue;
+    }
   }
   return &file->pub;
 }
 
+// Waits for the file's queued direct writes: the failure of one of them, if any, pushed onto
+// HDF5's error stack by `function`.
+bool direct_writes_done(DirectFile& file, const char* function) {
+  if (!file.queue) return true;
+  if (const auto failure = file.queue->wait()) {
+    push_error(function, H5E_WRITEERROR, failure->what(), failure->error);
+    return false;
+  }
+  return true;
+}
+
 herr_t close_file(H5FD_t* handle) {
   DirectFile* file = of(handle);
+  const bool written = direct_writes_done(*file, __func__);
+  if (file->queue) {
+    std::lock_guard<std::mutex> lock(queues_mutex);
+    queues().erase(file->fd);
+  }
+  file->queue.reset();  // its thread ends
   const int direct = file->direct_fd >= 0 ? ::close(file->direct_fd) : 0;
   const int error = direct != 0 ? errno : 0;
   const int buffered = ::close(file->fd);
   const int buffered_error = buffered != 0 ? errno : 0;
-  std::free(file->bounce);
   delete file;
   if (direct != 0 || buffered != 0) {
     push_error(__func__, H5E_CANTCLOSEFILE, "cannot close the file",
                buffered != 0 ? buffered_error : error);
     return -1;
   }
-  return 0;
+  return written ? 0 : -1;
 }
 
 int compare_files(const H5FD_t* a, const H5FD_t* b) {
@@ -165,6 +363,7 @@ herr_t read_file(H5FD_t* handle, H5FD_mem_t, hid_t, haddr_t address, size_t size
   DirectFile* file = of(handle);
   auto* bytes = static_cast<std::byte*>(buffer);
   auto offset = static_cast<off_t>(address);
+  if (file->queue) file->queue->wait_for_range(offset, size);
   while (size > 0) {
     const ssize_t got = ::pread(file->fd, bytes, size, offset);
     if (got < 0) {
@@ -197,16 +396,27 @@ herr_t write_file(H5FD_t* handle, H5FD_mem_t type, hid_t, haddr_t address, size_
   // A chunk's whole pages go direct, the rest of its last page through the page cache: chunks
   // are rows of a tensor, rarely a whole number of pages (113 rows of 2,304 float32 are 254.25
   // pages), and the next chunk starts on a page of its own (H5Pset_alignment), so no page is
-  // written both ways.
+  // written both ways. The direct pages are queued (WriteQueue): the disk writes them while the
+  // caller compresses the next chunks.
   std::size_t direct = 0;
-  if (file->direct_fd >= 0 && type == H5FD_MEM_DRAW && address % kDirectAlignment == 0) {
+  if (file->queue && type == H5FD_MEM_DRAW && address % kDirectAlignment == 0 &&
+      !file->queue->direct_refused()) {
     direct = size - size % kDirectAlignment;
   }
-  if (direct > 0 && !write_direct(*file, buffer, direct, offset)) {
-    if (errno != EINVAL) return write_error();
-    ::close(file->direct_fd);  // refused after all: buffered from now on
-    file->direct_fd = -1;
-    direct = 0;
+  if (direct > 0) {
+    const bool borrowed = buffer == borrowed_payload &&
+                          reinterpret_cast<std::uintptr_t>(buffer) % kDirectAlignment == 0;
+    std::optional<WriteFailure> failure;
+    try {  // nothing may throw through HDF5
+      failure = file->queue->push(buffer, direct, offset, borrowed);
+    } catch (const std::exception&) {  // no thread or no memory for the queue
+      failure = WriteFailure{ENOMEM, direct, offset};
+    }
+    if (failure) {
+      // An earlier write's failure: the step is lost either way.
+      push_error(__func__, H5E_WRITEERROR, failure->what(), failure->error);
+      return -1;
+    }
   }
   const auto* rest = static_cast<const std::byte*>(buffer) + direct;
   if (direct < size &&
@@ -219,6 +429,7 @@ herr_t write_file(H5FD_t* handle, H5FD_mem_t type, hid_t, haddr_t address, size_
 
 herr_t truncate_file(H5FD_t* handle, hid_t, hbool_t) {
   DirectFile* file = of(handle);
+  if (!direct_writes_done(*file, __func__)) return -1;
   if (file->eoa == file->eof) return 0;
   if (::ftruncate(file->fd, static_cast<off_t>(file->eoa)) != 0) {
     push_error(__func__, H5E_SEEKERROR, "cannot set the file's size", errno);
@@ -288,6 +499,25 @@ hid_t direct_writes_driver() {
   static const hid_t driver = H5FDregister(&kDriver);
   return check(driver, "registering the direct-write file driver", "HDF5");
 }
+
+void wait_for_direct_writes(int fd, const std::string& where) {
+  std::shared_ptr<WriteQueue> queue;
+  {
+    std::lock_guard<std::mutex> lock(queues_mutex);
+    const auto found = queues().find(fd);
+    if (found == queues().end()) return;
+    queue = found->second;
+  }
+  if (const auto failure = queue->wait()) {
+    throw IoError("writing " + where + " to disk failed: " + failure->what() + ": " +
+                  std::strerror(failure->error));
+  }
+}
+
+BorrowedPayload::BorrowedPayload(const void* data) : previous_(borrowed_payload) {
+  borrowed_payload = data;
+}
+BorrowedPayload::~BorrowedPayload() { borrowed_payload = previous_; }
 
 void use_direct_writes(hid_t fapl) {
   check(H5Pset_driver(fapl, direct_writes_driver(), nullptr),

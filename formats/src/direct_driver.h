@@ -7,11 +7,17 @@
 // buffered write copies every byte into the page cache (on this project's machines the largest
 // CPU cost of writing a step, docs/performance.md, Scale); a direct write hands the pages to the
 // disk as they are.
+//
+// The direct writes are queued and a thread of the file's own writes them (wait_for_direct_writes
+// says when they are done, and how they failed): a direct write returns when the disk has the
+// bytes, so made by the writer's stage that hands chunks to HDF5 it would stall compression on
+// every chunk (docs/performance.md, Dump format).
 #pragma once
 
 #include <hdf5.h>
 
 #include <cstddef>
+#include <string>
 
 namespace dynaprobe::formats::h5 {
 
@@ -27,5 +33,31 @@ hid_t direct_writes_driver();
 // (tmpfs, some network file systems) the driver writes everything through the page cache.
 // Needs hdf5_mutex().
 void use_direct_writes(hid_t fapl);
+
+// At most this many bytes of direct writes a file has queued are copies (kQueuedCopyBytes; more
+// waits for the disk), and at most kQueuedWrites writes are queued in all.
+inline constexpr std::size_t kQueuedCopyBytes = std::size_t{8} << 20;
+inline constexpr std::size_t kQueuedWrites = 16;
+
+// Waits until the disk has every direct write queued for the file the driver opened as `fd`
+// (h5::file_descriptor; nothing to wait for on other files). Throws IoError naming `where` when
+// one of them failed (ENOSPC, EFBIG, EIO); the file's later direct writes then fail too, and so
+// does closing it. Call it outside HDF5's lock: it waits for the disk. Thread-safe.
+void wait_for_direct_writes(int fd, const std::string& where);
+
+// While one lives, a direct write of raw data made on this thread from `data` (the buffer of the
+// H5Dwrite_chunk it wraps) is queued as it is, without a copy: the caller guarantees that `data`
+// keeps its bytes until wait_for_direct_writes() returns for the file, or the file is closed.
+// Any other write is copied into memory of the driver's before it is queued.
+class BorrowedPayload {
+ public:
+  explicit BorrowedPayload(const void* data);
+  ~BorrowedPayload();
+  BorrowedPayload(const BorrowedPayload&) = delete;
+  BorrowedPayload& operator=(const BorrowedPayload&) = delete;
+
+ private:
+  const void* previous_;
+};
 
 }  // namespace dynaprobe::formats::h5

@@ -252,6 +252,9 @@ void StepWriter::Impl::finish_dataset(const Plan& plan) {
 }
 
 // Compression runs in parallel; HDF5 writes run serially, in order (docs/design.md, Threads).
+// The file driver queues the chunks' direct writes (direct_driver.h): they are on the disk, or
+// their failure thrown, before this returns, also when the pipeline throws (a queued write may
+// be from a record's memory, which is the caller's again after write()).
 void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
   if (!fd) fd = h5::file_descriptor(file.get());
   ChunkSequence sequence(plans);
@@ -268,14 +271,24 @@ void StepWriter::Impl::write_all(const std::vector<Plan>& plans) {
     compress_chunk(item, options.zstd_level, options.min_compression_ratio);
     return item;
   };
-  arena.execute([&] {
-    tbb::parallel_pipeline(
-        buffers.size(),
-        tbb::make_filter<void, ChunkItem>(tbb::filter_mode::serial_in_order, produce) &
-            tbb::make_filter<ChunkItem, ChunkItem>(tbb::filter_mode::parallel, compress) &
-            tbb::make_filter<ChunkItem, void>(tbb::filter_mode::serial_in_order,
-                                              [&](ChunkItem item) { store(item); }));
-  });
+  const std::string where = partial_path.string();
+  try {
+    arena.execute([&] {
+      tbb::parallel_pipeline(
+          buffers.size(),
+          tbb::make_filter<void, ChunkItem>(tbb::filter_mode::serial_in_order, produce) &
+              tbb::make_filter<ChunkItem, ChunkItem>(tbb::filter_mode::parallel, compress) &
+              tbb::make_filter<ChunkItem, void>(tbb::filter_mode::serial_in_order,
+                                                [&](ChunkItem item) { store(item); }));
+    });
+  } catch (...) {
+    try {
+      h5::wait_for_direct_writes(*fd, where);
+    } catch (const IoError&) {  // the pipeline's error is the one to report
+    }
+    throw;
+  }
+  h5::wait_for_direct_writes(*fd, where);
 }
 
 // The serial stage: a record's first item creates its dataset, its last closes and indexes it.
@@ -302,6 +315,8 @@ void StepWriter::Impl::store(const ChunkItem& item) {
 void StepWriter::Impl::write_chunk(const ChunkItem& item) {
   const ChunkLayout& layout = *item.plan->layout;
   const auto offset = layout.offset(item.chunk);
+  std::optional<h5::BorrowedPayload> borrowed;  // the record's bytes: written without a copy
+  if (item.payload_in_record) borrowed.emplace(item.payload);
   h5::check(H5Dwrite_chunk(dataset.get(), H5P_DEFAULT, item.filter_mask, offset.data(),
                            item.payload_size, item.payload),
             "writing chunk " + std::to_string(item.chunk),

@@ -13,10 +13,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -220,6 +222,87 @@ TEST(CrashSafety, FileTooLargeFailsTheStepCleanlyAndKeepsEarlierSteps) {
   EXPECT_FALSE(fs::exists(dump / step_file_name(2)));
   // The failed writer removed its partial file on the way out.
   EXPECT_TRUE(files.unfinished.empty());
+}
+
+// Lowers this process's file-size limit (SIGXFSZ ignored: a write past it fails with EFBIG, as
+// on a full disk) for the object's lifetime.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    previous_handler_ = ::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{bytes, saved_.rlim_max};
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0) << std::strerror(errno);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    ::signal(SIGXFSZ, previous_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+  sighandler_t previous_handler_ = SIG_DFL;
+};
+
+// Chunks go to the disk from a queue while later chunks compress (direct_driver.h). A queued write
+// that fails (here past a file-size limit, as on a full disk) fails the write() call that handed
+// it over, with IoError naming the file and the reason; the step cannot be committed, its partial
+// file goes, and the committed step before it reads back intact. Whichever way the chunk was
+// queued: from the record's own page-aligned memory, copied from unaligned memory, compressed.
+TEST(CrashSafety, FailedQueuedDirectWriteIsIoErrorFromWriteAndKeepsEarlierSteps) {
+  const testing::TempDir tmp;
+  constexpr std::size_t kBytes = 16 << 20;  // 16 chunks of 1 MiB
+  constexpr std::size_t kPage = 4096;
+  const std::vector<std::byte> random = testing::random_bytes(kBytes, 7);
+  std::vector<std::byte> bf16_rounded = testing::random_bytes(kBytes, 8);
+  for (std::size_t i = 0; i < kBytes; i += 4) {  // low 16 bits zero: chunks compress about 2x
+    bf16_rounded[i] = bf16_rounded[i + 1] = std::byte{0};
+  }
+  std::unique_ptr<std::byte, decltype(&std::free)> memory(
+      static_cast<std::byte*>(std::aligned_alloc(kPage, kBytes + kPage)), &std::free);
+  ASSERT_NE(memory, nullptr);
+  const testing::FixtureStep step0 = testing::fixture_step(0, 4096);
+  {
+    StepWriter writer(tmp.path(), 0, {});
+    writer.write(step0.records);
+    writer.commit();
+  }
+  const auto committed_size = fs::file_size(tmp.path() / step_file_name(0));
+  struct Case {
+    const char* name;
+    const std::vector<std::byte>& data;
+    std::size_t misalignment;
+  };
+  for (const Case& c :
+       {Case{"aligned, stored as is", random, 0}, Case{"unaligned, stored as is", random, 16},
+        Case{"compressed", bf16_rounded, 0}}) {
+    SCOPED_TRACE(c.name);
+    std::byte* data = memory.get() + c.misalignment;
+    std::memcpy(data, c.data.data(), kBytes);
+    Record record;
+    record.key = RecordKey{1, "layers.0", 0, Kind::kFwdOutput, 0, Side::kEager};
+    record.tensor =
+        TensorView{DType::kFloat32, {1024, static_cast<std::int64_t>(kBytes / 4096)}, data};
+    fs::path partial = tmp.path() / step_file_name(1);
+    partial += ".partial";
+    {
+      const FileSizeLimit limit(committed_size + (3 << 20));
+      StepWriter writer(tmp.path(), 1, {});
+      try {
+        writer.write(record);
+        ADD_FAILURE() << "wrote 16 MiB past a 3 MiB file-size limit";
+      } catch (const IoError& error) {
+        EXPECT_PRED_FORMAT2(::testing::IsSubstring, partial.string(), error.what());
+        EXPECT_PRED_FORMAT2(::testing::IsSubstring, "File too large", error.what());
+      }
+      EXPECT_THROW(writer.commit(), IoError);
+    }
+    EXPECT_FALSE(fs::exists(partial));
+    EXPECT_FALSE(fs::exists(tmp.path() / step_file_name(1)));
+  }
+  expect_step_intact(tmp.path() / step_file_name(0), 0, 4096);
 }
 
 TEST(CrashSafety, DumpFolderUnderARegularFileIsIoErrorNamingThePath) {
