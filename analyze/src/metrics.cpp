@@ -198,21 +198,28 @@ __attribute__((target_clones("avx2", "default"))) std::uint32_t count_bin(const 
   return total;
 }
 
-__attribute__((target_clones("avx2", "default"))) void bin_range(const std::uint8_t* bins,
-                                                                 std::size_t n, std::uint8_t& low,
-                                                                 std::uint8_t& high) {
+// The smallest bin other than 0 (exact zeros) and the largest bin among n bins; with all 0, low
+// is 0 and high 0.
+__attribute__((target_clones("avx2", "default"))) void nonzero_bin_range(const std::uint8_t* bins,
+                                                                         std::size_t n,
+                                                                         std::uint8_t& low,
+                                                                         std::uint8_t& high) {
+  // bin - 1 wraps 0 round to 255: a plain minimum, which vectorises (a test of bin != 0 did not).
   std::uint8_t lo = 255, hi = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    lo = bins[i] < lo ? bins[i] : lo;
+    const auto below = static_cast<std::uint8_t>(bins[i] - 1);
+    lo = below < lo ? below : lo;
     hi = bins[i] > hi ? bins[i] : hi;
   }
-  low = lo;
+  low = static_cast<std::uint8_t>(lo + 1);  // 0 when all are 0
   high = hi;
 }
 
 // Adds |a - b| of n elements to `histogram`, block by block: the bins of a block, then a count of
-// each bin between the block's smallest and largest (a tensor's differences span about ten bins).
-// All vector code. Measured on 1 MiB tensors in cache, accumulate() takes 1.6 times as long as
+// each bin between the block's smallest other than 0 and its largest, and the exact zeros as what
+// is left. Most differences of a compiled run are zeros; counting every bin from 0 up took 13% of
+// comparing bf16-rounded data that differs in 1 element of 64 (a ulp spans 7 bins, the range 16).
+// All vector code. Measured on 1 MiB tensors in cache, accumulate() took 1.6 times as long as
 // without the histogram; one scalar increment per element (four interleaved tables) took 1.9
 // times, and half-decade bins through a table by exponent 3.1 times (on 4 MiB tensors).
 void add_histogram(const float* a, const float* b, std::size_t n, Histogram& histogram) {
@@ -222,12 +229,16 @@ void add_histogram(const float* a, const float* b, std::size_t n, Histogram& his
     const std::size_t m = std::min(kBlock, n - start);
     histogram_bins(a + start, b + start, m, bins);
     const std::size_t padded = (m + 31) / 32 * 32;
-    std::fill(bins + m, bins + padded, kNanBin);  // never counted
+    std::fill(bins + m, bins + padded, std::uint8_t{0});  // zeros are never counted
     std::uint8_t low = 0, high = 0;
-    bin_range(bins, m, low, high);
-    for (unsigned bin = low; bin <= high && bin < kHistogramBins; ++bin) {
-      histogram[bin] += count_bin(bins, padded, static_cast<std::uint8_t>(bin));
+    nonzero_bin_range(bins, m, low, high);
+    std::size_t counted = 0;  // NaN differences (kNanBin) included: they are not zeros
+    for (unsigned bin = std::max<unsigned>(low, 1); bin <= high; ++bin) {
+      const std::uint32_t count = count_bin(bins, padded, static_cast<std::uint8_t>(bin));
+      if (bin < kHistogramBins) histogram[bin] += count;
+      counted += count;
     }
+    histogram[0] += m - counted;
   }
 }
 

@@ -202,5 +202,35 @@ TEST(Metrics, HistogramOfAnySplitMergesToTheWhole) {
   EXPECT_EQ(whole.histogram, reference);
 }
 
+// Most differences of a compiled run are exact zeros: several blocks of the histogram's own
+// splitting (one all zeros, one with no zero, one with NaNs), against a plain search.
+TEST(Metrics, HistogramOfMostlyEqualTensorsCountsZerosOnceAndLeavesNaNOut) {
+  constexpr std::size_t kBlock = 32 * 255;  // add_histogram's block
+  const std::size_t n = 4 * kBlock + 77;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> gaussian;
+  std::vector<float> a(n), b(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    a[i] = b[i] = gaussian(rng);
+    const bool zero_block = i / kBlock == 1, no_zero_block = i / kBlock == 2;
+    if (no_zero_block || (!zero_block && i % 64 == 5)) b[i] = std::nextafter(a[i], 10.0f);
+    if (!zero_block && !no_zero_block && i % 1000 == 7) b[i] = kNaN;
+  }
+  Histogram reference{};
+  std::uint64_t nan = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float diff = std::fabs(a[i] - b[i]);
+    if (diff != diff) {
+      ++nan;
+      continue;
+    }
+    std::size_t bin = 1;
+    while (bin - 1 < kHistogramEdges && diff >= histogram_edge(bin - 1)) ++bin;
+    ++reference[diff == 0 ? 0 : bin];
+  }
+  ASSERT_GT(nan, 0u);
+  EXPECT_EQ(compare(a, b).histogram, reference);
+}
+
 }  // namespace
 }  // namespace dynaprobe::analyze
