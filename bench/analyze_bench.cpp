@@ -653,18 +653,19 @@ struct TempDir {
   }
 };
 
-int bench_main(const Options& options) {
-  fmt::h5::init();
-  const int threads = options.threads > 0 ? options.threads : tbb::info::default_concurrency();
-  const std::string python = find_python(options);
-  const fs::path base = options.dir.empty() ? fs::temp_directory_path() : options.dir;
-  TempDir temp{base / ("analyze_bench." + std::to_string(::getpid())), options.keep};
-  fs::create_directories(temp.path);
+// The runs of one case: the engine on all threads and on one, (b) plain and (c) h5py + numpy.
+struct CaseRuns {
+  Run all, one, plain, python;
+};
+
+// The benchmark's heading, and a note when other work already competes for the cores.
+void print_heading(const Options& options, int threads, const std::string& python,
+                   const fs::path& folder) {
   std::printf(
       "analyze_bench: %zu MiB per side, %zu pairs x %zu B, %d threads, best of %d runs "
       "(large pair) and %d (small pairs), files in %s\n  reference: %s %s\n",
       options.mib, options.pairs, options.pair_bytes, threads, options.large_reps, options.reps,
-      temp.path.c_str(), python.empty() ? "(no Python found: skipped)" : python.c_str(),
+      folder.c_str(), python.empty() ? "(no Python found: skipped)" : python.c_str(),
       options.script.c_str());
   const double load = load_average();
   if (load > 0.5) {
@@ -674,44 +675,55 @@ int bench_main(const Options& options) {
         load);
   }
   std::fflush(stdout);
+}
 
-  // (L) one large pair, in two dumps.
-  const double write_large_s = timed([&] { write_large(options, temp.path); });
-  const std::uintmax_t large_stored = fs::file_size(step_file(temp.path / "eager")) +
-                                      fs::file_size(step_file(temp.path / "compiled"));
+// Prints a case's runs; whether their metrics agree with the engine's.
+bool print_case(const CaseRuns& runs, int threads, bool per_pair) {
+  const std::string all_name = "engine, " + std::to_string(threads) + " threads";
+  print_run(all_name.c_str(), runs.all, per_pair);
+  print_run("engine, 1 thread", runs.one, per_pair);
+  print_run("(b) plain H5Dread + loop", runs.plain, per_pair);
+  print_run("(c) h5py + numpy", runs.python, per_pair);
+  return agrees(runs.all, runs.one, "engine, 1 thread") &&
+         agrees(runs.all, runs.plain, "(b) plain") && agrees(runs.all, runs.python, "(c) python");
+}
+
+// (L) one large pair in two dumps, each run in a fresh process like a CLI run (nothing pooled,
+// its own peak RSS); the dumps are removed afterwards unless --keep.
+CaseRuns measure_large(const Options& options, const fs::path& folder, const std::string& python,
+                       int threads, bool& agree) {
+  const double write_s = timed([&] { write_large(options, folder); });
+  const fs::path eager_file = step_file(folder / "eager");
+  const fs::path compiled_file = step_file(folder / "compiled");
   std::printf(
       "\n(L) 1 pair of %zu MiB float32 (bf16-rounded) in two dumps: written in %.1f s, "
       "%.0f MiB on disk\n",
-      options.mib, write_large_s, static_cast<double>(large_stored) / (1 << 20));
+      options.mib, write_s,
+      static_cast<double>(fs::file_size(eager_file) + fs::file_size(compiled_file)) / (1 << 20));
   std::fflush(stdout);
-  // Each run in a fresh process, like a CLI run: nothing pooled, its own peak RSS.
-  const Run large = best_large_child(options, "engine", temp.path);
-  const Run large1 = best_large_child(options, "engine1", temp.path);
-  const Run large_plain = best_large_child(options, "plain", temp.path);
-  const Run large_python = python.empty()
-                               ? Run{}
-                               : run_python(python, options, step_file(temp.path / "eager"),
-                                            step_file(temp.path / "compiled"), 1);
-  const std::string all_name = "engine, " + std::to_string(threads) + " threads";
-  print_run(all_name.c_str(), large, false);
-  print_run("engine, 1 thread", large1, false);
-  print_run("(b) plain H5Dread + loop", large_plain, false);
-  print_run("(c) h5py + numpy", large_python, false);
-  std::printf("  engine peak RSS %s (%s above its start)\n", mib(large.peak_rss_kib).c_str(),
-              mib(large.peak_rss_kib - large.start_rss_kib).c_str());
-  bool agree = agrees(large, large1, "engine, 1 thread") &&
-               agrees(large, large_plain, "(b) plain") && agrees(large, large_python, "(c) python");
+  CaseRuns runs;
+  runs.all = best_large_child(options, "engine", folder);
+  runs.one = best_large_child(options, "engine1", folder);
+  runs.plain = best_large_child(options, "plain", folder);
+  if (!python.empty()) runs.python = run_python(python, options, eager_file, compiled_file, 1);
+  agree = print_case(runs, threads, false) && agree;
+  std::printf("  engine peak RSS %s (%s above its start)\n", mib(runs.all.peak_rss_kib).c_str(),
+              mib(runs.all.peak_rss_kib - runs.all.start_rss_kib).c_str());
   if (!options.keep) {  // frees ~0.7 GB of page cache before (S)
     std::error_code ignored;
-    fs::remove_all(temp.path / "eager", ignored);
-    fs::remove_all(temp.path / "compiled", ignored);
+    fs::remove_all(folder / "eager", ignored);
+    fs::remove_all(folder / "compiled", ignored);
   }
+  return runs;
+}
 
-  // (S) many small pairs, both sides in one dump.
-  const double write_small_s = timed([&] { write_small(options, temp.path); });
-  const fs::path small_dump = temp.path / "small";
+// (S) many small pairs, both sides in one dump; each figure the best of --reps in this process.
+CaseRuns measure_small(const Options& options, const fs::path& folder, const std::string& python,
+                       int threads, bool& agree) {
+  const double write_s = timed([&] { write_small(options, folder); });
+  const fs::path dump = folder / "small";
   std::printf("\n(S) %zu pairs of %zu B float32 (bf16-rounded) in one dump: written in %.1f s\n",
-              options.pairs, options.pair_bytes, write_small_s);
+              options.pairs, options.pair_bytes, write_s);
   std::fflush(stdout);
   const auto best = [&](const std::function<Run()>& body) {
     Run result = body();
@@ -721,23 +733,25 @@ int bench_main(const Options& options) {
     }
     return result;
   };
-  const Run small = best([&] { return run_engine(small_dump, small_dump, options.threads); });
-  const Run small1 = best([&] { return run_engine(small_dump, small_dump, 1); });
-  const Run small_plain = best([&] { return run_plain_small(options, small_dump); });
-  const Run small_python = python.empty() ? Run{}
-                                          : run_python(python, options, step_file(small_dump),
-                                                       step_file(small_dump), options.reps);
-  print_run(all_name.c_str(), small, true);
-  print_run("engine, 1 thread", small1, true);
-  print_run("(b) plain H5Dread + loop", small_plain, true);
-  print_run("(c) h5py + numpy", small_python, true);
-  agree = agrees(small, small1, "engine, 1 thread") && agrees(small, small_plain, "(b) plain") &&
-          agrees(small, small_python, "(c) python") && agree;
+  CaseRuns runs;
+  runs.all = best([&] { return run_engine(dump, dump, options.threads); });
+  runs.one = best([&] { return run_engine(dump, dump, 1); });
+  runs.plain = best([&] { return run_plain_small(options, dump); });
+  if (!python.empty()) {
+    runs.python = run_python(python, options, step_file(dump), step_file(dump), options.reps);
+  }
+  agree = print_case(runs, threads, true) && agree;
+  return runs;
+}
 
-  // The table of docs/performance.md.
-  const auto ratio = [](const Run& ours, const Run& theirs) {
-    return theirs.ran ? theirs.seconds / ours.seconds : 0.0;
-  };
+// How many times faster `ours` ran than `theirs` (0 when `theirs` did not run).
+double ratio(const Run& ours, const Run& theirs) {
+  return theirs.ran ? theirs.seconds / ours.seconds : 0.0;
+}
+
+// The table of docs/performance.md.
+void print_table(const Options& options, int threads, const CaseRuns& large,
+                 const CaseRuns& small) {
   std::printf(
       "\n| case | engine %dT | engine 1T | (a) %dT/1T | (b) plain H5Dread | engine/(b) | "
       "(c) h5py+numpy | engine/(c) | engine peak RSS |\n|---|---|---|---|---|---|---|---|---|\n",
@@ -745,23 +759,29 @@ int bench_main(const Options& options) {
   std::printf(
       "| (L) 1 x %zu MiB pair | %.2f GB/s | %.2f GB/s | %.2fx | %.2f GB/s | %.1fx | "
       "%.2f GB/s | %.1fx | %s |\n",
-      options.mib, large.gbps(), large1.gbps(), ratio(large, large1), large_plain.gbps(),
-      ratio(large, large_plain), large_python.ran ? large_python.gbps() : 0.0,
-      ratio(large, large_python), mib(large.peak_rss_kib).c_str());
+      options.mib, large.all.gbps(), large.one.gbps(), ratio(large.all, large.one),
+      large.plain.gbps(), ratio(large.all, large.plain),
+      large.python.ran ? large.python.gbps() : 0.0, ratio(large.all, large.python),
+      mib(large.all.peak_rss_kib).c_str());
   std::printf(
       "| (S) %zu x %zu B pairs | %.1f us/pair | %.1f us/pair | %.2fx | %.1f us/pair | "
       "%.1fx | %.1f us/pair | %.1fx | |\n",
-      options.pairs, options.pair_bytes, small.us_per_pair(), small1.us_per_pair(),
-      ratio(small, small1), small_plain.us_per_pair(), ratio(small, small_plain),
-      small_python.ran ? small_python.us_per_pair() : 0.0, ratio(small, small_python));
+      options.pairs, options.pair_bytes, small.all.us_per_pair(), small.one.us_per_pair(),
+      ratio(small.all, small.one), small.plain.us_per_pair(), ratio(small.all, small.plain),
+      small.python.ran ? small.python.us_per_pair() : 0.0, ratio(small.all, small.python));
+}
 
-  std::vector<Target> targets = {
-      {"(a) speed-up 1 -> " + std::to_string(threads) + " threads (L)", ratio(large, large1), 1.7,
-       false},
-      {"(b) engine / plain H5Dread (L)", ratio(large, large_plain), 4.0, false},
-      {"(c) engine / h5py + numpy (L)", ratio(large, large_python), 10.0, false, large_python.ran},
-      {"peak RSS comparing (L), MiB", static_cast<double>(large.peak_rss_kib) / 1024, 256.0, true},
-      {"us per small pair (S)", small.us_per_pair(), 40.0, true},
+// Prints each target as met or MISSED; whether all were met.
+bool print_targets(int threads, const CaseRuns& large, const CaseRuns& small) {
+  const std::vector<Target> targets = {
+      {"(a) speed-up 1 -> " + std::to_string(threads) + " threads (L)", ratio(large.all, large.one),
+       1.7, false},
+      {"(b) engine / plain H5Dread (L)", ratio(large.all, large.plain), 4.0, false},
+      {"(c) engine / h5py + numpy (L)", ratio(large.all, large.python), 10.0, false,
+       large.python.ran},
+      {"peak RSS comparing (L), MiB", static_cast<double>(large.all.peak_rss_kib) / 1024, 256.0,
+       true},
+      {"us per small pair (S)", small.all.us_per_pair(), 40.0, true},
   };
   std::printf("\ntargets:\n");
   bool all = true;
@@ -776,6 +796,22 @@ int bench_main(const Options& options) {
                 t.at_most ? "<=" : ">=", t.limit, t.met() ? "met" : "MISSED");
     all = all && t.met();
   }
+  return all;
+}
+
+int bench_main(const Options& options) {
+  fmt::h5::init();
+  const int threads = options.threads > 0 ? options.threads : tbb::info::default_concurrency();
+  const std::string python = find_python(options);
+  const fs::path base = options.dir.empty() ? fs::temp_directory_path() : options.dir;
+  TempDir temp{base / ("analyze_bench." + std::to_string(::getpid())), options.keep};
+  fs::create_directories(temp.path);
+  print_heading(options, threads, python, temp.path);
+  bool agree = true;
+  const CaseRuns large = measure_large(options, temp.path, python, threads, agree);
+  const CaseRuns small = measure_small(options, temp.path, python, threads, agree);
+  print_table(options, threads, large, small);
+  const bool all = print_targets(threads, large, small);
   std::printf("%s; metrics %s; load average %.2f at the end\n",
               all ? "all targets met" : "some targets missed or skipped",
               agree ? "agree across engine, plain and h5py+numpy" : "DISAGREE", load_average());
