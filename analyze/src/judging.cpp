@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/vocabulary.h"
@@ -130,6 +131,57 @@ Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump
   judging.reference_decides = reference_decides.value_or(
       formats::provenance_value(provenance, vocabulary::provenance::kVerdict) != "tolerances");
   return judging;
+}
+
+std::string tolerance_text(double value) {
+  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
+  // std::to_chars gives the shortest round-trip digits, as Python's repr does; Python writes them
+  // in fixed notation for decimal exponents -4 to 15 (an integer with ".0"), in scientific
+  // notation with a two-digit exponent otherwise, as to_chars does.
+  char buffer[32];
+  char* end =
+      std::to_chars(buffer, buffer + sizeof buffer, value, std::chars_format::scientific).ptr;
+  const std::string scientific(buffer, end);  // "[-]d[.ddd]e(+|-)XX"
+  const std::size_t e = scientific.find('e');
+  const int exponent = std::atoi(scientific.c_str() + e + 1);
+  if (exponent < -4 || exponent >= 16) return scientific;
+  const bool negative = scientific.front() == '-';
+  std::string digits = scientific.substr(negative ? 1 : 0, e - (negative ? 1 : 0));
+  if (digits.size() > 1) digits.erase(1, 1);  // the '.'
+  const std::string sign = negative ? "-" : "";
+  if (exponent < 0) return sign + "0." + std::string(-exponent - 1, '0') + digits;
+  const std::size_t point = static_cast<std::size_t>(exponent) + 1;
+  if (digits.size() <= point) {
+    return sign + digits + std::string(point - digits.size(), '0') + ".0";
+  }
+  return sign + digits.substr(0, point) + "." + digits.substr(point);
+}
+
+formats::Provenance judging_provenance(const Judging& judging) {
+  const auto checked = [](const std::string& name, double value) {
+    if (!valid_tolerance(value)) {
+      throw UsageError(name + " must be a finite number >= 0, but received " +
+                       tolerance_text(value));
+    }
+    return tolerance_text(value);
+  };
+  formats::Provenance provenance;
+  provenance[std::string(vocabulary::provenance::kAtol)] = checked("atol", judging.tolerances.atol);
+  provenance[std::string(vocabulary::provenance::kRtol)] = checked("rtol", judging.tolerances.rtol);
+  std::string rules;  // one a line, "<atol> <rtol> <pattern>", as dump_tolerance_rules reads them
+  for (const ToleranceRule& rule : judging.rules) {
+    if (rule.pattern.empty() || rule.pattern.find('\n') != std::string::npos) {
+      throw UsageError("a tolerance rule's pattern must be a non-empty line, but received " +
+                       formats::quoted_name(rule.pattern));
+    }
+    const std::string name = "tolerance rule " + formats::quoted_name(rule.pattern);
+    rules += checked(name + " atol", rule.tolerances.atol) + " " +
+             checked(name + " rtol", rule.tolerances.rtol) + " " + rule.pattern + "\n";
+  }
+  provenance[std::string(vocabulary::provenance::kToleranceRules)] = std::move(rules);
+  provenance[std::string(vocabulary::provenance::kDtypeAwareTolerances)] =
+      judging.dtype_aware ? "true" : "false";
+  return provenance;
 }
 
 bool recorded_once(formats::Kind kind, bool single_pass) {

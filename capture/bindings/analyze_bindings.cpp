@@ -11,6 +11,7 @@
 
 #include "bindings.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/report_model.h"
 #include "dynaprobe/analyze/run.h"
@@ -58,6 +59,41 @@ void bind_report_words(py::module_& m) {
       },
       py::arg("note"),
       "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
+}
+
+// Judging: the tolerances rows are judged with, typed as the engine takes them from Python
+// (Recorder(judging=...), tensors_pass()).
+void bind_judging(py::module_& m) {
+  using Rule = std::tuple<std::string, double, double>;
+  py::class_<analyze::Judging>(m, "Judging", R"doc(
+The tolerances rows are judged with: atol and rtol, raised to the dtype-aware floor of either
+side's dtype (dtype_aware), then the last rule (pattern, atol, rtol) whose shell-style pattern
+matches the row's module, kind or name ("layers.*.mlp", "grad_*", "layers.0.grad_input").
+)doc")
+      .def(py::init([](double atol, double rtol, const std::vector<Rule>& rules, bool dtype_aware) {
+             analyze::Judging judging;
+             judging.tolerances = {atol, rtol};
+             for (const auto& [pattern, rule_atol, rule_rtol] : rules) {
+               judging.rules.push_back({pattern, {rule_atol, rule_rtol}});
+             }
+             judging.dtype_aware = dtype_aware;
+             return judging;
+           }),
+           py::arg("atol"), py::arg("rtol"), py::arg("rules") = std::vector<Rule>{},
+           py::arg("dtype_aware") = true)
+      .def_property_readonly("atol", [](const analyze::Judging& j) { return j.tolerances.atol; })
+      .def_property_readonly("rtol", [](const analyze::Judging& j) { return j.tolerances.rtol; })
+      .def_property_readonly(
+          "rules",
+          [](const analyze::Judging& j) {
+            std::vector<Rule> rules;
+            for (const auto& rule : j.rules) {
+              rules.emplace_back(rule.pattern, rule.tolerances.atol, rule.tolerances.rtol);
+            }
+            return rules;
+          },
+          "(pattern, atol, rtol), the last match winning")
+      .def_readonly("dtype_aware", &analyze::Judging::dtype_aware);
 }
 
 // StepReport: one step's report, its rows as the report model's dicts.
@@ -290,6 +326,7 @@ void bind_runs(py::module_& m) {
 
 void bind_analyze(py::module_& m) {
   bind_report_words(m);
+  bind_judging(m);
   bind_step_report(m);
   bind_comparison(m);
   bind_report_formats(m);

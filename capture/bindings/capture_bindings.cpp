@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "bindings.h"
@@ -47,20 +48,12 @@ namespace {
 // metrics compare_in_memory computes. reference="failing" asks this, so that it decides with the
 // report's rules, never with a judge of its own.
 bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std::string& module,
-                  const std::string& kind, double atol, double rtol,
-                  const std::vector<std::tuple<std::string, double, double>>& rules,
-                  bool dtype_aware) {
+                  const std::string& kind, const dynaprobe::analyze::Judging& judging) {
   if (eager.numel() != compiled.numel()) {
     throw dynaprobe::UsageError(
         "tensors_pass: the tensors must have as many elements, but "
         "received " +
         std::to_string(eager.numel()) + " and " + std::to_string(compiled.numel()));
-  }
-  dynaprobe::analyze::Judging judging;
-  judging.tolerances = {atol, rtol};
-  judging.dtype_aware = dtype_aware;
-  for (const auto& [pattern, rule_atol, rule_rtol] : rules) {
-    judging.rules.push_back({pattern, {rule_atol, rule_rtol}});
   }
   const at::Tensor e = eager.detach().cpu().contiguous();
   const at::Tensor c = compiled.detach().cpu().contiguous();
@@ -84,13 +77,15 @@ bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std
 std::unique_ptr<Recorder> open_recorder(const std::filesystem::path& dump_dir,
                                         fmt::Provenance provenance, std::size_t memory_budget_bytes,
                                         int zstd_level, std::size_t chunk_bytes,
-                                        const std::string& store, bool strict_io) {
+                                        const std::string& store, bool strict_io,
+                                        std::optional<dynaprobe::analyze::Judging> judging) {
   using dynaprobe::capture::StoreMode;
   dynaprobe::capture::RecorderOptions options;
   options.memory_budget_bytes = memory_budget_bytes;
   options.writer.zstd_level = zstd_level;
   options.writer.chunk_bytes = chunk_bytes;
   options.strict_io = strict_io;
+  options.judging = std::move(judging);
   if (store == "full") {
     options.store = StoreMode::kFull;
   } else if (store == "failing") {
@@ -164,24 +159,6 @@ Args:
           "Queues what the capture knew about a module in this step (model order).");
 }
 
-// What Recorder.finish_step() gives: registered before the Recorder that returns it.
-void bind_pending_step(py::module_& m) {
-  py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
-A step the recorder has judged and is still writing (Recorder.finish_step()).
-)doc")
-      .def_property_readonly(
-          "file", [](const fmt::PendingStep& self) { return self.file.string(); },
-          "Where the step is being committed.")
-      .def_readonly("step", &fmt::PendingStep::step)
-      .def(
-          "wait_committed",
-          [](const fmt::PendingStep& self) {
-            py::gil_scoped_release release;
-            self.wait_committed();
-          },
-          "Waits until the step's file is committed; raises the error that lost it.");
-}
-
 // Every method releases the GIL before it touches the recorder: a call waiting for the
 // recorder (another thread's record() under back-pressure) must not hold the GIL.
 void bind_recorder(py::module_& m) {
@@ -196,12 +173,16 @@ earlier steps are intact, and the next begin_step() works normally. With strict_
 file is lost: the step is judged in memory, finish_step() gives it and its wait_committed() raises
 why it was not stored; a folder whose lock another writer holds is never written. Calls from
 several threads take turns.
+
+Pairs are judged in memory with `judging` (a Judging), which the recorder writes into the
+provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances; the provenance given must not
+hold them); without it, with the tolerances the provenance names, as a dump's reader takes them.
 )doc");
   recorder
       .def(py::init(&open_recorder), py::arg("dump_dir"), py::arg("provenance"),
            py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
            py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full",
-           py::arg("strict_io") = true)
+           py::arg("strict_io") = true, py::arg("judging") = py::none())
       .def("begin_step", &Recorder::begin_step, py::arg("step"),
            py::call_guard<py::gil_scoped_release>(),
            "Starts a step; records until end_step() go into its file.")
@@ -236,12 +217,9 @@ several threads take turns.
 
 void bind_capture(py::module_& m) {
   m.def("tensors_pass", &tensors_pass, py::arg("eager"), py::arg("compiled"), py::arg("module"),
-        py::arg("kind"), py::arg("atol"), py::arg("rtol"),
-        py::arg("rules") = std::vector<std::tuple<std::string, double, double>>{},
-        py::arg("dtype_aware") = true,
-        "Whether the pair passes as the engine judges its row: atol/rtol raised to the "
-        "dtype-aware floor of either side's dtype (dtype_aware), then the last rule "
-        "(pattern, atol, rtol) matching module or kind, then allclose.");
-  bind_pending_step(m);
+        py::arg("kind"), py::arg("judging"),
+        "Whether the pair passes as the engine judges its row with `judging` (a Judging): its "
+        "atol/rtol raised to the dtype-aware floor of either side's dtype, then the last rule "
+        "matching module or kind, then allclose.");
   bind_recorder(m);
 }

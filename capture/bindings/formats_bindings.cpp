@@ -194,6 +194,25 @@ py::tuple read_dataset(const std::filesystem::path& path, const std::string& dat
   return tensor_tuple(stream.dtype(), stream.shape(), data);
 }
 
+// What Recorder.finish_step() gives: registered before compare_pending() and the Recorder, which
+// name it in their signatures.
+void bind_pending_step(py::module_& m) {
+  py::class_<fmt::PendingStep>(m, "PendingStep", R"doc(
+A step the recorder has judged and is still writing (Recorder.finish_step()).
+)doc")
+      .def_property_readonly(
+          "file", [](const fmt::PendingStep& self) { return self.file.string(); },
+          "Where the step is being committed.")
+      .def_readonly("step", &fmt::PendingStep::step)
+      .def(
+          "wait_committed",
+          [](const fmt::PendingStep& self) {
+            py::gil_scoped_release release;
+            self.wait_committed();
+          },
+          "Waits until the step's file is committed; raises the error that lost it.");
+}
+
 }  // namespace
 
 void bind_formats(py::module_& m) {
@@ -234,4 +253,5 @@ void bind_formats(py::module_& m) {
   m.def("read_record", &read_record, py::arg("path"), py::arg("module"), py::arg("call"),
         py::arg("kind"), py::arg("tensor_index"), py::arg("side"));
   m.def("read_dataset", &read_dataset, py::arg("path"), py::arg("dataset"));
+  bind_pending_step(m);
 }

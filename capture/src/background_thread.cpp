@@ -403,7 +403,7 @@ void BackgroundThread::begin_judging(std::int64_t step) {
   judging_.pending.provenance = config_.provenance;
   const RecorderOptions& options = config_.options;
   judging_.judge =
-      std::make_unique<PairJudge>(config_.provenance, config_.dump_dir, options.store,
+      std::make_unique<PairJudge>(config_.judging, config_.provenance, options.store,
                                   options.writer.chunk_bytes, options.memory_budget_bytes / 2);
   {
     std::lock_guard lock(shared_.mutex);

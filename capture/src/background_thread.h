@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/capture/recorder_options.h"
 #include "dynaprobe/formats/reader.h"
 #include "queue_items.h"
@@ -42,7 +43,8 @@ struct SharedState {
 struct BackgroundConfig {
   std::filesystem::path dump_dir;
   formats::Provenance provenance;
-  RecorderOptions options;  // writer.threads and writer.create_folder as the recorder set them
+  analyze::Judging judging;  // what the pairs are judged with in memory
+  RecorderOptions options;   // writer.threads and writer.create_folder as the recorder set them
   // Why nothing can be written (the folder cannot be made, its lock is held): strict_io false.
   std::exception_ptr storage_error;
 };

@@ -4,12 +4,9 @@
 
 namespace dynaprobe::capture::detail {
 
-PairJudge::PairJudge(const formats::Provenance& provenance, const std::filesystem::path& dump,
+PairJudge::PairJudge(analyze::Judging judging, const formats::Provenance& provenance,
                      StoreMode mode, std::size_t chunk_bytes, std::size_t hold_cap)
-    : judging_(analyze::dump_judging(provenance, dump)),
-      mode_(mode),
-      chunk_bytes_(chunk_bytes),
-      hold_cap_(hold_cap) {
+    : judging_(std::move(judging)), mode_(mode), chunk_bytes_(chunk_bytes), hold_cap_(hold_cap) {
   namespace vocabulary = formats::vocabulary;
   const std::string capture_mode =
       formats::provenance_value(provenance, vocabulary::provenance::kMode);

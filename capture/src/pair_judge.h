@@ -25,11 +25,11 @@ namespace dynaprobe::capture::detail {
 // One step's pairs; not thread-safe (the background thread's alone).
 class PairJudge {
  public:
-  // Judges with the tolerances `provenance` names (throws FormatError naming `dump` for a damaged
-  // one), computing metrics over chunks of `chunk_bytes` as the dump will store them, and holds
-  // at most `hold_cap` bytes of snapshots waiting for their twin.
-  PairJudge(const formats::Provenance& provenance, const std::filesystem::path& dump,
-            StoreMode mode, std::size_t chunk_bytes, std::size_t hold_cap);
+  // Judges the pairs of a step whose `provenance` names its mode with `judging`, computing
+  // metrics over chunks of `chunk_bytes` as the dump will store them, and holds at most
+  // `hold_cap` bytes of snapshots waiting for their twin.
+  PairJudge(analyze::Judging judging, const formats::Provenance& provenance, StoreMode mode,
+            std::size_t chunk_bytes, std::size_t hold_cap);
 
   // Takes a record: into `store` (its tensor is written), `describe` (its index row only) or
   // held for its twin; a held record may go out later, with another record's call.

@@ -267,8 +267,19 @@ Recorder::Recorder(fs::path dump_dir, formats::Provenance provenance, RecorderOp
   if (options.writer.chunk_bytes == 0) {
     throw UsageError("RecorderOptions.writer.chunk_bytes must be positive, but is 0");
   }
-  analyze::dump_judging(provenance, dump_dir);  // a bad tolerance fails here, not at a step
   detail::BackgroundConfig background;
+  if (options.judging) {
+    for (auto& [key, value] : analyze::judging_provenance(*options.judging)) {
+      if (!provenance.emplace(key, std::move(value)).second) {
+        throw UsageError("provenance key '" + key +
+                         "' is written from RecorderOptions::judging; leave it out of the "
+                         "provenance");
+      }
+    }
+    background.judging = *options.judging;
+  } else {
+    background.judging = analyze::dump_judging(provenance, dump_dir);  // fails here, not at a step
+  }
   try {
     std::error_code error;
     fs::create_directories(dump_dir, error);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -200,6 +201,61 @@ TEST(Judging, RowTolerancesApplyTheFloorThenTheLastMatchingRule) {
   EXPECT_EQ(
       judging.row_tolerances("layers.0", Kind::kFwdOutput, DType::kFloat32, DType::kFloat32).atol,
       1);
+}
+
+// Dumps written by the Python capture hold Python's repr of each tolerance: the text stays the
+// same now that the capture hands the tolerances over typed and C++ writes them.
+TEST(Judging, ToleranceTextIsPythonsReprOfTheFloat) {
+  const std::vector<std::pair<double, std::string>> cases = {
+      {1e-5, "1e-05"},
+      {1e-4, "0.0001"},
+      {1e-3, "0.001"},
+      {1.6e-2, "0.016"},
+      {0.1, "0.1"},
+      {0.125, "0.125"},
+      {1.0, "1.0"},
+      {0.0, "0.0"},
+      {100.0, "100.0"},
+      {1e15, "1000000000000000.0"},
+      {1e16, "1e+16"},
+      {123456789012345678.0, "1.2345678901234568e+17"},
+      {12345.678, "12345.678"},
+      {5e-324, "5e-324"},
+      {1.5e-7, "1.5e-07"}};
+  for (const auto& [value, text] : cases) EXPECT_EQ(tolerance_text(value), text) << text;
+}
+
+TEST(Judging, ProvenanceWrittenFromAJudgingReadsBackAsIt) {
+  Judging judging;
+  judging.tolerances = {1e-4, 1e-3};
+  judging.rules = {{"layers.*.mlp", {1e-3, 1e-2}}, {"grad_*", {1.0, 0.0}}};
+  judging.dtype_aware = false;
+  const formats::Provenance provenance = judging_provenance(judging);
+  EXPECT_EQ(provenance,
+            (formats::Provenance{{"atol", "0.0001"},
+                                 {"rtol", "0.001"},
+                                 {"tolerance_rules", "0.001 0.01 layers.*.mlp\n1.0 0.0 grad_*\n"},
+                                 {"dtype_aware_tolerances", "false"}}));
+  const Judging read = dump_judging(provenance, "dump");
+  EXPECT_EQ(read.tolerances.atol, judging.tolerances.atol);
+  EXPECT_EQ(read.tolerances.rtol, judging.tolerances.rtol);
+  ASSERT_EQ(read.rules.size(), 2u);
+  EXPECT_EQ(read.rules[1].pattern, "grad_*");
+  EXPECT_EQ(read.rules[0].tolerances.rtol, 1e-2);
+  EXPECT_FALSE(read.dtype_aware);
+  EXPECT_EQ(judging_provenance(Judging{}).at("tolerance_rules"), "");
+}
+
+TEST(Judging, ProvenanceOfAnInvalidJudgingIsRefused) {
+  Judging negative;
+  negative.tolerances.atol = -1;
+  EXPECT_THROW(judging_provenance(negative), UsageError);
+  Judging not_a_number;
+  not_a_number.rules = {{"m", {NAN, 0}}};
+  EXPECT_THROW(judging_provenance(not_a_number), UsageError);
+  Judging two_lines;
+  two_lines.rules = {{"a\nb", {0, 0}}};
+  EXPECT_THROW(judging_provenance(two_lines), UsageError);
 }
 
 }  // namespace

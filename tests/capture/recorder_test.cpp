@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -629,6 +630,37 @@ TEST(Recorder, UnsupportedDtypeIsNamed) {
 TEST(Recorder, ReservedProvenanceKeyIsRejectedUpFront) {
   TempDir dir;
   EXPECT_THROW(Recorder(dir.path(), {{"step", "1"}}), UsageError);
+}
+
+TEST(Recorder, TypedJudgingIsWrittenIntoTheProvenanceAndJudgesThePairs) {
+  TempDir dir;
+  RecorderOptions options;
+  options.judging.emplace();
+  options.judging->tolerances = {2e-5, 1e-3};
+  options.judging->rules = {{"wide", {1.0, 0.0}}};
+  Recorder recorder(dir.path(), {{"mode", "single_pass"}}, options);
+  recorder.begin_step(0);
+  const at::Tensor x = at::full({64}, 0.0);
+  recorder.record(key("wide", 0, Kind::kFwdOutput, Side::kCompiled), x.add(0.5));
+  recorder.record(key("wide", 0, Kind::kFwdOutput, Side::kEager), x);
+  recorder.record(key("narrow", 0, Kind::kFwdOutput, Side::kCompiled), x.add(1e-4));
+  recorder.record(key("narrow", 0, Kind::kFwdOutput, Side::kEager), x);
+  EXPECT_EQ(recorder.failing_calls(), (std::vector<CallKey>{{"narrow", 0}}));
+  formats::StepReader reader(recorder.end_step());
+  const formats::Provenance& provenance = reader.provenance();
+  EXPECT_EQ(provenance.at("atol"), "2e-05");
+  EXPECT_EQ(provenance.at("rtol"), "0.001");
+  EXPECT_EQ(provenance.at("tolerance_rules"), "1.0 0.0 wide\n");
+  EXPECT_EQ(provenance.at("dtype_aware_tolerances"), "true");
+}
+
+TEST(Recorder, TypedJudgingRefusesAProvenanceThatNamesItsTolerancesToo) {
+  TempDir dir;
+  RecorderOptions options;
+  options.judging.emplace();
+  EXPECT_THROW(Recorder(dir.path(), {{"atol", "0.1"}}, options), UsageError);
+  options.judging->tolerances.rtol = NAN;
+  EXPECT_THROW(Recorder(dir.path(), {}, options), UsageError);
 }
 
 // Judging in memory: a pair of each kind, one equal and one that differs, under each StoreMode.

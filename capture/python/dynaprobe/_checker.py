@@ -14,8 +14,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe import _options, _planning, _reporting, _single_pass, _whole_model
 from dynaprobe._compiling import Compiler
 from dynaprobe._distributed import is_deepcopy_forbidden
-from dynaprobe._provenance import provenance, reference_policy
-from dynaprobe._reference import Judging
+from dynaprobe._provenance import judging, provenance, reference_policy
 from dynaprobe._result import CompareResult
 from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._single_pass import SinglePass
@@ -195,7 +194,7 @@ class PrecisionChecker(_options.CheckerOptions):
         """Sets ``session`` up for the steps of a verb checking ``plan`` in ``mode``: a capture
         stores full tensors; single-pass names the user's autocast (without cast_dtype)."""
         session.prepare(Setup(
-            provenance(self, plan.devices, mode, backend, compile_scope),
+            provenance(self, plan.devices, mode, backend, compile_scope), judging(self),
             "full" if mode in CAPTURE_MODES.values() else self.dump, plan.modules,
             self._compiler.graphs, self.graph_dir if self.dump_graphs else None,
             plan.model_devices if mode == vocabulary.MODE_SINGLE_PASS and self.cast_dtype is None
@@ -223,8 +222,7 @@ class PrecisionChecker(_options.CheckerOptions):
                                     self._ignored, self.cast_dtype)
         session = self._dumps.session()  # every rank agrees on the run folder, together
         options = dict(capture_input=self.capture_input,
-                       tolerances=Judging(self.threshold, self.rtol, self.tolerances,
-                                          self.dtype_aware_tolerances),
+                       tolerances=judging(self),
                        reference=reference_policy(self.reference, self.dump))
         if whole:
             backend = torch._dynamo.eval_frame.innermost_backend(model.dynamo_ctx.callback)

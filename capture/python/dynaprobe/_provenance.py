@@ -13,7 +13,7 @@ import torch
 from dynaprobe._C import vocabulary
 from dynaprobe._distributed import rank_and_world
 from dynaprobe._environment import environment
-from dynaprobe._reference import ReferencePolicy
+from dynaprobe._reference import Judging, ReferencePolicy
 
 
 def reference_policy(reference, dump: str) -> ReferencePolicy:
@@ -34,11 +34,20 @@ def backend_name(backend) -> str:
         backend, "compiler_name", getattr(backend, "__name__", type(backend).__name__))
 
 
+def judging(checker) -> Judging:
+    """The tolerances ``checker`` (a PrecisionChecker) judges with. The recorder writes them into
+    the provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances) from these typed values,
+    so that their text is formatted in one place (analyze/judging.h)."""
+    return Judging(checker.threshold, checker.rtol, checker.tolerances,
+                   checker.dtype_aware_tolerances)
+
+
 def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
                compile_scope: str = "per_module") -> Dict[str, str]:
     """The provenance of a dump ``checker`` (a PrecisionChecker: its options) captures in
     ``mode`` from a model on ``devices`` (``_planning.describe_model``); ``backend``: the one
-    that compiles, when not the checker's (a model compiled whole)."""
+    that compiles, when not the checker's (a model compiled whole). The tolerances are not in
+    it: the recorder writes them from ``judging(checker)``."""
     rank, world = rank_and_world()
     backend = checker.backend if backend is None else backend
     return {
@@ -54,19 +63,12 @@ def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
         vocabulary.PROVENANCE_RUN:
             os.path.basename(os.path.normpath(os.path.abspath(checker.run_dir))),
         vocabulary.PROVENANCE_SCENARIO: checker.scenario,
-        vocabulary.PROVENANCE_ATOL: repr(float(checker.threshold)),
-        vocabulary.PROVENANCE_RTOL: repr(float(checker.rtol)),
         vocabulary.PROVENANCE_CAST_DTYPE: str(checker.cast_dtype)
         if checker.cast_dtype is not None else "None",
         vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if checker.capture_input else "false",
         vocabulary.PROVENANCE_REFERENCE: str(reference_policy(checker.reference,
                                                               checker.dump).mode),
         vocabulary.PROVENANCE_VERDICT: checker.verdict,
-        vocabulary.PROVENANCE_TOLERANCE_RULES: "".join(
-            f"{atol!r} {rtol!r} {pattern}\n"
-            for pattern, (atol, rtol) in checker.tolerances.items()),
-        vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES:
-            "true" if checker.dtype_aware_tolerances else "false",
         **devices,
         **environment(),
         vocabulary.PROVENANCE_HOST: socket.gethostname(),

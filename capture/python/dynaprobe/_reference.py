@@ -170,12 +170,16 @@ class Judging:
     rules: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # {pattern: (atol, rtol)}
     dtype_aware: bool = True
 
+    def engine(self) -> _C.Judging:
+        """These tolerances as the engine takes them: ``_C.tensors_pass`` judges with them, and
+        ``_C.Recorder`` judges its pairs with them and writes them into the dump's provenance."""
+        return _C.Judging(self.atol, self.rtol,
+                          [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
+                          self.dtype_aware)
+
     def output_passes(self, module: str, eager: torch.Tensor, compiled: torch.Tensor) -> bool:
         """Whether the module's output pair passes as its fwd_output row will be judged."""
-        return _C.tensors_pass(
-            eager, compiled, module, vocabulary.KIND_FWD_OUTPUT, self.atol, self.rtol,
-            [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
-            self.dtype_aware)
+        return _C.tensors_pass(eager, compiled, module, vocabulary.KIND_FWD_OUTPUT, self.engine())
 
 
 def outputs_differ(eager_out, compiled_out, leaves: Callable, module: str,

@@ -17,7 +17,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe import _C, _storage
 from dynaprobe._distributed import rank_and_world, resolve_dump_dir
 from dynaprobe._graphs import GraphRecorder, write_graph_files
-from dynaprobe._reference import user_autocast
+from dynaprobe._reference import Judging, user_autocast
 from dynaprobe._result import CompareResult
 from dynaprobe._step import Step, Target
 from dynaprobe._vocabulary import COMPILED, EAGER
@@ -42,7 +42,8 @@ CAPTURE_MODES = {EAGER: vocabulary.MODE_EAGER_ONLY, COMPILED: vocabulary.MODE_CO
 @dataclasses.dataclass
 class Setup:
     """What a verb (install(), compare(), capture()) sets its session up with before the steps
-    it runs. The recorder is opened with ``provenance`` and ``store`` (what a step stores:
+    it runs. The recorder is opened with ``provenance``, ``judging`` (the tolerances its pairs
+    are judged with, which it writes into the provenance) and ``store`` (what a step stores:
     ``dump=``, "full" for capture()) if none is open when a step begins, the provenance naming
     the torch.autocast the user entered around the first checked call on ``autocast_devices``
     (the model's devices; install() without cast_dtype). Each step finished records the
@@ -50,6 +51,7 @@ class Setup:
     written to ``graph_dir`` too when given (``dump_graphs``)."""
 
     provenance: Dict[str, str]
+    judging: Judging
     store: str
     modules: List[Tuple[str, Dict[str, str]]]
     graphs: GraphRecorder
@@ -123,7 +125,7 @@ class StepSession:
             if setup.autocast_devices is not None else None
         if autocast is not None:
             provenance[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
-        self.recorder = _C.Recorder(self.dump_dir, provenance,
+        self.recorder = _C.Recorder(self.dump_dir, provenance, judging=setup.judging.engine(),
                                     memory_budget_bytes=self.memory_budget_bytes,
                                     store=setup.store, strict_io=self.strict_io)
         self.mode = provenance.get(vocabulary.PROVENANCE_MODE)

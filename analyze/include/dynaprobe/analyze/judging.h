@@ -57,6 +57,18 @@ Judging dump_judging(const formats::Provenance& provenance, const std::filesyste
                      std::optional<bool> dtype_aware = std::nullopt,
                      std::optional<bool> reference_decides = std::nullopt);
 
+// The provenance entries dump_judging reads `judging` back from: atol, rtol, tolerance_rules and
+// dtype_aware_tolerances (the verdict stays the writer's word). A capture given typed tolerances
+// (capture::RecorderOptions::judging) writes them with this, so that a dump's text is formatted in
+// this one place. Throws UsageError for a tolerance that is not a finite number >= 0, or a rule
+// pattern that is empty or holds a line break.
+formats::Provenance judging_provenance(const Judging& judging);
+
+// A tolerance as provenance stores it: the shortest text that reads back as the same double, in
+// the form of Python's repr(float) ("0.001", "1e-05", "1.0", "1e+16"), the text dumps have always
+// held.
+std::string tolerance_text(double value);
+
 // Single-pass records a fwd_input and a grad_output once, for both sides (the eager re-run gets
 // the very inputs and grad_output of the compiled call): such a record is compared with itself.
 bool recorded_once(formats::Kind kind, bool single_pass);

@@ -27,12 +27,13 @@ formats::DType dtype_of(const at::Tensor& tensor);
 
 // Judging in memory: when a step holds both sides (provenance mode single-pass or two-pass), the
 // background thread pairs each eager record with its compiled twin as they arrive, computes
-// their metrics from the snapshots with the tolerances the provenance names (the engine's own
-// code, analyze/judging.h: the same bits a comparison of the stored tensors gives) and writes
-// them to the step's /metrics, so that comparing the step reads no tensor. StoreMode decides
-// which tensors are stored as well. Snapshots waiting for their twin are held within half the
-// memory budget; beyond it the oldest are stored whole (also under kStats) and their pairs
-// compared from the dump. The loss and the fp64 reference's records are always stored whole.
+// their metrics from the snapshots with RecorderOptions::judging or else the tolerances the
+// provenance names (the engine's own code, analyze/judging.h: the same bits a comparison of the
+// stored tensors gives) and writes them to the step's /metrics, so that comparing the step reads
+// no tensor. StoreMode decides which tensors are stored as well. Snapshots waiting for their twin
+// are held within half the memory budget; beyond it the oldest are stored whole (also under
+// kStats) and their pairs compared from the dump. The loss and the fp64 reference's records are
+// always stored whole.
 //
 // One recorder per dump (one process, one rank): steps are begun and ended in order.
 // Thread-safety: the methods may be called from any thread; calls from several threads take turns
@@ -53,7 +54,9 @@ class Recorder {
  public:
   // `dump_dir` is created if needed; step files go there (formats::StepWriter). Throws IoError
   // when it cannot be made, DumpBusyError when another writer holds its lock (with strict_io
-  // false: the recorder judges in memory and writes nothing).
+  // false: the recorder judges in memory and writes nothing). Throws UsageError for a provenance
+  // key the format reserves or options.judging writes, or a tolerance not >= 0; FormatError for
+  // a damaged tolerance in `provenance` without options.judging.
   Recorder(std::filesystem::path dump_dir, formats::Provenance provenance,
            RecorderOptions options = {});
   // Writes and commits the steps already ended; a step begun but not ended is discarded (its

@@ -5,9 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/writer.h"
 
 namespace dynaprobe::capture {
@@ -41,6 +43,11 @@ struct RecorderOptions {
   // finish_step() gives it, and its PendingStep::wait_committed() throws why it was not stored.
   // Each step tries to write again, so a disk that has room again is written again.
   bool strict_io = true;
+  // What the pairs are judged with in memory (Recorder). Given, the recorder writes its
+  // provenance entries itself (analyze::judging_provenance: atol, rtol, tolerance_rules,
+  // dtype_aware_tolerances), which the provenance it is given must then not hold; not given, it
+  // judges with what the provenance names, as the engine reads a dump (analyze::dump_judging).
+  std::optional<analyze::Judging> judging;
 };
 
 // A call of a module: (module path, call index).
