@@ -30,16 +30,14 @@ namespace vocabulary = formats::vocabulary;
 
 namespace {
 
-std::string format_double(double value) { return detail::printf_string("%g", value); }
-
 // The committed steps of one dump, opened (which reads each file's index, no tensor data).
 struct OpenDump {
   std::map<std::int64_t, std::shared_ptr<StepReader>> steps;
   std::vector<fs::path> unfinished;
 };
 
-OpenDump open_dump(const fs::path& path, std::optional<std::int64_t> only_step) {
-  const formats::DumpFiles files = formats::list_dump(path);
+OpenDump open_dump(const fs::path& path, const formats::DumpFiles& files,
+                   std::optional<std::int64_t> only_step) {
   require_committed_steps(path, files);
   OpenDump dump;
   dump.unfinished = files.unfinished;
@@ -267,7 +265,7 @@ void check_tolerance_options(const CompareOptions& options) {
        {std::pair{"atol", options.atol}, std::pair{"rtol", options.rtol}}) {
     if (value && !valid_tolerance(*value)) {
       throw UsageError(std::string(name) + " must be a finite number >= 0, but received " +
-                       format_double(*value));
+                       detail::format_double(*value));
     }
   }
 }
@@ -281,11 +279,22 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
 
 Comparison compare(const fs::path& eager_dump, const fs::path& compiled_dump,
                    const CompareOptions& options) {
-  check_tolerance_options(options);
+  check_tolerance_options(options);  // before reading: a usage error first
   std::error_code error;
   const bool same = fs::equivalent(eager_dump, compiled_dump, error);
-  const OpenDump eager = open_dump(eager_dump, options.step);
-  const OpenDump compiled = same ? OpenDump{} : open_dump(compiled_dump, options.step);
+  const formats::DumpFiles eager_files = formats::list_dump(eager_dump);
+  const formats::DumpFiles compiled_files =
+      same ? formats::DumpFiles{} : formats::list_dump(compiled_dump);
+  return compare_listed(eager_dump, eager_files, compiled_dump, compiled_files, same, options);
+}
+
+Comparison compare_listed(const fs::path& eager_dump, const formats::DumpFiles& eager_files,
+                          const fs::path& compiled_dump, const formats::DumpFiles& compiled_files,
+                          bool same, const CompareOptions& options) {
+  check_tolerance_options(options);
+  const OpenDump eager = open_dump(eager_dump, eager_files, options.step);
+  const OpenDump compiled =
+      same ? OpenDump{} : open_dump(compiled_dump, compiled_files, options.step);
   return compare_open(eager_dump, eager, compiled_dump, compiled, same, options);
 }
 
@@ -386,8 +395,8 @@ void add_tolerance_rules(const std::vector<ToleranceRule>& rules, Judging& judgi
     if (!valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
       throw UsageError("the tolerances of rule '" + rule.pattern +
                        "' must be finite numbers >= 0, but received atol=" +
-                       format_double(rule.tolerances.atol) +
-                       " rtol=" + format_double(rule.tolerances.rtol));
+                       detail::format_double(rule.tolerances.atol) +
+                       " rtol=" + detail::format_double(rule.tolerances.rtol));
     }
     judging.rules.push_back(rule);
   }
@@ -468,8 +477,10 @@ void check_module_glob(const fs::path& eager_dump, const fs::path& compiled_dump
                        const std::string& glob) {
   std::error_code error;
   const bool same = fs::equivalent(eager_dump, compiled_dump, error);
-  const OpenDump eager = open_dump(eager_dump, std::nullopt);
-  check_module_glob(glob, eager, same ? eager : open_dump(compiled_dump, std::nullopt));
+  const OpenDump eager = open_dump(eager_dump, formats::list_dump(eager_dump), std::nullopt);
+  check_module_glob(
+      glob, eager,
+      same ? eager : open_dump(compiled_dump, formats::list_dump(compiled_dump), std::nullopt));
 }
 
 std::vector<RankDump> find_rank_dumps(const fs::path& path) {

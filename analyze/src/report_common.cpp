@@ -14,6 +14,8 @@ std::string printf_string(const char* format, double value) {
   return buffer;
 }
 
+std::string format_double(double value) { return printf_string("%g", value); }
+
 std::string format_tolerance(double value) {
   for (int precision = 0; precision < 17; ++precision) {
     char buffer[64];

@@ -10,6 +10,8 @@ namespace dynaprobe::analyze::detail {
 
 // printf of one number.
 std::string printf_string(const char* format, double value);
+// "%g" of a number, as warnings and notes name tolerances: "0.0001", "1e-05".
+std::string format_double(double value);
 
 // The entity XML and HTML write for one of & < > " ', or nullptr for any other character.
 const char* markup_entity(char c);

@@ -390,10 +390,13 @@ RunTotals analyze_run(const RunPlan& plan, const RunOptions& options,
     if (options.read_graphs) rank.graphs = read_graphs(planned.compiled);
     std::set<std::string> warned;
     std::vector<bool> steps_pass;
+    const formats::DumpFiles eager_files = formats::list_dump(planned.eager);
+    const formats::DumpFiles compiled_files =
+        plan.same ? formats::DumpFiles{} : formats::list_dump(planned.compiled);
     for (std::int64_t step : planned.steps) {
       step_options.step = step;
-      Comparison comparison =
-          compare(planned.eager, plan.same ? planned.eager : planned.compiled, step_options);
+      Comparison comparison = compare_listed(planned.eager, eager_files, planned.compiled,
+                                             compiled_files, plan.same, step_options);
       if (steps_pass.empty()) {  // the rank's provenance, from its first step
         rank.comparison.eager_provenance = comparison.eager_provenance;
         rank.comparison.compiled_provenance = comparison.compiled_provenance;

@@ -247,6 +247,15 @@ struct CompareOptions {
 Comparison compare(const std::filesystem::path& eager_dump,
                    const std::filesystem::path& compiled_dump, const CompareOptions& options);
 
+// compare() of dumps already listed (formats::list_dump of each path; `same`: one dump holds both
+// sides and `compiled_files` is unused). A run compared step by step lists each rank folder once,
+// not once per step.
+Comparison compare_listed(const std::filesystem::path& eager_dump,
+                          const formats::DumpFiles& eager_files,
+                          const std::filesystem::path& compiled_dump,
+                          const formats::DumpFiles& compiled_files, bool same,
+                          const CompareOptions& options);
+
 // The comparison of a step the capture is still committing (formats::PendingStep; one dump with
 // both sides), the same report as compare() of its dump once committed with options.step the
 // step's. Reads the file (waiting for the commit) only for pairs without metrics judged in
