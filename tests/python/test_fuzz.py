@@ -30,7 +30,12 @@ def build_fuzzer():
     subprocess.run(["cmake", "-S", REPO, "-B", BUILD, "-G", "Ninja", "-DCMAKE_C_COMPILER=clang",
                     "-DCMAKE_CXX_COMPILER=clang++", "-DDYNAPROBE_BUILD_CAPTURE=OFF",
                     "-DDYNAPROBE_BUILD_TESTS=ON", "-DDYNAPROBE_BUILD_BENCH=OFF",
-                    "-DDYNAPROBE_BUILD_EXAMPLES=OFF", "-DDYNAPROBE_FUZZ_LIBFUZZER=ON"],
+                    "-DDYNAPROBE_BUILD_EXAMPLES=OFF", "-DDYNAPROBE_FUZZ_LIBFUZZER=ON",
+                    # -O1 as libFuzzer advises, one translation unit per library: a third less
+                    # compile time than -O3 file by file, and a unity build refuses a name
+                    # defined twice in one library
+                    "-DCMAKE_UNITY_BUILD=ON", "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG",
+                    "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG"],
                    check=True, capture_output=True)
     subprocess.run(["cmake", "--build", BUILD, "--target", "dump_fuzz", "-j", str(os.cpu_count() or 2)],
                    check=True, capture_output=True)
