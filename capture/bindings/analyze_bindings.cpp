@@ -81,6 +81,14 @@ matches the row's module, kind or name ("layers.*.mlp", "grad_*", "layers.0.grad
            }),
            py::arg("atol"), py::arg("rtol"), py::arg("rules") = std::vector<Rule>{},
            py::arg("dtype_aware") = true)
+      .def_static(
+          "of_dump",
+          [](const dynaprobe::formats::Provenance& provenance, const std::filesystem::path& dump) {
+            return analyze::dump_judging(provenance, dump);
+          },
+          py::arg("provenance"), py::arg("dump"),
+          "The judging a dump's provenance asks for, as the engine reads it (its defaults where "
+          "the dump names none); FormatError naming `dump` for a damaged value.")
       .def_property_readonly("atol", [](const analyze::Judging& j) { return j.tolerances.atol; })
       .def_property_readonly("rtol", [](const analyze::Judging& j) { return j.tolerances.rtol; })
       .def_property_readonly(

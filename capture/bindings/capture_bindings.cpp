@@ -5,6 +5,8 @@
 // torch/csrc/utils/pybind.h brings pybind11/pybind11.h and pybind11/stl.h.
 #include <pybind11/stl/filesystem.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -86,15 +88,12 @@ std::unique_ptr<Recorder> open_recorder(const std::filesystem::path& dump_dir,
   options.writer.chunk_bytes = chunk_bytes;
   options.strict_io = strict_io;
   options.judging = std::move(judging);
-  if (store == "full") {
-    options.store = StoreMode::kFull;
-  } else if (store == "failing") {
-    options.store = StoreMode::kFailing;
-  } else if (store == "stats") {
-    options.store = StoreMode::kStats;
-  } else {
+  const auto& words = dynaprobe::capture::kStoreModeWords;
+  const auto word = std::find(words.begin(), words.end(), store);
+  if (word == words.end()) {
     throw dynaprobe::UsageError("store must be 'full', 'failing' or 'stats', not '" + store + "'");
   }
+  options.store = static_cast<StoreMode>(word - words.begin());
   return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);
 }
 
@@ -222,4 +221,17 @@ void bind_capture(py::module_& m) {
         "atol/rtol raised to the dtype-aware floor of either side's dtype, then the last rule "
         "matching module or kind, then allclose.");
   bind_recorder(m);
+  // The words of PrecisionChecker(dump=...), as the Recorder's `store` takes them: STORE_MODES,
+  // and STORE_FULL = "full", STORE_FAILING, STORE_STATS.
+  auto vocabulary = m.attr("vocabulary").cast<py::module_>();
+  py::tuple store_modes(dynaprobe::capture::kStoreModeWords.size());
+  for (std::size_t i = 0; i < store_modes.size(); ++i) {
+    const std::string word(dynaprobe::capture::kStoreModeWords[i]);
+    std::string name = "STORE_" + word;
+    std::transform(name.begin(), name.end(), name.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+    vocabulary.attr(name.c_str()) = word;
+    store_modes[i] = word;
+  }
+  vocabulary.attr("STORE_MODES") = store_modes;
 }

@@ -260,6 +260,23 @@ def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):
     assert files == ["step_00000004.h5"]  # never the step just written
 
 
+def test_the_disk_budget_removes_only_committed_step_files(tmp_path):
+    """Step files are told by the name the writer gives them (the extension's
+    step_of_file_name): a step in progress, a file named by hand and other files stay."""
+    from dynaprobe import _storage
+
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    names = ["step_00000000.h5", "step_00000001.h5", "step_00000002.h5", "step_00000003.h5.partial",
+             "step_x.h5", "step_-1.h5", "notes.h5"]
+    for name in names:
+        (folder / name).write_bytes(bytes(1000))
+    assert [step for step, _, _ in _storage.committed_steps(str(folder))] == [0, 1, 2]
+    removed = _storage.enforce_budget(str(folder), 1500, keep=str(folder / "step_00000002.h5"))
+    assert [os.path.basename(path) for path in removed] == ["step_00000000.h5", "step_00000001.h5"]
+    assert sorted(os.listdir(folder)) == sorted(names[2:])
+
+
 def test_two_pass_over_the_memory_budget_stores_what_it_cannot_hold(tmp_path):
     # Two-pass holds the whole eager side until the compiled side comes: with a budget far below
     # it, the oldest records are stored whole, and the report is still the full one.

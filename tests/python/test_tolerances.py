@@ -73,3 +73,18 @@ def test_several_steps_say_where_the_root_cause_first_appears(tmp_path, dynaprob
     assert "Summary: 2 steps, 0 ALL PASS, 2 FAILED" in proc.stdout
     assert ("Root cause first seen in step 0: forward stage1 fwd_output[0] (max_abs="
             in proc.stdout)
+
+
+def test_a_replay_reads_the_dumps_tolerances_with_the_engines_parser():
+    """repro and bisect judge a replay with the step's tolerances as `dynaprobe compare` reads
+    them: the defaults where the dump names none, and a damaged value is an error naming the dump,
+    not a silent default."""
+    from dynaprobe import FormatError, _C
+
+    checker = PrecisionChecker()
+    defaults = _C.Judging.of_dump({}, "dump")
+    assert (defaults.atol, defaults.rtol) == (checker.threshold, checker.rtol)
+    stored = _C.Judging.of_dump({"atol": "0.5", "rtol": "1e-05"}, "dump")
+    assert (stored.atol, stored.rtol) == (0.5, 1e-05)
+    with pytest.raises(FormatError, match="/runs/a/step_00000000.h5: provenance atol='x'"):
+        _C.Judging.of_dump({"atol": "x"}, "/runs/a/step_00000000.h5")

@@ -20,7 +20,7 @@ from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._single_pass import SinglePass
 from dynaprobe._two_pass import run_step
 from dynaprobe._whole_model import WholeModel
-from dynaprobe._vocabulary import COMPILED, EAGER
+from dynaprobe._vocabulary import COMPILED, EAGER, STORE_FULL
 
 
 class PrecisionChecker(_options.CheckerOptions):
@@ -195,7 +195,7 @@ class PrecisionChecker(_options.CheckerOptions):
         stores full tensors; single-pass names the user's autocast (without cast_dtype)."""
         session.prepare(Setup(
             provenance(self, plan.devices, mode, backend, compile_scope), judging(self),
-            "full" if mode in CAPTURE_MODES.values() else self.dump, plan.modules,
+            STORE_FULL if mode in CAPTURE_MODES.values() else self.dump, plan.modules,
             self._compiler.graphs, self.graph_dir if self.dump_graphs else None,
             plan.model_devices if mode == vocabulary.MODE_SINGLE_PASS and self.cast_dtype is None
             else None))

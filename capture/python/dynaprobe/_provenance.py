@@ -20,7 +20,7 @@ def reference_policy(reference, dump: str) -> ReferencePolicy:
     """What ``reference`` runs: "auto" needs the stored tensors (dump="full"); under
     "failing" or "stats" low-precision rows keep the tolerances' verdict (a warning says so
     at the first such call)."""
-    if reference == "auto" and dump != "full":
+    if reference == "auto" and dump != vocabulary.STORE_FULL:
         return ReferencePolicy(None, unavailable=f"dump={dump!r} stores no tensors to "
                                "judge against a reference: low-precision rows are judged by "
                                "the dtype's tolerances alone; use dump='full' for the "

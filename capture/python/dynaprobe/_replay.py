@@ -302,8 +302,9 @@ class StoredCall:
 
     @property
     def tolerances(self) -> Tuple[float, float]:
-        return (float(self.provenance.get(vocabulary.PROVENANCE_ATOL, "1e-4")),
-                float(self.provenance.get(vocabulary.PROVENANCE_RTOL, "1e-3")))
+        """The step's (atol, rtol), as the engine reads them from the dump."""
+        judging = _C.Judging.of_dump(self.provenance, self.path or "the repro's data")
+        return judging.atol, judging.rtol
 
     # ------------------------------------------------------------------ running
     def run(self, module: nn.Module, forward: Callable, backward: bool = True) -> "Run":

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numbers
 import os
-import re
 import shutil
 import sys
 import warnings
 from typing import Iterable, List, Optional
 
-DUMP_MODES = ("full", "failing", "stats")
-_STEP_FILE = re.compile(r"step_(-?\d+)\.h5$")
+from dynaprobe import _C
+from dynaprobe._vocabulary import STORE_MODES as DUMP_MODES
 
 
 def expect_dump_mode(value) -> str:
@@ -64,9 +63,9 @@ def committed_steps(dump_dir: str) -> List[tuple]:
     except FileNotFoundError:
         return found
     for entry in entries:
-        match = _STEP_FILE.match(entry.name)
-        if match and entry.is_file(follow_symlinks=False):
-            found.append((int(match.group(1)), entry.path, entry.stat(follow_symlinks=False).st_size))
+        step = _C.step_of_file_name(entry.name)
+        if step is not None and entry.is_file(follow_symlinks=False):
+            found.append((step, entry.path, entry.stat(follow_symlinks=False).st_size))
     return sorted(found)
 
 

@@ -22,6 +22,9 @@ REFERENCE: str = vocabulary.SIDE_REFERENCE
 SIDES = (EAGER, COMPILED, REFERENCE)
 # The module path of the whole-network loss records (formats::kLossModule).
 LOSS_MODULE: str = vocabulary.LOSS_MODULE
+# What a checked step stores, PrecisionChecker(dump=...) (capture::StoreMode).
+STORE_MODES: tuple = vocabulary.STORE_MODES
+STORE_FULL: str = vocabulary.STORE_FULL
 # Row statuses (analyze::Status).
 PASS: str = vocabulary.STATUS_PASS
 FAIL: str = vocabulary.STATUS_FAIL

@@ -3,10 +3,12 @@
 // without them.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "dynaprobe/analyze/judging.h"
@@ -20,6 +22,8 @@ enum class StoreMode {
   kFailing,  // metrics of every pair; tensors of the pairs that fail and of one-sided records
   kStats,    // metrics only (dtype and shape of every record)
 };
+// The word PrecisionChecker(dump=...) names each mode by, in enumerator order.
+inline constexpr std::array<std::string_view, 3> kStoreModeWords = {"full", "failing", "stats"};
 
 struct RecorderOptions {
   // Host bytes of snapshots waiting to be written. record() waits (the caller blocks) while the
