@@ -71,9 +71,10 @@ def _image_infer(_) -> dict:
 
 def _decoder(config_class, model_class, block_class, generates=True, **extra) -> Family:
     def build():
-        config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              max_position_embeddings=64, attention_dropout=0.0, **extra)
+        config = config_class(**{
+            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "attention_dropout": 0.0, **extra})
         return model_class(config)
 
     return Family(config_class.__name__.removesuffix("Config"), build, (block_class,),
@@ -100,13 +101,15 @@ def families() -> Dict[str, Family]:
         _decoder(t.MixtralConfig, t.MixtralForCausalLM, MixtralDecoderLayer, num_local_experts=4,
                  num_experts_per_tok=2),
         # Each layer runs twice a step with one cache: the second call reads the keys and values
-        # the first left there, so gradient flows back into the first call through them.
-        _decoder(t.DoryConfig, t.DoryForCausalLM, DoryDecoderLayer, generates=False),
+        # the first left there, so gradient flows back into the first call through them. Dory and
+        # DeepseekV4 bring their mechanism within one layer: one layer each, their slowest to trace.
+        _decoder(t.DoryConfig, t.DoryForCausalLM, DoryDecoderLayer, generates=False,
+                 num_hidden_layers=1),
         # Its compressor's projections get no gradient in eager on short sequences, zeros compiled.
         _decoder(t.DeepseekV4Config, t.DeepseekV4ForCausalLM, DeepseekV4DecoderLayer,
                  generates=False, head_dim=16, qk_rope_head_dim=8, q_lora_rank=32,
                  o_lora_rank=32, n_routed_experts=4, moe_intermediate_size=32, index_n_heads=4,
-                 index_head_dim=16, index_topk=4),
+                 index_head_dim=16, index_topk=4, num_hidden_layers=1),
         Family("GPT2", lambda: t.GPT2LMHeadModel(t.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)), (GPT2Block,), _causal_lm_batch, _causal_lm_infer,
