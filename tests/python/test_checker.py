@@ -5,6 +5,7 @@ import math
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -539,3 +540,13 @@ def test_dict_and_dataclass_outputs_are_labelled_by_key_in_the_text_report(tmp_p
                and ("FORWARD OUTPUT" in line or "output=" in line)]
     labels = [line.split("output=")[1] for line in outputs]
     assert sorted(labels) == ["['nested'].first", "['nested'].second", "['out']"], outputs
+
+
+def test_importing_dynaprobe_imports_no_dynamo():
+    """Offline analysis (analyze_run on a Dask worker, the CLI's Python tools) imports dynaprobe
+    without compiling anything: Dynamo, which doubles the import time, comes with the first
+    install."""
+    code = "import sys, dynaprobe; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

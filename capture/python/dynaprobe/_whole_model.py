@@ -65,10 +65,21 @@ from dynaprobe._step import (
 from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
                                     GRAD_OUTPUT, REFERENCE)
 
-try:
-    from torch._dynamo.comptime import comptime as _comptime
-except ImportError:  # a torch without it: outputs in graph order
-    _comptime = None
+# torch._dynamo's comptime, imported by the first whole-model install (_load_comptime):
+# `import dynaprobe` imports no Dynamo, which doubles its import time, for offline analysis.
+_comptime = None
+
+
+def _load_comptime():
+    """comptime, or None for a torch without it (outputs then keep graph order)."""
+    global _comptime
+    if _comptime is None:
+        try:
+            from torch._dynamo.comptime import comptime
+        except ImportError:
+            return None
+        _comptime = comptime
+    return _comptime
 
 # node.meta key: [(id(module), tensor_leaves index, key path, tensors returned)] for each wrapped
 # module call that returned the node's value.
@@ -259,7 +270,7 @@ class WholeModel:
         self.tap_keys: List[int] = []
         self.restore: List[Callable[[], None]] = []
         self._hook_parameters()
-        if _comptime is not None:
+        if _load_comptime() is not None:
             for target in targets:
                 self.restore.append(target.module.register_forward_hook(_mark_outputs).remove)
         self._swap_backend()
