@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
@@ -58,7 +59,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace fmt = dynaprobe::formats;
 namespace an = dynaprobe::analyze;
-using Clock = std::chrono::steady_clock;
+using namespace dynaprobe::bench;
 
 constexpr std::int64_t kColumns = 4096;
 constexpr std::size_t kTensorsPerModule = 6;
@@ -160,16 +161,6 @@ Options parse_options(int argc, char** argv) {
   return options;
 }
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double timed(const std::function<void()>& body) {
-  const auto start = Clock::now();
-  body();
-  return seconds_since(start);
-}
-
 double gb_per_s(double bytes, double seconds) { return bytes / 1e9 / seconds; }
 
 // A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); 0 if unreadable.
@@ -193,22 +184,6 @@ double load_average() {
 }
 
 // ---- data ---------------------------------------------------------------------------------------
-
-std::uint64_t mix(std::uint64_t x) {  // splitmix64's finaliser: a cheap, good hash of an index
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// Rounds to the nearest bfloat16 (ties to even), as a float32 bit pattern with the low 16 bits
-// zero. Inputs are finite Gaussian samples, so NaN handling is not needed.
-std::uint32_t bf16_rounded_bits(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return bits & 0xffff0000u;
-}
 
 // `count` deterministic bf16-rounded N(0, 1) samples as float32 bit patterns, generated in
 // parallel blocks (1 GiB in a few seconds on two cores).
@@ -240,15 +215,6 @@ fmt::RecordKey key_of(std::size_t i, fmt::Side side) {
           fmt::Kind::kFwdOutput,
           static_cast<std::uint32_t>(i % kTensorsPerModule),
           side};
-}
-
-// Reads `path` once: StepWriter streams a step out of the page cache as it writes it, and the
-// reads timed here are those of a file in the page cache, for every contender alike.
-void load_into_page_cache(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::vector<char> buffer(1 << 20);
-  while (file.read(buffer.data(), static_cast<std::streamsize>(buffer.size())) || file.gcount()) {
-  }
 }
 
 fs::path step_file(const fs::path& dump) { return dump / fmt::step_file_name(0); }

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/reader.h"
@@ -44,7 +45,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace fmt = dynaprobe::formats;
-using Clock = std::chrono::steady_clock;
+using namespace dynaprobe::bench;
 
 constexpr int kZstdFilterId = 32015;
 constexpr unsigned kZstdLevel = 1;  // WriterOptions' default, so both sides compress alike
@@ -127,16 +128,6 @@ void tune_malloc() {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double timed(const std::function<void()>& body) {
-  const auto start = Clock::now();
-  body();
-  return seconds_since(start);
-}
-
 // Deterministic N(0, 1) samples (Box-Muller on splitmix64), generated in parallel blocks so that
 // 256 MiB takes a fraction of a second; store(i, value) receives sample i.
 template <typename Store>
@@ -145,11 +136,9 @@ void generate_gaussian(std::size_t count, std::uint64_t seed, Store store) {
   tbb::parallel_for(std::size_t{0}, (count + kBlock - 1) / kBlock, [&](std::size_t block) {
     std::uint64_t state = seed * 0x9e3779b97f4a7c15ull + block;
     const auto uniform = [&state] {  // in (0, 1]
+      const std::uint64_t z = mix(state);
       state += 0x9e3779b97f4a7c15ull;
-      std::uint64_t z = state;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      return static_cast<float>(((z ^ (z >> 31)) >> 40) + 1) * 0x1p-24f;
+      return static_cast<float>((z >> 40) + 1) * 0x1p-24f;
     };
     const std::size_t end = std::min(count, (block + 1) * kBlock);
     for (std::size_t i = block * kBlock; i < end; i += 2) {
@@ -159,15 +148,6 @@ void generate_gaussian(std::size_t count, std::uint64_t seed, Store store) {
       if (i + 1 < end) store(i + 1, radius * std::sin(angle));
     }
   });
-}
-
-// Rounds to the nearest bfloat16 (ties to even); the result is a float32 bit pattern whose low
-// 16 bits are zero. Inputs here are finite, so NaN handling is not needed.
-std::uint32_t bf16_rounded_bits(float value) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return bits & 0xffff0000u;
 }
 
 std::vector<std::byte> gaussian_float32(std::size_t bytes, bool round_to_bf16) {
@@ -188,15 +168,6 @@ std::vector<std::byte> gaussian_bfloat16(std::size_t bytes) {
     out[i] = static_cast<std::uint16_t>(bf16_rounded_bits(value) >> 16);
   });
   return data;
-}
-
-// Reads `path` once: StepWriter streams a step out of the page cache as it writes it, and the
-// reads timed here are those of a file in the page cache, for every contender alike.
-void load_into_page_cache(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::vector<char> buffer(1 << 20);
-  while (file.read(buffer.data(), static_cast<std::streamsize>(buffer.size())) || file.gcount()) {
-  }
 }
 
 void fsync_file(const fs::path& path) {
