@@ -10,4 +10,4 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 cd "$repo"
 ctest --test-dir build --output-on-failure -j 2
-"$repo/.venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/python "$@"
+"$repo/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 tests/python "$@"

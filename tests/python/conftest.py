@@ -37,3 +37,16 @@ def dynaprobe_cli():
             f"{sys.executable}, or build it in {REPO}/build (`bash scripts/setup.sh`)"
         )
     return cli
+
+
+# The files that take a minute or more on two cores, longest first (scripts/test.sh prints the
+# slowest tests). pytest-xdist's --dist loadfile hands files out in collection order: starting
+# with these, the two workers end together instead of one running a long file alone at the end.
+LONGEST_FILES = ("test_docs.py", "test_real_models.py", "test_replay.py", "test_dump_failures.py",
+                 "test_low_precision.py", "test_fsdp.py", "test_graph_replay.py", "test_examples.py",
+                 "test_ops.py", "test_run_scale.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within each file
