@@ -91,7 +91,11 @@ std::unique_ptr<Recorder> open_recorder(const std::filesystem::path& dump_dir,
   const auto& words = dynaprobe::capture::kStoreModeWords;
   const auto word = std::find(words.begin(), words.end(), store);
   if (word == words.end()) {
-    throw dynaprobe::UsageError("store must be 'full', 'failing' or 'stats', not '" + store + "'");
+    std::string known;
+    for (const std::string_view name : words) {
+      known += (known.empty() ? "'" : ", '") + std::string(name) + "'";
+    }
+    throw dynaprobe::UsageError("store must be one of " + known + ", not '" + store + "'");
   }
   options.store = static_cast<StoreMode>(word - words.begin());
   return std::make_unique<Recorder>(dump_dir, std::move(provenance), options);

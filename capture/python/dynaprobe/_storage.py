@@ -11,12 +11,12 @@ import warnings
 from typing import Iterable, List, Optional
 
 from dynaprobe import _C
-from dynaprobe._vocabulary import STORE_MODES as DUMP_MODES
+from dynaprobe._vocabulary import STORE_MODES
 
 
 def expect_dump_mode(value) -> str:
-    if value not in DUMP_MODES:
-        raise ValueError(f"dump must be one of {', '.join(map(repr, DUMP_MODES))}, but received "
+    if value not in STORE_MODES:
+        raise ValueError(f"dump must be one of {', '.join(map(repr, STORE_MODES))}, but received "
                          f"{value!r}")
     return value
 
