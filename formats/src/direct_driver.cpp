@@ -1,17 +1,17 @@
 #include "direct_driver.h"
 
 #include <fcntl.h>
+#include <linux/aio_abi.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
@@ -19,7 +19,7 @@
 #include <new>
 #include <optional>
 #include <string>
-#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "dynaprobe/formats/error.h"
@@ -82,6 +82,39 @@ CopyBuffers& copy_buffers() {
   return *buffers;
 }
 
+// Asynchronous I/O contexts, kept from file to file: io_destroy waits for the kernel's RCU grace
+// period (40 ms here, on every step's commit).
+class AioContexts {
+ public:
+  // A context for kQueuedWrites writes in flight; 0 where the kernel has none to give.
+  aio_context_t take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        const aio_context_t context = free_.back();
+        free_.pop_back();
+        return context;
+      }
+    }
+    aio_context_t context = 0;
+    return ::syscall(SYS_io_setup, kQueuedWrites, &context) == 0 ? context : 0;
+  }
+  // Gives back a context with no write in flight.
+  void give_back(aio_context_t context) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(context);  // at most one per file writing at once
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<aio_context_t> free_;
+};
+
+AioContexts& aio_contexts() {
+  static auto* contexts = new AioContexts;  // never destroyed: the process's end frees them
+  return *contexts;
+}
+
 // The first direct write of a file that failed.
 struct WriteFailure {
   int error = 0;
@@ -93,78 +126,72 @@ struct WriteFailure {
   }
 };
 
-// The direct writes of one file, written in order by a thread of their own, so that the caller
-// (HDF5's write callback, under HDF5's lock) returns while the disk writes. Bounded: at most
-// kQueuedWrites writes and kQueuedCopyBytes of copies; push() waits for the disk beyond that.
-// After a write fails, the later ones are dropped and push() and wait() report the failure.
+// The direct writes of one file in flight: submitted with Linux's native asynchronous I/O
+// (io_submit), so that the caller (HDF5's write callback, under HDF5's lock) returns while the
+// disk writes, with no thread to wake per chunk. Bounded: at most kQueuedWrites writes and
+// kQueuedCopyBytes of copies in flight; push() waits for the disk beyond that. After a write fails,
+// the later ones are dropped and push() and wait() report the failure.
+//
+// A direct write that extends the file is carried out inside io_submit (the file system updates
+// the file's size first), so the file's size is reserved ahead of the writes, kReserveBytes at a
+// time, by ftruncate (a hole: no disk space); truncate_file() gives the file its true size.
+// Where asynchronous I/O is unavailable (io_setup fails), each write is made at once.
 class WriteQueue {
  public:
-  WriteQueue(int fd, int direct_fd) : fd_(fd), direct_fd_(direct_fd) {}
+  WriteQueue(int fd, int direct_fd, off_t size) : fd_(fd), direct_fd_(direct_fd), size_(size) {}
   ~WriteQueue() {
     wait();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    work_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    if (context_ != 0) aio_contexts().give_back(context_);
   }
   WriteQueue(const WriteQueue&) = delete;
   WriteQueue& operator=(const WriteQueue&) = delete;
 
-  // Queues `size` bytes for `offset`: a page-aligned `data` that `borrowed` as it is, anything
-  // else copied piece by piece. The failure of an earlier write, if any, instead.
+  // Submits `size` bytes for `offset`: a page-aligned `data` that `borrowed` as it is, anything
+  // else copied piece by piece. The failure of this or an earlier write, if any, instead.
   std::optional<WriteFailure> push(const void* data, std::size_t size, off_t offset,
                                    bool borrowed) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_) reserve(offset, size);
+    if (failure_) return failure_;
     if (borrowed) {
-      space_.wait(lock, [&] { return failure_ || requests_.size() < kQueuedWrites; });
-      if (failure_) return failure_;
-      requests_.push_back({data, size, offset, nullptr});
-      work_.notify_one();
-      return std::nullopt;
+      submit({data, size, offset, nullptr});
+      return failure_;
     }
     const auto* bytes = static_cast<const std::byte*>(data);
-    for (std::size_t done = 0; done < size; done += kBounceBytes) {
-      space_.wait(lock, [&] {
-        return failure_ || (requests_.size() < kQueuedWrites && copies_ < kMaxCopies);
-      });
-      if (failure_) return failure_;
-      ++copies_;
-      lock.unlock();  // copying takes longer than writing takes to pick the next request
+    for (std::size_t done = 0; done < size && !failure_; done += kBounceBytes) {
+      while (!failure_ && copies_ == kMaxCopies) reap(1);
+      if (failure_) break;
       const std::size_t piece = std::min(kBounceBytes, size - done);
       void* copy = copy_buffers().take();
-      if (copy) std::memcpy(copy, bytes + done, piece);
-      lock.lock();
       if (!copy) {
-        --copies_;
-        if (!failure_) failure_ = WriteFailure{ENOMEM, piece, offset + static_cast<off_t>(done)};
-        return failure_;
+        failure_ = WriteFailure{ENOMEM, piece, offset + static_cast<off_t>(done)};
+        break;
       }
-      requests_.push_back({copy, piece, offset + static_cast<off_t>(done), copy});
-      work_.notify_one();
+      std::memcpy(copy, bytes + done, piece);
+      ++copies_;
+      submit({copy, piece, offset + static_cast<off_t>(done), copy});
     }
-    return std::nullopt;
-  }
-
-  // Waits until every queued write is done; their first failure, if any.
-  std::optional<WriteFailure> wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait(lock, [&] { return requests_.empty(); });
     return failure_;
   }
 
-  // Waits until no queued write touches [offset, offset + size): HDF5 reads only what the disk
-  // has (rarely raw data in a file it writes; never a queued chunk's bytes in dynaprobe's use).
+  // Waits until every write in flight is done; their first failure, if any.
+  std::optional<WriteFailure> wait() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (!in_flight_.empty()) reap(1);
+    return failure_;
+  }
+
+  // Waits until no write in flight touches [offset, offset + size): HDF5 reads only what the
+  // disk has (rarely raw data in a file it writes; never an unwritten chunk's bytes in dynaprobe's
+  // use).
   void wait_for_range(off_t offset, std::size_t size) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    idle_.wait(lock, [&] {
-      return std::none_of(requests_.begin(), requests_.end(), [&](const Request& r) {
-        return r.offset < offset + static_cast<off_t>(size) &&
-               offset < r.offset + static_cast<off_t>(r.size);
-      });
-    });
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto overlaps = [&](const auto& entry) {
+      const Request& r = entry.second->request;
+      return r.offset < offset + static_cast<off_t>(size) &&
+             offset < r.offset + static_cast<off_t>(r.size);
+    };
+    while (std::any_of(in_flight_.begin(), in_flight_.end(), overlaps)) reap(1);
   }
 
   // Whether the file system refused O_DIRECT (EINVAL): the queue then writes through the page
@@ -174,56 +201,156 @@ class WriteQueue {
     return direct_refused_;
   }
 
+  // The size reserve() gave the file ahead of its writes (0: none since the last truncated()).
+  off_t reserved_size() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reserved_;
+  }
+
+  // The file was truncated to `size` (truncate_file(), once every write is done).
+  void truncated(off_t size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_ = size;
+    reserved_ = 0;
+  }
+
  private:
   static constexpr std::size_t kMaxCopies = kQueuedCopyBytes / kBounceBytes;
+  static constexpr off_t kReserveBytes = off_t{64} << 20;
   struct Request {
     const void* data;
     std::size_t size;
     off_t offset;
     void* copy;  // the copy's buffer, given back once written; nullptr for borrowed bytes
   };
+  struct InFlight {
+    Request request;
+    iocb control{};
+  };
 
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      work_.wait(lock, [&] { return stopping_ || !requests_.empty(); });
-      if (requests_.empty()) return;
-      const Request request = requests_.front();  // stays queued, for wait_for_range, until done
-      const bool skip = failure_.has_value();
-      const bool buffered = direct_refused_;
-      lock.unlock();
-      int error = 0;
-      bool refused = false;
-      if (!skip) {
-        bool written =
-            !buffered && write_all(direct_fd_, request.data, request.size, request.offset);
-        if (!written && !buffered && errno == EINVAL) refused = true;  // refused after all
-        if (!written && (buffered || refused)) {
-          written = write_all(fd_, request.data, request.size, request.offset);
-        }
-        if (!written) error = errno;
-      }
-      if (request.copy) copy_buffers().give_back(request.copy);
-      lock.lock();
-      if (refused) direct_refused_ = true;
-      if (error && !failure_) failure_ = WriteFailure{error, request.size, request.offset};
-      if (request.copy) --copies_;
-      requests_.pop_front();
-      space_.notify_all();
-      idle_.notify_all();  // wait() and wait_for_range()
+  // Gives the file at least the bytes that a write of `size` bytes at `offset` needs, never fewer
+  // than it has (HDF5 writes its metadata through the page cache, past the last direct write).
+  void reserve(off_t offset, std::size_t size) {
+    const off_t end = offset + static_cast<off_t>(size);
+    if (end <= size_) return;
+    struct stat status {};
+    if (::fstat(fd_, &status) == 0 && status.st_size >= end) {
+      size_ = status.st_size;
+      return;
     }
+    const off_t rounded = (end + kReserveBytes - 1) / kReserveBytes * kReserveBytes;
+    if (::ftruncate(fd_, rounded) == 0) {
+      size_ = reserved_ = rounded;
+    } else if (::ftruncate(fd_, end) == 0) {  // past a file-size limit the exact end may fit
+      size_ = reserved_ = end;
+    } else {
+      failure_ = WriteFailure{errno, size, offset};
+    }
+  }
+
+  // Writes `request` now, directly or, where the file system refuses that, through the page
+  // cache; its failure, if any, becomes the queue's.
+  void write_now(const Request& request) {
+    bool written =
+        !direct_refused_ && write_all(direct_fd_, request.data, request.size, request.offset);
+    if (!written && !direct_refused_ && errno == EINVAL) direct_refused_ = true;
+    if (!written && direct_refused_) {
+      written = write_all(fd_, request.data, request.size, request.offset);
+    }
+    if (!written && !failure_) failure_ = WriteFailure{errno, request.size, request.offset};
+  }
+
+  void submit(const Request& request) {
+    if (failure_) return release(request);
+    if (context_ == 0 && !aio_unavailable_) {
+      context_ = aio_contexts().take();
+      aio_unavailable_ = context_ == 0;
+    }
+    if (aio_unavailable_ || direct_refused_) {
+      write_now(request);
+      return release(request);
+    }
+    while (in_flight_.size() == kQueuedWrites) reap(1);
+    auto entry = std::make_unique<InFlight>();
+    entry->request = request;
+    iocb& control = entry->control;
+    control.aio_lio_opcode = IOCB_CMD_PWRITE;
+    control.aio_fildes = static_cast<std::uint32_t>(direct_fd_);
+    control.aio_buf = reinterpret_cast<std::uint64_t>(request.data);
+    control.aio_nbytes = request.size;
+    control.aio_offset = request.offset;
+    control.aio_data = reinterpret_cast<std::uint64_t>(entry.get());
+    iocb* controls[] = {&control};
+    while (true) {
+      if (::syscall(SYS_io_submit, context_, 1, controls) == 1) {
+        in_flight_.emplace(entry.get(), std::move(entry));
+        return;
+      }
+      if (errno == EAGAIN && !in_flight_.empty()) {  // the kernel's queue is full: make room
+        reap(1);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      write_now(request);  // refused at submission (EINVAL: O_DIRECT; EAGAIN): write it now
+      return release(request);
+    }
+  }
+
+  // Waits for at least `minimum` writes in flight to complete and settles them: a short write's
+  // rest is written now, a failed one's error kept (EINVAL: O_DIRECT refused after all, written
+  // through the page cache).
+  void reap(long minimum) {
+    io_event events[kQueuedWrites];
+    const long got = ::syscall(SYS_io_getevents, context_, minimum, kQueuedWrites, events, nullptr);
+    if (got < 0) {
+      if (errno == EINTR) return;
+      // Cannot happen with a valid context. The writes are given up for failed rather than
+      // waited for forever; their copies are not reused (the disk may still read them).
+      if (!failure_) failure_ = WriteFailure{errno, 0, 0};
+      in_flight_.clear();
+      return;
+    }
+    for (long i = 0; i < got; ++i) {
+      auto* key = reinterpret_cast<InFlight*>(events[i].data);
+      const auto found = in_flight_.find(key);
+      if (found == in_flight_.end()) continue;
+      const Request request = found->second->request;
+      const long long result = events[i].res;
+      if (result == -EINVAL && !failure_) {
+        direct_refused_ = true;
+        write_now(request);
+      } else if (result < 0) {
+        if (!failure_)
+          failure_ = WriteFailure{static_cast<int>(-result), request.size, request.offset};
+      } else if (static_cast<std::size_t>(result) < request.size && !failure_) {
+        const auto done = static_cast<std::size_t>(result);
+        if (!write_all(fd_, static_cast<const std::byte*>(request.data) + done, request.size - done,
+                       request.offset + static_cast<off_t>(done))) {
+          failure_ = WriteFailure{errno, request.size, request.offset};
+        }
+      }
+      release(request);
+      in_flight_.erase(found);
+    }
+  }
+
+  void release(const Request& request) {
+    if (!request.copy) return;
+    copy_buffers().give_back(request.copy);
+    --copies_;
   }
 
   const int fd_;
   const int direct_fd_;
   mutable std::mutex mutex_;
-  std::condition_variable work_, space_, idle_;
-  std::deque<Request> requests_;
+  aio_context_t context_ = 0;
+  bool aio_unavailable_ = false;
+  std::unordered_map<InFlight*, std::unique_ptr<InFlight>> in_flight_;
   std::size_t copies_ = 0;
   std::optional<WriteFailure> failure_;
   bool direct_refused_ = false;
-  bool stopping_ = false;
-  std::thread thread_;  // started by the first push()
+  off_t size_ = 0;      // the file's size as far as this queue knows (its writes need no more)
+  off_t reserved_ = 0;  // the size reserve() gave the file, 0 if none
 };
 
 // The queues of the files open for writing, by descriptor, for wait_for_direct_writes().
@@ -289,7 +416,7 @@ H5FD_t* open_file(const char* name, unsigned flags, hid_t, haddr_t) {
     const std::string self = "/proc/self/fd/" + std::to_string(fd);
     file->direct_fd = ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
     if (file->direct_fd >= 0) {
-      file->queue = std::make_shared<WriteQueue>(fd, file->direct_fd);
+      file->queue = std::make_shared<WriteQueue>(fd, file->direct_fd, status.st_size);
       std::lock_guard<std::mutex> lock(queues_mutex);
       queues()[fd] = file->queue;
     }
@@ -315,7 +442,7 @@ herr_t close_file(H5FD_t* handle) {
     std::lock_guard<std::mutex> lock(queues_mutex);
     queues().erase(file->fd);
   }
-  file->queue.reset();  // its thread ends
+  file->queue.reset();
   const int direct = file->direct_fd >= 0 ? ::close(file->direct_fd) : 0;
   const int error = direct != 0 ? errno : 0;
   const int buffered = ::close(file->fd);
@@ -409,7 +536,7 @@ herr_t write_file(H5FD_t* handle, H5FD_mem_t type, hid_t, haddr_t address, size_
     std::optional<WriteFailure> failure;
     try {  // nothing may throw through HDF5
       failure = file->queue->push(buffer, direct, offset, borrowed);
-    } catch (const std::exception&) {  // no thread or no memory for the queue
+    } catch (const std::exception&) {  // no memory for the queue
       failure = WriteFailure{ENOMEM, direct, offset};
     }
     if (failure) {
@@ -430,12 +557,14 @@ herr_t write_file(H5FD_t* handle, H5FD_mem_t type, hid_t, haddr_t address, size_
 herr_t truncate_file(H5FD_t* handle, hid_t, hbool_t) {
   DirectFile* file = of(handle);
   if (!direct_writes_done(*file, __func__)) return -1;
-  if (file->eoa == file->eof) return 0;
+  const off_t reserved = file->queue ? file->queue->reserved_size() : 0;
+  if (file->eoa == file->eof && reserved <= static_cast<off_t>(file->eoa)) return 0;
   if (::ftruncate(file->fd, static_cast<off_t>(file->eoa)) != 0) {
     push_error(__func__, H5E_SEEKERROR, "cannot set the file's size", errno);
     return -1;
   }
   file->eof = file->eoa;
+  if (file->queue) file->queue->truncated(static_cast<off_t>(file->eoa));
   return 0;
 }
 

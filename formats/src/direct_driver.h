@@ -8,10 +8,10 @@
 // CPU cost of writing a step, docs/performance.md, Scale); a direct write hands the pages to the
 // disk as they are.
 //
-// The direct writes are queued and a thread of the file's own writes them (wait_for_direct_writes
-// says when they are done, and how they failed): a direct write returns when the disk has the
-// bytes, so made by the writer's stage that hands chunks to HDF5 it would stall compression on
-// every chunk (docs/performance.md, Dump format).
+// The direct writes are asynchronous (Linux's io_submit): the disk writes a chunk while the next
+// ones compress, and wait_for_direct_writes says when they are done, and how they failed. Made
+// synchronously by the writer's stage that hands chunks to HDF5, each would stall compression
+// (docs/performance.md, Dump format); made by a thread of the file's own, each would wake it.
 #pragma once
 
 #include <hdf5.h>
@@ -34,8 +34,8 @@ hid_t direct_writes_driver();
 // Needs hdf5_mutex().
 void use_direct_writes(hid_t fapl);
 
-// At most this many bytes of direct writes a file has queued are copies (kQueuedCopyBytes; more
-// waits for the disk), and at most kQueuedWrites writes are queued in all.
+// At most this many bytes of a file's direct writes in flight are copies (kQueuedCopyBytes; more
+// waits for the disk), and at most kQueuedWrites writes are in flight in all.
 inline constexpr std::size_t kQueuedCopyBytes = std::size_t{8} << 20;
 inline constexpr std::size_t kQueuedWrites = 16;
 
