@@ -90,6 +90,10 @@ class AioContexts {
   aio_context_t take() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (owner_ != ::getpid()) {  // a forked child: its parent's contexts are not its own
+        free_.clear();
+        owner_ = ::getpid();
+      }
       if (!free_.empty()) {
         const aio_context_t context = free_.back();
         free_.pop_back();
@@ -102,11 +106,12 @@ class AioContexts {
   // Gives back a context with no write in flight.
   void give_back(aio_context_t context) {
     std::lock_guard<std::mutex> lock(mutex_);
-    free_.push_back(context);  // at most one per file writing at once
+    if (owner_ == ::getpid()) free_.push_back(context);  // at most one per file writing at once
   }
 
  private:
   std::mutex mutex_;
+  pid_t owner_ = ::getpid();  // the process whose contexts free_ holds
   std::vector<aio_context_t> free_;
 };
 
