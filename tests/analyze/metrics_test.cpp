@@ -15,7 +15,7 @@ namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-TensorMetrics compare(const std::vector<float>& a, const std::vector<float>& b,
+TensorMetrics metrics_of(const std::vector<float>& a, const std::vector<float>& b,
                       Tolerances tolerances = {}) {
   MetricsAccumulator accumulator;
   accumulator.accumulate(a.data(), b.data(), a.size(), 0, tolerances);
@@ -23,7 +23,7 @@ TensorMetrics compare(const std::vector<float>& a, const std::vector<float>& b,
 }
 
 TEST(Metrics, SpecDefinitions) {
-  const auto m = compare({1.0f, -2.0f, 0.0f, 4.0f}, {1.0f, -2.5f, 0.25f, 4.0f});
+  const auto m = metrics_of({1.0f, -2.0f, 0.0f, 4.0f}, {1.0f, -2.5f, 0.25f, 4.0f});
   EXPECT_EQ(m.max_abs, 0.5);
   EXPECT_EQ(m.mean_abs, 0.1875);
   EXPECT_EQ(m.max_rel, static_cast<double>(0.25f / 1e-8f));  // |a| = 0: divided by 1e-8
@@ -36,47 +36,47 @@ TEST(Metrics, SpecDefinitions) {
 
 TEST(Metrics, AllcloseEdgeIsInclusiveAndRelativeToCompiled) {
   // |a - b| <= atol + rtol * |b|, as torch.allclose(a, b).
-  EXPECT_TRUE(compare({0.0f}, {0.0f}, {0.5, 0.0}).allclose);
-  EXPECT_TRUE(compare({0.0f}, {0.5f}, {0.5, 0.0}).allclose);
-  EXPECT_FALSE(compare({0.0f}, {0.5f}, {0.25, 0.0}).allclose);
-  EXPECT_TRUE(compare({100.0f}, {101.0f}, {0.0, 0.01}).allclose);  // 1 <= 0.01 * 101
-  EXPECT_FALSE(compare({101.0f}, {100.0f}, {0.0, 0.0099}).allclose);
+  EXPECT_TRUE(metrics_of({0.0f}, {0.0f}, {0.5, 0.0}).allclose);
+  EXPECT_TRUE(metrics_of({0.0f}, {0.5f}, {0.5, 0.0}).allclose);
+  EXPECT_FALSE(metrics_of({0.0f}, {0.5f}, {0.25, 0.0}).allclose);
+  EXPECT_TRUE(metrics_of({100.0f}, {101.0f}, {0.0, 0.01}).allclose);  // 1 <= 0.01 * 101
+  EXPECT_FALSE(metrics_of({101.0f}, {100.0f}, {0.0, 0.0099}).allclose);
 }
 
 // max_tol_ratio: |a - b| / (atol + rtol * |b|), so 1 is allclose's threshold, inclusive.
 TEST(Metrics, TolRatioIsAboveOneExactlyWhenAnElementIsNotClose) {
-  EXPECT_EQ(compare({0.0f}, {0.5f}, {0.5, 0.0}).max_tol_ratio, 1.0);
-  EXPECT_EQ(compare({0.0f}, {0.5f}, {0.25, 0.0}).max_tol_ratio, 2.0);
-  const auto m = compare({100.0f, 3.0f}, {101.0f, 3.0f}, {0.0, 0.01});
+  EXPECT_EQ(metrics_of({0.0f}, {0.5f}, {0.5, 0.0}).max_tol_ratio, 1.0);
+  EXPECT_EQ(metrics_of({0.0f}, {0.5f}, {0.25, 0.0}).max_tol_ratio, 2.0);
+  const auto m = metrics_of({100.0f, 3.0f}, {101.0f, 3.0f}, {0.0, 0.01});
   EXPECT_EQ(m.max_tol_ratio, static_cast<double>(1.0f / (0.01f * 101.0f)));
   EXPECT_TRUE(m.allclose);
   // No tolerance at all: equal elements are 0, any difference is infinitely outside it.
-  EXPECT_EQ(compare({1.0f, -0.0f}, {1.0f, 0.0f}, {0.0, 0.0}).max_tol_ratio, 0.0);
-  EXPECT_EQ(compare({1.0f}, {1.5f}, {0.0, 0.0}).max_tol_ratio, kInf);
+  EXPECT_EQ(metrics_of({1.0f, -0.0f}, {1.0f, 0.0f}, {0.0, 0.0}).max_tol_ratio, 0.0);
+  EXPECT_EQ(metrics_of({1.0f}, {1.5f}, {0.0, 0.0}).max_tol_ratio, kInf);
   // Non-finite values follow allclose: equal infinities are close (0), an infinity against a
   // number is infinitely far (not inf / inf), a NaN is NaN.
-  const auto infinities = compare({kInf, 1.0f}, {kInf, 1.0f + 1e-4f});
+  const auto infinities = metrics_of({kInf, 1.0f}, {kInf, 1.0f + 1e-4f});
   EXPECT_GT(infinities.max_tol_ratio, 0.0);
   EXPECT_LT(infinities.max_tol_ratio, 1.0);
-  EXPECT_EQ(compare({1.0f, 2.0f}, {kInf, 2.0f}).max_tol_ratio, kInf);
-  EXPECT_TRUE(std::isnan(compare({1.0f, kNaN}, {1.0f, 1.0f}).max_tol_ratio));
+  EXPECT_EQ(metrics_of({1.0f, 2.0f}, {kInf, 2.0f}).max_tol_ratio, kInf);
+  EXPECT_TRUE(std::isnan(metrics_of({1.0f, kNaN}, {1.0f, 1.0f}).max_tol_ratio));
 }
 
 // Blocks of finite values take a faster loop than blocks with a NaN or an infinity: both give
 // the same ratio.
 TEST(Metrics, TolRatioIsTheSameWithAndWithoutNonFiniteValuesInTheBlock) {
   std::vector<float> a = {1.0f, -2.0f, 3e-9f, 4.0f}, b = {1.001f, -2.0f, 6e-9f, 3.99f};
-  const auto finite = compare(a, b);
+  const auto finite = metrics_of(a, b);
   a.push_back(kInf);
   b.push_back(kInf);
-  const auto with_infinity = compare(a, b);
+  const auto with_infinity = metrics_of(a, b);
   EXPECT_EQ(finite.max_tol_ratio, with_infinity.max_tol_ratio);
   EXPECT_FLOAT_EQ(static_cast<float>(finite.max_tol_ratio),
                   (4.0f - 3.99f) / (1e-4f + 1e-3f * 3.99f));
 }
 
 TEST(Metrics, NanFollowsTorch) {
-  const auto m = compare({1.0f, kNaN, 3.0f}, {1.5f, kNaN, 3.0f});
+  const auto m = metrics_of({1.0f, kNaN, 3.0f}, {1.5f, kNaN, 3.0f});
   EXPECT_TRUE(std::isnan(m.max_abs));
   EXPECT_TRUE(std::isnan(m.mean_abs));
   EXPECT_TRUE(std::isnan(m.max_rel));
@@ -88,17 +88,17 @@ TEST(Metrics, NanFollowsTorch) {
 }
 
 TEST(Metrics, EqualInfinitiesAreCloseButTheirDifferenceIsNan) {
-  const auto m = compare({kInf, 1.0f}, {kInf, 1.0f});
+  const auto m = metrics_of({kInf, 1.0f}, {kInf, 1.0f});
   EXPECT_TRUE(m.allclose);
   EXPECT_TRUE(std::isnan(m.max_abs));  // torch: inf - inf = nan
-  const auto n = compare({1.0f}, {kInf});
+  const auto n = metrics_of({1.0f}, {kInf});
   EXPECT_FALSE(n.allclose);
   EXPECT_EQ(n.nonfinite_only_compiled, 1u);
   EXPECT_EQ(n.max_abs, kInf);
 }
 
 TEST(Metrics, EmptyTensorsPass) {
-  const auto m = compare({}, {});
+  const auto m = metrics_of({}, {});
   EXPECT_EQ(m.elements, 0u);
   EXPECT_EQ(m.max_abs, 0.0);
   EXPECT_EQ(m.mean_abs, 0.0);
@@ -107,10 +107,10 @@ TEST(Metrics, EmptyTensorsPass) {
 }
 
 TEST(Metrics, CosineAndRmse) {
-  const auto m = compare({3.0f, 4.0f}, {3.0f, 4.0f});
+  const auto m = metrics_of({3.0f, 4.0f}, {3.0f, 4.0f});
   EXPECT_DOUBLE_EQ(m.cosine, 1.0);
   EXPECT_DOUBLE_EQ(m.rmse, 0.0);
-  const auto n = compare({1.0f, 0.0f}, {0.0f, 1.0f});
+  const auto n = metrics_of({1.0f, 0.0f}, {0.0f, 1.0f});
   EXPECT_DOUBLE_EQ(n.cosine, 0.0);
   EXPECT_DOUBLE_EQ(n.rmse, 1.0);
 }
@@ -128,7 +128,7 @@ TEST(Metrics, MergingPartsInAnyOrderGivesTheSameResult) {
   b[5000] = 1.5f;
   a[7000] = 1.0f;
   b[7000] = 0.5f;
-  const auto whole = compare(a, b);
+  const auto whole = metrics_of(a, b);
   MetricsAccumulator forward, backward;
   for (std::size_t start = 0; start < a.size(); start += 1000) {
     MetricsAccumulator part;
@@ -162,7 +162,7 @@ TEST(Metrics, HistogramBinsEveryFiniteDifferenceOnce) {
   const std::vector<float> b = {
       1, 1e-30f, std::ldexp(1.0f, -40), 0.999f, 1, below_four, 4.0f, 1048576.0f, 1e30f, kInf, kNaN};
   const std::vector<float> a = {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-  const TensorMetrics m = compare(a, b);
+  const TensorMetrics m = metrics_of(a, b);
   Histogram expected{};
   expected[0] = 1;                   // exact zero
   expected[1] = 1;                   // below the first edge
@@ -185,7 +185,7 @@ TEST(Metrics, HistogramOfAnySplitMergesToTheWhole) {
     a[i] = magnitude(rng);
     b[i] = a[i] + ((i % 3) ? magnitude(rng) : 0.0f);
   }
-  const TensorMetrics whole = compare(a, b);
+  const TensorMetrics whole = metrics_of(a, b);
   MetricsAccumulator first, second;
   first.accumulate(a.data(), b.data(), 3333, 0, {});
   second.accumulate(a.data() + 3333, b.data() + 3333, a.size() - 3333, 3333, {});
@@ -229,7 +229,7 @@ TEST(Metrics, HistogramOfMostlyEqualTensorsCountsZerosOnceAndLeavesNaNOut) {
     ++reference[diff == 0 ? 0 : bin];
   }
   ASSERT_GT(nan, 0u);
-  EXPECT_EQ(compare(a, b).histogram, reference);
+  EXPECT_EQ(metrics_of(a, b).histogram, reference);
 }
 
 }  // namespace
