@@ -33,7 +33,8 @@ std::optional<double> dump_tolerance(const formats::Provenance& provenance,
   if (parsed.ec != std::errc() || parsed.ptr != text.data() + text.size() ||
       !valid_tolerance(value)) {
     throw FormatError(dump.string() + ": provenance " + key + "=" + formats::quoted_name(text) +
-                      " is not a finite number >= 0; give the tolerance with --" + key);
+                      " is not a finite number >= 0 (a damaged dump); `dynaprobe compare --" + key +
+                      " X` judges it with a tolerance of your own");
   }
   return value;
 }

@@ -308,6 +308,8 @@ TEST(Engine, ToleranceThatIsNotAFiniteNonNegativeNumberIsRefused) {
     const auto path = dir.path() / name;
     const std::string message = error_of<dynaprobe::FormatError>([&] { compare(path, path, {}); });
     EXPECT_NE(message.find("provenance atol="), std::string::npos) << message;
+    // It says how to judge the dump anyway: the one command that takes a tolerance.
+    EXPECT_NE(message.find("`dynaprobe compare --atol X`"), std::string::npos) << message;
     CompareOptions given;  // the user's own tolerance replaces the damaged one
     given.atol = 1e-4;
     EXPECT_TRUE(compare(path, path, given).all_pass());
