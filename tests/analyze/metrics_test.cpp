@@ -16,7 +16,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 TensorMetrics metrics_of(const std::vector<float>& a, const std::vector<float>& b,
-                      Tolerances tolerances = {}) {
+                         Tolerances tolerances = {}) {
   MetricsAccumulator accumulator;
   accumulator.accumulate(a.data(), b.data(), a.size(), 0, tolerances);
   return accumulator.result();

@@ -273,14 +273,14 @@ class SmallDisk {
   std::string why_not_;
 };
 
-// Step 1 of `dir`, 16 MiB in chunks of 1 MiB, cannot be stored (`reason`, strerror's text, while
-// `limit` lives): whichever way its chunks go to the disk (from the record's own page-aligned
-// memory, copied from unaligned memory, compressed), write() fails with IoError naming the file
-// and the reason, the step cannot be committed, its partial file goes, and step 0 reads back
-// intact.
-template <typename Limit>
-void expect_a_lost_step_keeps_the_earlier(const fs::path& dir, const std::string& reason,
-                                          const std::function<Limit(std::uintmax_t)>& limit) {
+// Step 1 of `dir`, 16 MiB in chunks of 1 MiB, cannot be stored (`reason`, strerror's text; a full
+// disk, or the file-size limit `limit` makes of step 0's file size): whichever way its chunks go to
+// the disk (from the record's own page-aligned memory, copied from unaligned memory, compressed),
+// write() fails with IoError naming the file and the reason, the step cannot be committed, its
+// partial file goes, and step 0 reads back intact.
+void expect_a_lost_step_keeps_the_earlier(
+    const fs::path& dir, const std::string& reason,
+    const std::function<std::unique_ptr<FileSizeLimit>(std::uintmax_t)>& limit) {
   constexpr std::size_t kBytes = 16 << 20;
   constexpr std::size_t kPage = 4096;
   const std::vector<std::byte> random = testing::random_bytes(kBytes, 7);
@@ -316,7 +316,7 @@ void expect_a_lost_step_keeps_the_earlier(const fs::path& dir, const std::string
     fs::path partial = dir / step_file_name(1);
     partial += ".partial";
     {
-      const Limit in_force = limit(committed_size);
+      const auto in_force = limit(committed_size);
       StepWriter writer(dir, 1, {});
       try {
         writer.write(record);
@@ -337,7 +337,7 @@ void expect_a_lost_step_keeps_the_earlier(const fs::path& dir, const std::string
 // past a file-size limit fails as the file is given room for it.
 TEST(CrashSafety, WritePastAFileSizeLimitIsIoErrorFromWriteAndKeepsEarlierSteps) {
   const testing::TempDir tmp;
-  expect_a_lost_step_keeps_the_earlier<std::unique_ptr<FileSizeLimit>>(
+  expect_a_lost_step_keeps_the_earlier(
       tmp.path(), std::strerror(EFBIG), [](std::uintmax_t committed_size) {
         return std::make_unique<FileSizeLimit>(committed_size + (3 << 20));
       });
@@ -349,8 +349,9 @@ TEST(CrashSafety, FullDiskIsIoErrorFromWriteAndKeepsEarlierSteps) {
   const testing::TempDir tmp;
   const SmallDisk disk(tmp.path(), 6 << 20);
   if (!disk.why_not().empty()) GTEST_SKIP() << disk.why_not();
-  expect_a_lost_step_keeps_the_earlier<int>(disk.path(), std::strerror(ENOSPC),
-                                            [](std::uintmax_t) { return 0; });
+  expect_a_lost_step_keeps_the_earlier(disk.path(), std::strerror(ENOSPC), [](std::uintmax_t) {
+    return std::unique_ptr<FileSizeLimit>();  // the disk itself is the limit
+  });
 }
 
 TEST(CrashSafety, DumpFolderUnderARegularFileIsIoErrorNamingThePath) {

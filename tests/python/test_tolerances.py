@@ -75,16 +75,18 @@ def test_several_steps_say_where_the_root_cause_first_appears(tmp_path, dynaprob
             in proc.stdout)
 
 
-def test_a_replay_reads_the_dumps_tolerances_with_the_engines_parser():
+def test_a_replay_reads_the_dumps_tolerances_with_the_engines_parser(tmp_path):
     """repro and bisect judge a replay with the step's tolerances as `dynaprobe compare` reads
-    them: the defaults where the dump names none, and a damaged value is an error naming the dump,
-    not a silent default."""
-    from dynaprobe import FormatError, _C
+    them: the dump's own, and a damaged value is an error naming the dump and the command that
+    judges it anyway, not a silent default."""
+    from dynaprobe import FormatError
+    from dynaprobe._replay import load_call
 
-    checker = PrecisionChecker()
-    defaults = _C.Judging.of_dump({}, "dump")
-    assert (defaults.atol, defaults.rtol) == (checker.threshold, checker.rtol)
-    stored = _C.Judging.of_dump({"atol": "0.5", "rtol": "1e-05"}, "dump")
-    assert (stored.atol, stored.rtol) == (0.5, 1e-05)
-    with pytest.raises(FormatError, match="/runs/a/step_00000000.h5: provenance atol='x'"):
-        _C.Judging.of_dump({"atol": "x"}, "/runs/a/step_00000000.h5")
+    result = _run(tmp_path, rtol=2e-3)[0]
+    call = load_call(result.dump_file, result.root_cause["forward"]["module"])
+    assert call.tolerances == (PrecisionChecker().threshold, 2e-3)
+    call.provenance["atol"] = "x"
+    with pytest.raises(FormatError) as damaged:
+        call.tolerances
+    assert f"{result.dump_file}: provenance atol='x'" in str(damaged.value)
+    assert "`dynaprobe compare --atol X`" in str(damaged.value)
