@@ -153,23 +153,56 @@ void check_module_glob(const std::string& glob, const OpenDump& eager, const Ope
       "'layers.*'");
 }
 
-// A row's reference verdict, and with it (unless the tolerances alone decide) its status.
-void apply_reference(Row& row, const StepReport& report) {
-  row.reference_verdict = reference_verdict(row, report.tolerances);
-  if (row.reference_verdict.empty() || !report.reference_decides || !row.metrics) return;
-  row.tolerance_status = row.status;
-  row.status = row.reference_verdict == "noise" ? Status::kPass : Status::kFail;
+// The unit roundoff a row computed in: its own dtypes', or the autocast its module ran under
+// (the capture's cast_dtype, or the user's own torch.autocast), whichever is coarser.
+double row_roundoff(const Row& row, const StepReport& report) {
+  double roundoff = 0;
+  if (row.eager) roundoff = std::max(roundoff, unit_roundoff(row.eager->dtype));
+  if (row.compiled) roundoff = std::max(roundoff, unit_roundoff(row.compiled->dtype));
+  roundoff = std::max(roundoff, unit_roundoff_of_name(report.cast_dtype));
+  auto module = report.modules.find(row.module);
+  if (module != report.modules.end()) {
+    auto autocast = module->second.find(std::string(vocabulary::provenance::kAutocast));
+    if (autocast != module->second.end()) {
+      roundoff = std::max(roundoff, unit_roundoff_of_name(autocast->second));
+    }
+  }
+  return roundoff;
+}
+
+// A row's verdict beyond the tolerances: the reference's, which (unless the tolerances alone
+// decide) becomes its status; without one (and unless the tolerances alone decide), a float32 row that passes the tolerances but is beyond
+// fp32 noise relative to its own magnitude FAILs (judging.h, relative_screen).
+void judge_row(Row& row, const StepReport& report) {
+  if (!row.metrics) return;
+  if (row.reference_eager && row.reference_compiled) {
+    const NoiseMeasure measure = measure_noise(*row.reference_eager, *row.reference_compiled,
+                                               row_roundoff(row, report), report.tolerances.atol / 20);
+    row.reference_verdict = measure.divergence ? "divergence" : "noise";
+    row.noise_units = measure.units;
+    if (!report.reference_decides) return;
+    row.tolerance_status = row.status;
+    row.status = measure.divergence ? Status::kFail : Status::kPass;
+    return;
+  }
+  if (!report.reference_decides || row.status != Status::kPass || !row.eager || !row.compiled ||
+      !row.note.empty()) {
+    return;
+  }
+  const double relative = relative_error(*row.metrics);
+  if (relative > relative_screen(row.eager->dtype, row.compiled->dtype)) {
+    row.beyond_screen = relative;
+    row.tolerance_status = Status::kPass;
+    row.status = Status::kFail;
+    row.reason += (row.reason.empty() ? "" : "; ") + std::string("beyond fp32 noise: rmse ") +
+                  detail::printf_string("%.1e", relative) + " of its magnitude (screen " +
+                  detail::printf_string(
+                      "%.1e", relative_screen(row.eager->dtype, row.compiled->dtype)) +
+                  "); tolerances pass";
+  }
 }
 
 }  // namespace
-
-std::string reference_verdict(const Row& row, const Tolerances& step_tolerances) {
-  if (!row.reference_eager || !row.reference_compiled) return "";
-  const double eager = row.reference_eager->rmse, compiled = row.reference_compiled->rmse;
-  if (!std::isfinite(compiled)) return "divergence";
-  if (!std::isfinite(eager)) return "noise";
-  return compiled <= kReferenceFactor * eager + step_tolerances.atol / 10 ? "noise" : "divergence";
-}
 
 void require_committed_steps(const fs::path& path, const formats::DumpFiles& files) {
   if (!files.steps.empty()) return;
@@ -424,7 +457,7 @@ void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
   }
   run_tasks(tasks, options);
   for (StepReport& report : result.steps) {
-    for (Row& row : report.rows) apply_reference(row, report);
+    for (Row& row : report.rows) judge_row(row, report);
     find_root_cause(report);
   }
 }

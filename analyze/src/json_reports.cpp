@@ -353,9 +353,13 @@ class Reader {
       eager.max_abs = number(reference["eager_max_abs"], "eager_max_abs");
       compiled.rmse = number(reference["compiled_rmse"], "compiled_rmse");
       compiled.max_abs = number(reference["compiled_max_abs"], "compiled_max_abs");
+      eager.rms_eager = number(reference["reference_rms"], "reference_rms");
+      row.noise_units = optional_number(reference["noise_units"], "noise_units");
       row.reference_eager = eager;
       row.reference_compiled = compiled;
     }
+    row.beyond_screen = optional_number(value["fp32_screen"], "fp32_screen");
+    if (row.beyond_screen) row.tolerance_status = Status::kPass;
     if (!value["metrics"].is_null()) row.metrics = metrics(value["metrics"]);
     return row;
   }

@@ -185,6 +185,73 @@ formats::Provenance judging_provenance(const Judging& judging) {
   return provenance;
 }
 
+double unit_roundoff(formats::DType dtype) {
+  switch (dtype) {
+    case formats::DType::kBFloat16:
+      return 0x1p-8;
+    case formats::DType::kFloat16:
+    case formats::DType::kComplex32:
+      return 0x1p-11;
+    case formats::DType::kFloat32:
+    case formats::DType::kComplex64:
+      return 0x1p-24;
+    case formats::DType::kFloat64:
+    case formats::DType::kComplex128:
+      return 0x1p-53;
+    case formats::DType::kFloat8E4M3FN:
+    case formats::DType::kFloat8E4M3FNUZ:
+      return 0x1p-4;
+    case formats::DType::kFloat8E5M2:
+    case formats::DType::kFloat8E5M2FNUZ:
+      return 0x1p-3;
+    default:
+      return 0;
+  }
+}
+
+double unit_roundoff_of_name(std::string_view torch_dtype) {
+  if (torch_dtype == "torch.bfloat16") return unit_roundoff(formats::DType::kBFloat16);
+  if (torch_dtype == "torch.float16") return unit_roundoff(formats::DType::kFloat16);
+  return 0;
+}
+
+NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
+                           const TensorMetrics& reference_compiled, double roundoff,
+                           double legacy_floor) {
+  NoiseMeasure measure;
+  const double eager = reference_eager.rmse, compiled = reference_compiled.rmse;
+  const double magnitude = reference_eager.rms_eager;  // the reference's (side a)
+  const double floor = magnitude == formats::kMetricNotStored ? legacy_floor : roundoff * magnitude;
+  if (!std::isfinite(compiled)) {
+    measure.noise = eager;
+    measure.units = INFINITY;
+    measure.divergence = true;
+    return measure;
+  }
+  if (!std::isfinite(eager)) {  // eager has NaN/Inf and compiled none: it cannot be beaten
+    measure.noise = eager;
+    return measure;
+  }
+  measure.noise = std::max(eager, std::isfinite(floor) ? floor : 0.0);
+  measure.units = compiled == 0 ? 0 : measure.noise > 0 ? compiled / measure.noise : INFINITY;
+  measure.divergence = measure.units > kReferenceFactor;
+  return measure;
+}
+
+double relative_error(const TensorMetrics& metrics) {
+  const double magnitude = metrics.rms_eager;
+  if (magnitude == formats::kMetricNotStored || !(magnitude > 0) || !std::isfinite(magnitude)) {
+    return NAN;
+  }
+  return metrics.rmse / magnitude;
+}
+
+double relative_screen(formats::DType eager, formats::DType compiled) {
+  const double roundoff = std::max(unit_roundoff(eager), unit_roundoff(compiled));
+  if (roundoff == 0 || roundoff > unit_roundoff(formats::DType::kFloat32)) return NAN;
+  return kRelativeScreenRoundings * unit_roundoff(formats::DType::kFloat32);
+}
+
 bool recorded_once(formats::Kind kind, bool single_pass) {
   return single_pass && (kind == formats::Kind::kFwdInput || kind == formats::Kind::kGradOutput);
 }

@@ -350,7 +350,12 @@ TensorMetrics MetricsAccumulator::result() const {
   m.max_tol_ratio = nan_ratio_ ? kNaN : max_ratio_;
   m.allclose = mismatches_ == 0;
   m.cosine = norm_a_ == 0 && norm_b_ == 0 ? 1.0 : dot_ / std::sqrt(norm_a_ * norm_b_);
-  m.rmse = nan_diff_ ? kNaN : count_ ? std::sqrt(sum_squares_ / static_cast<double>(count_)) : 0.0;
+  const auto rms = [&](double sum_squares) {
+    return count_ ? std::sqrt(sum_squares / static_cast<double>(count_)) : 0.0;
+  };
+  m.rmse = nan_diff_ ? kNaN : rms(sum_squares_);
+  m.rms_eager = rms(norm_a_);
+  m.rms_compiled = rms(norm_b_);
   m.mismatches = mismatches_;
   m.nan_eager = nan_a_;
   m.nan_compiled = nan_b_;

@@ -45,9 +45,15 @@ Numbers numbers(const Row& row) {
   return {INFINITY, INFINITY, INFINITY};
 }
 
+std::string noise_units_text(double units) {
+  if (!std::isfinite(units)) return "inf x noise";
+  return format_float(units, units < 10 ? "%.1f" : "%.0f") + "x noise";
+}
+
 std::string reference_text(const Row& row) {
   std::string text = (row.reference_dtype.empty() ? "fp64" : row.reference_dtype) + ": " +
                      row.reference_verdict +
+                     (row.noise_units ? ", " + noise_units_text(*row.noise_units) : "") +
                      " (rmse compiled=" + format_float(row.reference_compiled->rmse, "%.1e") +
                      " eager=" + format_float(row.reference_eager->rmse, "%.1e");
   if (row.tolerance_status) {

@@ -24,8 +24,11 @@ struct Numbers {
   double max_abs, mean_abs, max_rel;
 };
 Numbers numbers(const Row& row);
-// The reference verdict of a row: "fp32: noise (rmse compiled=1.2e-03 eager=1.0e-03)", with
-// "; tolerances fail" (or pass) inside the parentheses when the verdict decided the status.
+// A compiled error in units of the noise (Row::noise_units): "1.2x noise", "35x noise".
+std::string noise_units_text(double units);
+// The reference verdict of a row: "fp32: noise, 1.2x noise (rmse compiled=1.2e-03
+// eager=1.0e-03)", with "; tolerances fail" (or pass) inside the parentheses when the verdict
+// decided the status.
 std::string reference_text(const Row& row);
 // The CSV's note column: "NOTE: reason; fp64: ...".
 std::string row_note(const Row& row);

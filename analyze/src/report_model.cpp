@@ -118,6 +118,8 @@ Value reference_model(const Row& row) {
                        {"compiled_rmse", row.reference_compiled->rmse},
                        {"eager_max_abs", row.reference_eager->max_abs},
                        {"compiled_max_abs", row.reference_compiled->max_abs},
+                       {"noise_units", row.noise_units ? Value(*row.noise_units) : Value()},
+                       {"reference_rms", row.reference_eager->rms_eager},
                        {"factor", kReferenceFactor}};
 }
 
@@ -208,6 +210,7 @@ Value row_model(const Row& row) {
       {"compiled", side_model(row.compiled)},
       {"tolerances", row.tolerances ? tolerances_model(*row.tolerances) : Value()},
       {"reference", reference_model(row)},
+      {"fp32_screen", row.beyond_screen ? Value(*row.beyond_screen) : Value()},
       {"metrics", metrics_model(row)}};
 }
 

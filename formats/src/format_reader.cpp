@@ -121,13 +121,17 @@ std::vector<StoredMetrics> read_stored_metrics(hid_t file, const std::vector<Rec
                       " checksum does not match the metrics (a damaged disk, or the file was "
                       "edited in place)");
   }
-  // A table from before max_tol_ratio: its default, 0, would say "every element within
-  // tolerance", so it reads as not stored.
-  const bool has_tol_ratio = H5Tget_member_index(stored_type.get(), "max_tol_ratio") >= 0;
+  // A table from before max_tol_ratio (or rms_eager, rms_compiled): its default, 0, would say
+  // "every element within tolerance" (or "all zeros"), so it reads as not stored.
+  const auto has = [&](const char* member) {
+    return H5Tget_member_index(stored_type.get(), member) >= 0;
+  };
+  const bool has_tol_ratio = has("max_tol_ratio"), has_rms = has("rms_eager");
   std::vector<StoredMetrics> metrics;
   metrics.reserve(rows.size());
   for (MetricsRow& row : rows) {
-    if (!has_tol_ratio) row.metrics.max_tol_ratio = kTolRatioNotStored;
+    if (!has_tol_ratio) row.metrics.max_tol_ratio = kMetricNotStored;
+    if (!has_rms) row.metrics.rms_eager = row.metrics.rms_compiled = kMetricNotStored;
     if (row.record >= record_of_index_row.size()) {
       throw FormatError(context + ": damaged: a row names index row " + std::to_string(row.record) +
                         ", but the index has " + std::to_string(record_of_index_row.size()));

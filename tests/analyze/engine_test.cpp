@@ -588,7 +588,7 @@ TEST(Engine, TheReferenceVerdictDecidesTheRowUnlessTheTolerancesAreAskedFor) {
   write_referenced_step(dir.path(), 4e-3f, -4e-3f, {});
   const std::string text = render_text(compare(dir.path(), dir.path(), {}).steps[0]);
   EXPECT_NE(text.find("[OK] max_abs="), std::string::npos) << text;
-  EXPECT_NE(text.find("fp32: noise (rmse compiled=4.0e-03 eager=4.0e-03; tolerances fail)"),
+  EXPECT_NE(text.find("fp32: noise, 1.0x noise (rmse compiled=4.0e-03 eager=4.0e-03; tolerances fail)"),
             std::string::npos)
       << text;
   EXPECT_NE(text.find("RESULT: ALL PASS  (1 pass only within reference noise; atol=1e-4"),
@@ -596,18 +596,70 @@ TEST(Engine, TheReferenceVerdictDecidesTheRowUnlessTheTolerancesAreAskedFor) {
       << text;
 }
 
-TEST(Engine, ReferenceVerdictOfNonFiniteErrors) {
-  Row row;
-  row.reference_eager = TensorMetrics{};
-  row.reference_compiled = TensorMetrics{};
-  row.reference_eager->rmse = 1e-3;
-  row.reference_compiled->rmse = NAN;
-  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "divergence");
-  row.reference_eager->rmse = INFINITY;
-  row.reference_compiled->rmse = 1e-3;
-  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "noise");
-  row.reference_eager.reset();
-  EXPECT_EQ(reference_verdict(row, {1e-4, 1e-3}), "");
+TEST(Engine, NoiseRuleOfNonFiniteErrors) {
+  TensorMetrics eager, compiled;
+  eager.rmse = 1e-3;
+  eager.rms_eager = 1;
+  compiled.rmse = NAN;
+  EXPECT_TRUE(measure_noise(eager, compiled, 0x1p-8, 0).divergence);
+  eager.rmse = INFINITY;  // eager's own NaN/Inf: a finite compiled side cannot be beaten
+  compiled.rmse = 1e-3;
+  EXPECT_FALSE(measure_noise(eager, compiled, 0x1p-8, 0).divergence);
+}
+
+// The rule has no absolute term: the same relative errors give the same verdict and the same
+// units at every magnitude (a loss scaled by 1e-8 .. 1e4), where `rmse <= 2 * eager + atol / 10`
+// called every error below 1e-5 noise.
+TEST(Engine, NoiseRuleIsTheSameAtEveryScale) {
+  for (const double scale : {1e-12, 1e-8, 1e-3, 1.0, 1e4}) {
+    TensorMetrics eager, compiled;
+    eager.rms_eager = compiled.rms_eager = scale;  // the reference's magnitude
+    eager.rmse = 4e-3 * scale;                     // eager's own error: one bf16 rounding
+    compiled.rmse = 5e-2 * scale;                  // 5%: 12.5x eager's
+    const NoiseMeasure fault = measure_noise(eager, compiled, 0x1p-8, 1e-5);
+    EXPECT_TRUE(fault.divergence) << scale;
+    EXPECT_NEAR(fault.units, 12.5, 1e-9) << scale;
+    compiled.rmse = 6e-3 * scale;  // 1.5x: noise
+    EXPECT_FALSE(measure_noise(eager, compiled, 0x1p-8, 1e-5).divergence) << scale;
+    // Eager exact: the floor is one rounding of bf16 at the reference's magnitude.
+    eager.rmse = 0;
+    compiled.rmse = 0x1p-8 * scale;
+    const NoiseMeasure floor = measure_noise(eager, compiled, 0x1p-8, 1e-5);
+    EXPECT_FALSE(floor.divergence) << scale;
+    EXPECT_NEAR(floor.units, 1.0, 1e-9) << scale;
+  }
+}
+
+// Zeros: an all-zero reference that both sides get exactly is noise (0 units); compiled values
+// where eager and the reference are exactly zero diverge. A dump from before rms_eager (the
+// reference's magnitude not stored) takes the legacy floor.
+TEST(Engine, NoiseRuleOfZerosAndOfOldDumps) {
+  TensorMetrics eager, compiled;
+  NoiseMeasure zeros = measure_noise(eager, compiled, 0x1p-8, 0);
+  EXPECT_FALSE(zeros.divergence);
+  EXPECT_EQ(zeros.units, 0);
+  compiled.rmse = 1e-30;
+  EXPECT_TRUE(measure_noise(eager, compiled, 0x1p-8, 0).divergence);
+  eager.rms_eager = formats::kMetricNotStored;
+  EXPECT_FALSE(measure_noise(eager, compiled, 0x1p-8, 1e-6).divergence);
+}
+
+// The fp32 screen: relative to eager's own magnitude, only for float32/float64 rows, and never
+// for a tensor whose magnitude is zero or unknown.
+TEST(Engine, RelativeScreenIsForFloat32RowsAndScaleFree) {
+  using formats::DType;
+  EXPECT_NEAR(relative_screen(DType::kFloat32, DType::kFloat32), 0x1p-12, 0);
+  EXPECT_TRUE(std::isnan(relative_screen(DType::kBFloat16, DType::kFloat32)));
+  EXPECT_TRUE(std::isnan(relative_screen(DType::kInt64, DType::kInt64)));
+  TensorMetrics metrics;
+  EXPECT_TRUE(std::isnan(relative_error(metrics)));  // all zeros
+  metrics.rms_eager = formats::kMetricNotStored;
+  EXPECT_TRUE(std::isnan(relative_error(metrics)));
+  for (const double scale : {1e-9, 1.0, 1e4}) {
+    metrics.rms_eager = scale;
+    metrics.rmse = 1e-2 * scale;
+    EXPECT_NEAR(relative_error(metrics), 1e-2, 1e-12) << scale;
+  }
 }
 
 // Calls that got no reference (reference_missing, reference_error) are a WARN row naming why,

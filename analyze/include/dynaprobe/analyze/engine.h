@@ -56,11 +56,16 @@ struct Row {
   std::optional<Tolerances> tolerances;
   // The reference (PrecisionChecker(reference=...), on by default in bf16/fp16): each side's
   // error against the module re-run in a wider dtype on the same inputs, and the verdict drawn
-  // from them (kReferenceFactor). With a verdict, it decides the status (unless the dump's
+  // from them (judging.h, the noise rule). With a verdict, it decides the status (unless the dump's
   // verdict is "tolerances"), and tolerance_status keeps what the tolerances alone said.
   std::optional<TensorMetrics> reference_eager;     // reference (a) vs eager (b)
   std::optional<TensorMetrics> reference_compiled;  // reference (a) vs compiled (b)
   std::string reference_verdict;                    // "noise", "divergence" or empty
+  // With a verdict: the compiled error in units of the noise (judging.h, NoiseMeasure::units).
+  std::optional<double> noise_units;
+  // A float32 row without a verdict: its RMSE relative to eager's magnitude when that is beyond
+  // fp32 noise (judging.h, relative_screen), which made it FAIL.
+  std::optional<double> beyond_screen;
   std::string reference_dtype;                      // "fp32", "fp64": what the reference ran in
   std::optional<Status> tolerance_status;           // with a verdict: the tolerance check's
   // Where its record stands in capture order (the compiled side's, else the eager side's): the
@@ -74,16 +79,6 @@ struct Row {
             formats::is_complex(eager->dtype) != formats::is_complex(compiled->dtype));
   }
 };
-
-// The reference rule, as torch._dynamo.utils.same(fp64_ref=...) draws it for whole graphs:
-// the compiled side is noise when its RMSE against the reference is within kReferenceFactor times
-// eager's own RMSE against it, plus atol / 10; beyond that it diverges.
-inline constexpr double kReferenceFactor = 2.0;
-
-// The verdict of that rule for one row, from both sides' metrics against the reference: "noise"
-// or "divergence"; empty without both. A compiled side with NaN/Inf where the reference has none
-// diverges; an eager side with them (and a finite compiled one) cannot be beaten: noise.
-std::string reference_verdict(const Row& row, const Tolerances& step_tolerances);
 
 // Where a step's differences start: the first row in execution order that FAILs, and whether
 // the module made the difference itself or received it. See root_cause.h.

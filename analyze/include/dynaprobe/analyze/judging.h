@@ -69,6 +69,48 @@ formats::Provenance judging_provenance(const Judging& judging);
 // held.
 std::string tolerance_text(double value);
 
+// The noise rule (docs/guide/diagnosis.md, "Is it noise? The reference decides"), the one judge of
+// the module rows, the op rows of `bisect --ops` and the capture's in-memory judging. Every term is
+// relative to the tensors judged, so that multiplying a loss (or a linear module's inputs) by any
+// constant changes no verdict:
+//   noise      = max(rmse(reference, eager), roundoff * rms(reference))
+//   units      = rmse(reference, compiled) / noise     (the report's "N x noise")
+//   divergence = units > kReferenceFactor, or NaN/Inf in compiled where eager has none
+// `roundoff` is the unit roundoff of the dtype the call computes in (noise_roundoff): the floor
+// is one rounding of that dtype at the reference's magnitude, for rows that eager gets exactly.
+inline constexpr double kReferenceFactor = 2.0;
+
+// The unit roundoff of a dtype (half its machine epsilon): bfloat16 2^-8, float16 2^-11,
+// float32 2^-24, float64 2^-53, the float8s 2^-4 (e4m3) and 2^-3 (e5m2); 0 for others.
+double unit_roundoff(formats::DType dtype);
+// The unit roundoff of a torch dtype's name ("torch.bfloat16", as a capture's cast_dtype and
+// autocast say it); 0 for a name it does not know.
+double unit_roundoff_of_name(std::string_view torch_dtype);
+
+// A row's noise against its reference, and its compiled error in units of it.
+struct NoiseMeasure {
+  double noise = 0;  // max(eager's own RMSE, roundoff * rms(reference))
+  double units = 0;  // compiled RMSE / noise: 0 when both are 0, inf when only noise is
+  bool divergence = false;
+};
+// The rule on both sides' metrics against the reference (reference = a, eager or compiled = b).
+// A reference magnitude not stored (a dump from before rms_eager) takes `legacy_floor` instead of
+// roundoff * rms(reference).
+NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
+                           const TensorMetrics& reference_compiled, double roundoff,
+                           double legacy_floor);
+
+// The relative screen of a float32 (or float64) row that has no reference verdict: its RMSE
+// relative to eager's own magnitude, which is fp32 noise up to kRelativeScreen(dtype) (measured on
+// the suite: docs/guide/diagnosis.md). Beyond it, a row the tolerances pass is no silent pass: it
+// FAILs as beyond fp32 noise. NaN when it cannot be told: eager all zeros, or a dump without
+// rms_eager.
+inline constexpr double kRelativeScreenRoundings = 0x1p12;  // of float32: about 2.4e-4
+double relative_error(const TensorMetrics& metrics);
+// kRelativeScreenRoundings float32 roundings for a row whose sides are float32 or float64 (real
+// or complex); NaN (no screen) for others: reduced precision, integers, bool.
+double relative_screen(formats::DType eager, formats::DType compiled);
+
 // Single-pass records a fwd_input and a grad_output once, for both sides (the eager re-run gets
 // the very inputs and grad_output of the compiled call): such a record is compared with itself.
 bool recorded_once(formats::Kind kind, bool single_pass);

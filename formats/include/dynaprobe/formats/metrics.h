@@ -30,8 +30,9 @@ struct Tolerances {
   double rtol = 1e-3;
 };
 
-// TensorMetrics::max_tol_ratio of a pair whose stored metrics lack it (a ratio is never negative).
-inline constexpr double kTolRatioNotStored = -1;
+// A metric that a pair's stored metrics lack (a dump's /metrics written before that metric
+// existed): max_tol_ratio, rms_eager and rms_compiled are never negative.
+inline constexpr double kMetricNotStored = -1;
 
 // The result of comparing two tensors.
 struct TensorMetrics {
@@ -41,12 +42,16 @@ struct TensorMetrics {
   // max |a - b| / (atol + rtol * |b|) with the tolerances the row is judged with: the error in
   // units of the tolerance, so an element is outside tolerance exactly when its ratio is above 1
   // (up to float32 rounding); 0 for equal elements (equal infinities too), inf where the allowed
-  // error is 0, NaN when a difference is NaN. kTolRatioNotStored when unknown: a dump's /metrics
+  // error is 0, NaN when a difference is NaN. kMetricNotStored when unknown: a dump's /metrics
   // written before this metric existed.
   double max_tol_ratio = 0;
   bool allclose = true;
   double cosine = 1;  // 1 for two all-zero tensors
   double rmse = 0;
+  // The root mean square of each side: the magnitude errors are relative to (the noise rule's
+  // floor and the relative screen, analyze/judging.h). kMetricNotStored when unknown.
+  double rms_eager = 0;
+  double rms_compiled = 0;
   std::uint64_t elements = 0;
   std::uint64_t mismatches = 0;  // elements outside tolerance
   std::uint64_t nan_eager = 0;
@@ -79,6 +84,8 @@ inline constexpr MetricField kMetricFields[] = {
     {"allclose", offsetof(TensorMetrics, allclose), MetricType::kBool},
     {"cosine", offsetof(TensorMetrics, cosine), MetricType::kFloat64},
     {"rmse", offsetof(TensorMetrics, rmse), MetricType::kFloat64},
+    {"rms_eager", offsetof(TensorMetrics, rms_eager), MetricType::kFloat64},
+    {"rms_compiled", offsetof(TensorMetrics, rms_compiled), MetricType::kFloat64},
     {"elements", offsetof(TensorMetrics, elements), MetricType::kUInt64},
     {"mismatches", offsetof(TensorMetrics, mismatches), MetricType::kUInt64},
     {"nan_eager", offsetof(TensorMetrics, nan_eager), MetricType::kUInt64},
