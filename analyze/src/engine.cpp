@@ -185,12 +185,16 @@ void judge_row(Row& row, const StepReport& report) {
     row.status = measure.divergence ? Status::kFail : Status::kPass;
     return;
   }
-  if (!report.reference_decides || row.status != Status::kPass || !row.eager || !row.compiled ||
-      !row.note.empty()) {
+  if (row.status != Status::kPass || !row.kind || !row.eager || !row.compiled || !row.note.empty()) {
     return;
   }
-  const double relative = relative_error(*row.metrics);
-  if (relative > relative_screen(row.eager->dtype, row.compiled->dtype)) {
+  Judging judging;
+  judging.tolerances = report.tolerances;
+  judging.rules = report.tolerance_rules;
+  judging.reference_decides = report.reference_decides;
+  if (judging.beyond_screen(row.module, *row.kind, row.eager->dtype, row.compiled->dtype,
+                            *row.metrics)) {
+    const double relative = relative_error(*row.metrics);
     row.beyond_screen = relative;
     row.tolerance_status = Status::kPass;
     row.status = Status::kFail;

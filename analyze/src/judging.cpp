@@ -20,6 +20,13 @@ bool matches(const std::string& glob, const std::string& name) {
   return fnmatch(glob.c_str(), name.c_str(), 0) == 0;
 }
 
+// A rule matches a row by its module, its check type or its name ("layers.0.grad_input").
+bool rule_matches(const ToleranceRule& rule, const std::string& module, formats::Kind kind) {
+  const std::string kind_text(formats::kind_name(kind));
+  return matches(rule.pattern, module) || matches(rule.pattern, kind_text) ||
+         matches(rule.pattern, module + "." + kind_text);
+}
+
 // The dump's own tolerance (its provenance), if it has one. One that is not a valid tolerance is
 // damage, reported as such rather than replaced by a default.
 std::optional<double> dump_tolerance(const formats::Provenance& provenance,
@@ -104,15 +111,20 @@ Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind
       result.rtol = std::max(result.rtol, floor.rtol);
     }
   }
-  const std::string kind_text(formats::kind_name(kind));
-  const std::string name = module + "." + kind_text;
   for (const ToleranceRule& rule : rules) {
-    if (matches(rule.pattern, module) || matches(rule.pattern, kind_text) ||
-        matches(rule.pattern, name)) {
-      result = rule.tolerances;
-    }
+    if (rule_matches(rule, module, kind)) result = rule.tolerances;
   }
   return result;
+}
+
+bool Judging::beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
+                            formats::DType compiled, const TensorMetrics& metrics) const {
+  if (!reference_decides || !(relative_error(metrics) > relative_screen(eager, compiled))) {
+    return false;
+  }
+  return std::none_of(rules.begin(), rules.end(), [&](const ToleranceRule& rule) {
+    return rule_matches(rule, module, kind);
+  });
 }
 
 Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump,

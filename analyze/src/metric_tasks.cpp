@@ -58,11 +58,23 @@ class ProgressTicker {
   std::thread thread_;
 };
 
-// The metrics the capture stored for a task's pair, if they hold for the task's tolerances.
+// The metrics the capture stored for a task's pair, if they hold for the task's tolerances: a
+// row's under its compiled record's key; a side against the reference (which the tolerances do
+// not change) under the eager record's key (reference vs eager) or the reference record's
+// (reference vs compiled). See capture's PairJudge.
 const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
-  if (task.target != Target::kRow) return nullptr;
-  const formats::StoredMetrics* stored = task.compiled_reader->find_metrics(task.compiled->key);
-  return stored && stored_metrics_hold(*stored, task.tolerances) ? stored : nullptr;
+  switch (task.target) {
+    case Target::kRow: {
+      const formats::StoredMetrics* stored =
+          task.compiled_reader->find_metrics(task.compiled->key);
+      return stored && stored_metrics_hold(*stored, task.tolerances) ? stored : nullptr;
+    }
+    case Target::kReferenceEager:
+      return task.compiled_reader->find_metrics(task.compiled->key);
+    case Target::kReferenceCompiled:
+      return task.eager_reader->find_metrics(task.eager->key);
+  }
+  return nullptr;
 }
 
 // A pair judged at capture that cannot be judged again with these tolerances: its tensors were

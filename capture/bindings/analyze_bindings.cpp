@@ -68,19 +68,22 @@ void bind_judging(py::module_& m) {
   py::class_<analyze::Judging>(m, "Judging", R"doc(
 The tolerances rows are judged with: atol and rtol, raised to the dtype-aware floor of either
 side's dtype (dtype_aware), then the last rule (pattern, atol, rtol) whose shell-style pattern
-matches the row's module, kind or name ("layers.*.mlp", "grad_*", "layers.0.grad_input").
+matches the row's module, kind or name ("layers.*.mlp", "grad_*", "layers.0.grad_input"); and
+whether a row's reference verdict decides it (reference_decides; False: verdict="tolerances").
 )doc")
-      .def(py::init([](double atol, double rtol, const std::vector<Rule>& rules, bool dtype_aware) {
+      .def(py::init([](double atol, double rtol, const std::vector<Rule>& rules, bool dtype_aware,
+                       bool reference_decides) {
              analyze::Judging judging;
              judging.tolerances = {atol, rtol};
              for (const auto& [pattern, rule_atol, rule_rtol] : rules) {
                judging.rules.push_back({pattern, {rule_atol, rule_rtol}});
              }
              judging.dtype_aware = dtype_aware;
+             judging.reference_decides = reference_decides;
              return judging;
            }),
            py::arg("atol"), py::arg("rtol"), py::arg("rules") = std::vector<Rule>{},
-           py::arg("dtype_aware") = true)
+           py::arg("dtype_aware") = true, py::arg("reference_decides") = true)
       .def_static(
           "of_dump",
           [](const dynaprobe::formats::Provenance& provenance, const std::filesystem::path& dump) {
@@ -101,7 +104,8 @@ matches the row's module, kind or name ("layers.*.mlp", "grad_*", "layers.0.grad
             return rules;
           },
           "(pattern, atol, rtol), the last match winning")
-      .def_readonly("dtype_aware", &analyze::Judging::dtype_aware);
+      .def_readonly("dtype_aware", &analyze::Judging::dtype_aware)
+      .def_readonly("reference_decides", &analyze::Judging::reference_decides);
 }
 
 // StepReport: one step's report, its rows as the report model's dicts.

@@ -70,9 +70,11 @@ bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std
   const auto tolerances =
       judging.row_tolerances(module, kind_arg(kind), eager_view.dtype, compiled_view.dtype);
   py::gil_scoped_release release;
-  return dynaprobe::analyze::compare_in_memory(eager_view, compiled_view, tolerances,
-                                               fmt::WriterOptions{}.chunk_bytes)
-      .allclose;
+  const fmt::TensorMetrics metrics = dynaprobe::analyze::compare_in_memory(
+      eager_view, compiled_view, tolerances, fmt::WriterOptions{}.chunk_bytes);
+  // A float32 pair the tolerances pass but beyond fp32 noise fails too (analyze/judging.h).
+  return metrics.allclose && !judging.beyond_screen(module, kind_arg(kind), eager_view.dtype,
+                                                    compiled_view.dtype, metrics);
 }
 
 // A Recorder as Python opens it: `store` named by its word (PrecisionChecker(dump=...)).
@@ -223,7 +225,8 @@ void bind_capture(py::module_& m) {
         py::arg("kind"), py::arg("judging"),
         "Whether the pair passes as the engine judges its row with `judging` (a Judging): its "
         "atol/rtol raised to the dtype-aware floor of either side's dtype, then the last rule "
-        "matching module or kind, then allclose.");
+        "matching module or kind, then allclose; and, for a float32 pair without a reference, "
+        "within fp32 noise relative to eager's magnitude (the screen).");
   bind_recorder(m);
   // The words of PrecisionChecker(dump=...), as the Recorder's `store` takes them: STORE_MODES,
   // and STORE_FULL = "full", STORE_FAILING, STORE_STATS.

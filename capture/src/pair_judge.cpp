@@ -1,5 +1,7 @@
 #include "pair_judge.h"
 
+#include <algorithm>
+
 #include "dynaprobe/formats/vocabulary.h"
 
 namespace dynaprobe::capture::detail {
@@ -12,23 +14,40 @@ PairJudge::PairJudge(analyze::Judging judging, const formats::Provenance& proven
       formats::provenance_value(provenance, vocabulary::provenance::kMode);
   single_pass_ = capture_mode == vocabulary::mode::kSinglePass;
   active_ = single_pass_ || capture_mode == vocabulary::mode::kTwoPass;
+  cast_roundoff_ = analyze::unit_roundoff_of_name(
+      formats::provenance_value(provenance, vocabulary::provenance::kCastDtype));
+}
+
+bool PairJudge::expects_reference(const formats::RecordKey& key) const {
+  if (key.kind == formats::Kind::kParamGrad) return referenced_modules_.count(key.module) > 0;
+  return referenced_calls_.count({key.module, key.call}) > 0;
 }
 
 void PairJudge::take(RecordItem item, std::vector<RecordItem>& store,
                      std::vector<RecordItem>& describe) {
   const formats::RecordKey& key = item.record.key;
   if (!active_ || key.kind == formats::Kind::kLoss || !formats::is_compared(key.kind) ||
-      key.side == formats::Side::kReference || spilled_.count(pair_key(key))) {
+      spilled_.count(pair_key(key))) {
     store.push_back(std::move(item));
     return;
   }
+  if (key.side == formats::Side::kReference) {
+    referenced_calls_.emplace(key.module, key.call);
+    referenced_modules_.insert(key.module);
+  }
   if (mode_ == StoreMode::kFull) store.push_back(item);
   const PairKey pair = pair_key(key);
+  const bool waits_for_reference = expects_reference(key);
   Slot& slot = pending_[pair];
   held_bytes_ += item.bytes;
-  (key.side == formats::Side::kEager ? slot.eager : slot.compiled) = std::move(item);
+  const formats::Side side = key.side;
+  (side == formats::Side::kEager      ? slot.eager
+   : side == formats::Side::kCompiled ? slot.compiled
+                                      : slot.reference) = std::move(item);
   order_.push_back(pair);
-  if (slot.eager && slot.compiled) finish(pair, store, describe);
+  if (slot.eager && slot.compiled && (slot.reference || !waits_for_reference)) {
+    finish(pair, store, describe);
+  }
   spill_over_cap(store);
 }
 
@@ -36,6 +55,41 @@ void PairJudge::end_step(std::vector<RecordItem>& store, std::vector<RecordItem>
   while (!pending_.empty()) finish(pending_.begin()->first, store, describe);
   order_.clear();
   spilled_.clear();
+  referenced_calls_.clear();
+  referenced_modules_.clear();
+}
+
+bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
+                      const RecordItem* reference) {
+  const formats::TensorView& a = eager.record.tensor;
+  const formats::TensorView& b = compiled.record.tensor;
+  formats::StoredMetrics row;
+  row.key = compiled.record.key;
+  row.tolerances = judging_.row_tolerances(row.key.module, row.key.kind, a.dtype, b.dtype);
+  row.metrics = analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
+  bool fails = !row.metrics.allclose;
+  // Each side against the reference (reference = a), as the engine's reference tasks compute
+  // them: stored under the eager record's key and the reference record's.
+  if (reference && &eager != &compiled && reference->record.tensor.shape == a.shape) {
+    const formats::TensorView& r = reference->record.tensor;
+    formats::StoredMetrics against_eager{eager.record.key, row.tolerances,
+                                         analyze::compare_in_memory(r, a, row.tolerances,
+                                                                    chunk_bytes_)};
+    formats::StoredMetrics against_compiled{reference->record.key, row.tolerances,
+                                            analyze::compare_in_memory(r, b, row.tolerances,
+                                                                       chunk_bytes_)};
+    const double roundoff =
+        std::max({analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
+    const analyze::NoiseMeasure measure = analyze::measure_noise(
+        against_eager.metrics, against_compiled.metrics, roundoff, judging_.tolerances.atol / 20);
+    if (judging_.reference_decides) fails = measure.divergence;
+    metrics_.push_back(std::move(against_eager));
+    metrics_.push_back(std::move(against_compiled));
+  } else if (!fails) {
+    fails = judging_.beyond_screen(row.key.module, row.key.kind, a.dtype, b.dtype, row.metrics);
+  }
+  metrics_.push_back(std::move(row));
+  return fails;
 }
 
 void PairJudge::finish(const PairKey& pair, std::vector<RecordItem>& store,
@@ -47,23 +101,15 @@ void PairJudge::finish(const PairKey& pair, std::vector<RecordItem>& store,
   const RecordItem* compiled = slot.compiled ? &*slot.compiled : nullptr;
   if (!eager || !compiled) {
     const RecordItem* only = eager ? eager : compiled;
-    if (analyze::recorded_once(only->record.key.kind, single_pass_)) eager = compiled = only;
+    if (only && analyze::recorded_once(only->record.key.kind, single_pass_)) eager = compiled = only;
   }
   bool keep_tensors = true;  // a one-sided row, a shape mismatch or a failing pair
   if (eager && compiled && eager->record.tensor.shape == compiled->record.tensor.shape) {
-    const formats::TensorView& a = eager->record.tensor;
-    const formats::TensorView& b = compiled->record.tensor;
-    formats::StoredMetrics stored;
-    stored.key = compiled->record.key;
-    stored.tolerances =
-        judging_.row_tolerances(stored.key.module, stored.key.kind, a.dtype, b.dtype);
-    stored.metrics = analyze::compare_in_memory(a, b, stored.tolerances, chunk_bytes_);
-    keep_tensors = !stored.metrics.allclose;
-    metrics_.push_back(std::move(stored));
+    keep_tensors = judge(*eager, *compiled, slot.reference ? &*slot.reference : nullptr);
   }
   if (keep_tensors && eager && compiled)
     failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));
-  for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled}) {
+  for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled, &slot.reference}) {
     if (!*side) continue;
     held_bytes_ -= (*side)->bytes;
     if (mode_ == StoreMode::kFull) continue;  // stored when it came
@@ -78,7 +124,8 @@ void PairJudge::spill_over_cap(std::vector<RecordItem>& store) {
     order_.pop_front();
     auto found = pending_.find(pair);
     if (found == pending_.end()) continue;
-    for (std::optional<RecordItem>* side : {&found->second.eager, &found->second.compiled}) {
+    for (std::optional<RecordItem>* side :
+         {&found->second.eager, &found->second.compiled, &found->second.reference}) {
       if (!*side) continue;
       held_bytes_ -= (*side)->bytes;
       if (mode_ != StoreMode::kFull) store.push_back(std::move(**side));

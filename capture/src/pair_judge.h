@@ -1,6 +1,7 @@
 // The background thread's judging in memory (see Recorder): holds each snapshot until its twin
-// arrives, compares the pair with the engine's code (analyze/judging.h) and says which tensors to
-// store. Torch-free; private to capture.
+// (and the call's reference, where it has one) arrives, compares the pair and each side against
+// the reference with the engine's code (analyze/judging.h), judges the row with the engine's rule
+// and says which tensors to store. Torch-free; private to capture.
 #pragma once
 
 #include <cstddef>
@@ -48,12 +49,18 @@ class PairJudge {
  private:
   using PairKey = std::tuple<std::string, std::uint32_t, formats::Kind, std::uint32_t>;
   struct Slot {
-    std::optional<RecordItem> eager, compiled;
+    std::optional<RecordItem> eager, compiled, reference;
   };
   static PairKey pair_key(const formats::RecordKey& key) {
     return {key.module, key.call, key.kind, key.tensor_index};
   }
 
+  // Whether a reference of this record's row is still to come: its call (its module, for a
+  // parameter gradient, summed over calls) has sent a reference record before.
+  bool expects_reference(const formats::RecordKey& key) const;
+  // The metrics of a pair with both sides, and (with its reference) of each side against it;
+  // whether the row FAILs as the engine will judge it.
+  bool judge(const RecordItem& eager, const RecordItem& compiled, const RecordItem* reference);
   // Judges pending pair `pair` (or its one record) and hands its records on.
   void finish(const PairKey& pair, std::vector<RecordItem>& store,
               std::vector<RecordItem>& describe);
@@ -67,6 +74,9 @@ class PairJudge {
   std::size_t hold_cap_;
   bool single_pass_ = false;
   bool active_ = false;  // the step holds both sides
+  double cast_roundoff_ = 0;  // the unit roundoff of the capture's cast_dtype, if any
+  std::set<std::pair<std::string, std::uint32_t>> referenced_calls_;
+  std::set<std::string> referenced_modules_;
   std::map<PairKey, Slot> pending_;
   std::deque<PairKey> order_;  // when each record came, for spilling the oldest first
   std::set<PairKey> spilled_;

@@ -92,8 +92,8 @@ def test_reference_modes_are_checked_up_front():
         PrecisionChecker(reference="float64")
     with pytest.raises(ValueError, match="verdict must be 'reference'"):
         PrecisionChecker(verdict="allclose")
-    with pytest.raises(ValueError, match="needs dump='full'"):
-        PrecisionChecker(reference="fp32", dump="stats")
+    # Every storage mode judges the reference in memory (test_storage has the verdicts).
+    assert PrecisionChecker(reference="fp32", dump="stats").reference == "fp32"
     assert PrecisionChecker().reference == "auto"
     assert PrecisionChecker().verdict == "reference"
 
@@ -230,20 +230,32 @@ def test_the_reference_decides_and_verdict_tolerances_keeps_the_spec(tmp_path, d
 
 
 def test_fp32_runs_are_unchanged_by_the_default(tmp_path):
-    """The default reference ("auto") runs nothing for a float32 model: its report is the
-    tolerance check's, byte for byte."""
+    """The default reference ("auto") runs nothing for a clean float32 step: its report is the
+    tolerance check's, byte for byte. A float32 call whose forward output fails gets a float64
+    reference (as reference="failing" gives it), whose verdict decides its rows."""
     texts = {}
     for reference in (None, "auto"):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Chain()
-        checker = PrecisionChecker(backend=FORWARD_FAULT, reference=reference,
-                                   dump_dir=str(tmp_path / str(reference)))
+        checker = PrecisionChecker(reference=reference, dump_dir=str(tmp_path / str(reference)))
         checker.wrap_all_children(model, depth=0)
         result = checker.compare(_step(torch.randn(4, 8)), model)
-        assert not any(r.reference for r in result.rows)
+        assert result.all_pass and not any(r.reference for r in result.rows)
         texts[reference] = (result.text(), result.csv())
     assert texts[None] == texts["auto"]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Chain()
+    checker = PrecisionChecker(backend=FORWARD_FAULT, dump_dir=str(tmp_path / "fault"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(_step(torch.randn(4, 8)), model)
+    referenced = {r.module for r in result.rows if r.reference}
+    assert referenced == {"stage1"}
+    row = next(r for r in result.rows if r.module == "stage1" and r.check_type == "fwd_output")
+    assert row.reference["dtype"] == "fp64" and row.reference["verdict"] == "divergence"
+    assert row.status == "FAIL" and not result.all_pass
 
 
 def _bf16_chain(seed=0):

@@ -14,7 +14,8 @@ from dynaprobe._C import vocabulary
 from dynaprobe import _options, _planning, _reporting, _single_pass, _whole_model
 from dynaprobe._compiling import Compiler
 from dynaprobe._distributed import is_deepcopy_forbidden
-from dynaprobe._provenance import judging, provenance, reference_policy
+from dynaprobe._provenance import judging, provenance
+from dynaprobe._reference import ReferencePolicy
 from dynaprobe._result import CompareResult
 from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._single_pass import SinglePass
@@ -223,7 +224,7 @@ class PrecisionChecker(_options.CheckerOptions):
         session = self._dumps.session()  # every rank agrees on the run folder, together
         options = dict(capture_input=self.capture_input,
                        tolerances=judging(self),
-                       reference=reference_policy(self.reference, self.dump))
+                       reference=ReferencePolicy(self.reference))
         if whole:
             backend = torch._dynamo.eval_frame.innermost_backend(model.dynamo_ctx.callback)
             self._per_module_compiler, self._compiler = self._compiler, Compiler(backend)
@@ -323,7 +324,7 @@ class PrecisionChecker(_options.CheckerOptions):
                      vocabulary.MODE_TWO_PASS)
         return run_step(session, fn, model, sides, plan.targets, self._compiler,
                         self.capture_input, self.cast_dtype,
-                        reference_policy(None if capture else self.reference, self.dump),
+                        ReferencePolicy(None if capture else self.reference),
                         compare=capture is None)
 
     # ------------------------------------------------------------------ replay

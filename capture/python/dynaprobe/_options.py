@@ -13,7 +13,7 @@ import torch
 
 from dynaprobe import _replay_store, _storage
 from dynaprobe._reference import expect_reference
-from dynaprobe._vocabulary import COMPILED, EAGER, STORE_FULL
+from dynaprobe._vocabulary import COMPILED, EAGER
 
 
 def expect_tolerance(name: str, value) -> float:
@@ -252,9 +252,6 @@ class CheckerOptions:
         self.dtype_aware_tolerances = expect_flag("dtype_aware_tolerances",
                                                   dtype_aware_tolerances)
         self.dump = _storage.expect_dump_mode(dump)
-        if self.reference not in (None, "auto") and self.dump != STORE_FULL:
-            raise ValueError(f"reference={self.reference!r} needs dump='full': the reference "
-                             "is compared with the stored tensors of both sides")
         self._schedule = _storage.Schedule(expect_positive_int("check_every", check_every),
                                            _storage.expect_steps(check_steps))
         self.disk_budget_bytes = None if disk_budget_bytes is None else \

@@ -13,19 +13,7 @@ import torch
 from dynaprobe._C import vocabulary
 from dynaprobe._distributed import rank_and_world
 from dynaprobe._environment import environment
-from dynaprobe._reference import Judging, ReferencePolicy
-
-
-def reference_policy(reference, dump: str) -> ReferencePolicy:
-    """What ``reference`` runs: "auto" needs the stored tensors (dump="full"); under
-    "failing" or "stats" low-precision rows keep the tolerances' verdict (a warning says so
-    at the first such call)."""
-    if reference == "auto" and dump != vocabulary.STORE_FULL:
-        return ReferencePolicy(None, unavailable=f"dump={dump!r} stores no tensors to "
-                               "judge against a reference: low-precision rows are judged by "
-                               "the dtype's tolerances alone; use dump='full' for the "
-                               "reference's verdict")
-    return ReferencePolicy(reference)
+from dynaprobe._reference import Judging
 
 
 def backend_name(backend) -> str:
@@ -39,7 +27,7 @@ def judging(checker) -> Judging:
     the provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances) from these typed values,
     so that their text is formatted in one place (analyze/judging.h)."""
     return Judging(checker.threshold, checker.rtol, checker.tolerances,
-                   checker.dtype_aware_tolerances)
+                   checker.dtype_aware_tolerances, checker.verdict == "reference")
 
 
 def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
@@ -66,8 +54,7 @@ def provenance(checker, devices: Dict[str, str], mode: str, backend=None,
         vocabulary.PROVENANCE_CAST_DTYPE: str(checker.cast_dtype)
         if checker.cast_dtype is not None else "None",
         vocabulary.PROVENANCE_CAPTURE_INPUT: "true" if checker.capture_input else "false",
-        vocabulary.PROVENANCE_REFERENCE: str(reference_policy(checker.reference,
-                                                              checker.dump).mode),
+        vocabulary.PROVENANCE_REFERENCE: str(checker.reference),
         vocabulary.PROVENANCE_VERDICT: checker.verdict,
         **devices,
         **environment(),

@@ -13,7 +13,6 @@ float64; float64 judges float32 calls. ``ReferencePolicy`` decides per call.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -29,8 +28,11 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # PrecisionChecker(reference=...): what each value runs a reference for, in which dtype.
 #   "auto" (default): the calls computing in bf16/fp16 (weights, inputs or autocast), in float32;
+#   in single-pass and whole-model mode also the float32 calls whose forward output fails the
+#   tolerances or is beyond fp32 noise, in float64 (as "failing" does for them);
 #   "fp64" / "fp32": every call, in that dtype;
-#   "failing": the calls whose forward output fails the tolerances, in float32 for bf16/fp16 calls
+#   "failing": the calls whose forward output fails (the tolerances, or the fp32 screen), in
+#   float32 for bf16/fp16 calls
 #   and float64 for others; None: no reference.
 MODES = (None, "auto", "fp64", "fp32", "failing")
 
@@ -104,20 +106,8 @@ def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 class ReferencePolicy:
     """``reference=`` of a checker: which calls get a reference, in which dtype."""
 
-    def __init__(self, mode: Optional[str], unavailable: str = ""):
+    def __init__(self, mode: Optional[str]):
         self.mode = mode
-        # Why "auto" runs no reference here (dump="stats"): said once, at the first call in
-        # reduced precision.
-        self.unavailable = unavailable
-        self.said_unavailable = False
-
-    def warn_unavailable(self, module: str, low: Optional[torch.dtype],
-                         stacklevel: int = 4) -> None:
-        if low is None or not self.unavailable or self.said_unavailable:
-            return
-        self.said_unavailable = True
-        warnings.warn(f"dynaprobe: {module} computes in {low}, but {self.unavailable}",
-                      stacklevel=stacklevel)
 
     def dtype(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
         """The reference dtype of a call computing in ``low`` (None: full precision); None when
@@ -132,7 +122,11 @@ class ReferencePolicy:
         return None
 
     def dtype_if_failing(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
-        """reference="failing": the dtype of the reference of a call whose output fails."""
+        """The dtype of the reference of a call whose output fails: reference="failing" for every
+        call, "auto" for float32 calls (float64), whose reduced-precision twins get one up
+        front."""
+        if self.mode == "auto" and low is None:
+            return torch.float64
         if self.mode != "failing":
             return None
         return torch.float32 if low is not None else torch.float64
@@ -169,13 +163,14 @@ class Judging:
     rtol: float = 1e-3
     rules: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # {pattern: (atol, rtol)}
     dtype_aware: bool = True
+    reference_decides: bool = True  # verdict="reference"
 
     def engine(self) -> _C.Judging:
         """These tolerances as the engine takes them: ``_C.tensors_pass`` judges with them, and
         ``_C.Recorder`` judges its pairs with them and writes them into the dump's provenance."""
         return _C.Judging(self.atol, self.rtol,
                           [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
-                          self.dtype_aware)
+                          self.dtype_aware, self.reference_decides)
 
     def output_passes(self, module: str, eager: torch.Tensor, compiled: torch.Tensor) -> bool:
         """Whether the module's output pair passes as its fwd_output row will be judged."""

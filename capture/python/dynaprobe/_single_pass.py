@@ -204,7 +204,6 @@ class SinglePass:
             self._warn_shared_arguments(step, name, shared)
         low = call_precision(step, name, [t for _, t in call.inputs], module, self.cast_dtype,
                              call.devices)
-        self.reference.warn_unavailable(name, low, stacklevel=_IN_CALL - 1)
         call.reference_dtype = self.reference.dtype(low)
         failing_dtype = self.reference.dtype_if_failing(low)
         call.wanted = call.reference_dtype or failing_dtype

@@ -85,8 +85,6 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
             if loss is not None:
                 step.record_loss(side, loss)
         dtype = reference.dtype(seen_low[0] if seen_low else None)
-        if seen_low:  # said to the caller of run_step's caller (PrecisionChecker.compare)
-            reference.warn_unavailable(by_side[EAGER][0].name, seen_low[0], stacklevel=5)
         if dtype is not None and COMPILED in by_side:
             _run_reference_side(step, fn, model, rng, dtype, patch,
                                 [display for display, _ in targets], capture_input)

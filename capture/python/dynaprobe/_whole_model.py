@@ -670,7 +670,6 @@ class WholeModel:
         tensors = [t for t in inputs + params if isinstance(t, torch.Tensor)]
         devices = {t.device for t in tensors}
         low = call_precision(step, target.name, tensors, None, None, devices)
-        self.reference.warn_unavailable(target.name, low)
         dtype = self.reference.dtype(low)
         if dtype is None and outputs_differ(list(eager_out), compiled_out,
                                             lambda out: [("", t) for t in out], target.name,

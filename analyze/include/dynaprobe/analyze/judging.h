@@ -45,6 +45,12 @@ struct Judging {
   // side, then the last rule whose pattern matches it.
   Tolerances row_tolerances(const std::string& module, formats::Kind kind, formats::DType eager,
                             formats::DType compiled) const;
+  // Whether a row that the tolerances pass, and that has no reference verdict, FAILs as beyond
+  // fp32 noise: the reference decides (verdict="reference"), the row is float32 or float64, no
+  // rule of the user's matches it (a rule is the user's own word on that row), and its relative
+  // error is beyond relative_screen.
+  bool beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
+                     formats::DType compiled, const TensorMetrics& metrics) const;
 };
 
 // The judging a dump's provenance asks for (atol, rtol, tolerance_rules, dtype_aware_tolerances,
