@@ -173,7 +173,7 @@ double row_roundoff(const Row& row, const StepReport& report) {
 // A row's verdict beyond the tolerances: the reference's, which (unless the tolerances alone
 // decide) becomes its status; without one (and unless the tolerances alone decide), a float32 row that passes the tolerances but is beyond
 // fp32 noise relative to its own magnitude FAILs (judging.h, relative_screen).
-void judge_row(Row& row, const StepReport& report) {
+void judge_row(Row& row, const StepReport& report, double module_magnitude) {
   if (!row.metrics) return;
   if (row.reference_eager && row.reference_compiled) {
     const NoiseMeasure measure = measure_noise(*row.reference_eager, *row.reference_compiled,
@@ -193,7 +193,7 @@ void judge_row(Row& row, const StepReport& report) {
   judging.rules = report.tolerance_rules;
   judging.reference_decides = report.reference_decides;
   if (judging.beyond_screen(row.module, *row.kind, row.eager->dtype, row.compiled->dtype,
-                            *row.metrics)) {
+                            *row.metrics, module_magnitude)) {
     const double relative = relative_error(*row.metrics);
     row.beyond_screen = relative;
     row.tolerance_status = Status::kPass;
@@ -201,7 +201,9 @@ void judge_row(Row& row, const StepReport& report) {
     row.reason += (row.reason.empty() ? "" : "; ") + std::string("beyond fp32 noise: rmse ") +
                   detail::printf_string("%.1e", relative) + " of its magnitude (screen " +
                   detail::printf_string(
-                      "%.1e", relative_screen(row.eager->dtype, row.compiled->dtype)) +
+                      "%.1e", std::max(relative_screen(row.eager->dtype, row.compiled->dtype),
+                                       row.tolerances ? row.tolerances->rtol
+                                                      : report.tolerances.rtol)) +
                   "); tolerances pass";
   }
 }
@@ -461,7 +463,18 @@ void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
   }
   run_tasks(tasks, options);
   for (StepReport& report : result.steps) {
-    for (Row& row : report.rows) judge_row(row, report);
+    // The magnitude of each module's rows per pass (judging.h, kRoundingLevel).
+    std::map<std::pair<std::string, bool>, double> magnitude;
+    for (const Row& row : report.rows) {
+      if (!row.kind || !row.metrics || !std::isfinite(row.metrics->rms_eager)) continue;
+      double& largest = magnitude[{row.module, formats::is_forward(*row.kind)}];
+      largest = std::max(largest, row.metrics->rms_eager);
+    }
+    for (Row& row : report.rows) {
+      const auto found =
+          row.kind ? magnitude.find({row.module, formats::is_forward(*row.kind)}) : magnitude.end();
+      judge_row(row, report, found == magnitude.end() ? 0.0 : found->second);
+    }
     find_root_cause(report);
   }
 }

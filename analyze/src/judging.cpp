@@ -118,8 +118,12 @@ Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind
 }
 
 bool Judging::beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
-                            formats::DType compiled, const TensorMetrics& metrics) const {
-  if (!reference_decides || !(relative_error(metrics) > relative_screen(eager, compiled))) {
+                            formats::DType compiled, const TensorMetrics& metrics,
+                            double module_magnitude) const {
+  const double screen =
+      std::max(relative_screen(eager, compiled), row_tolerances(module, kind, eager, compiled).rtol);
+  if (!reference_decides || !(relative_error(metrics) > screen) ||
+      metrics.rms_eager <= kRoundingLevel * module_magnitude) {
     return false;
   }
   return std::none_of(rules.begin(), rules.end(), [&](const ToleranceRule& rule) {

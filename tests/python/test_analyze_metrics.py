@@ -173,9 +173,11 @@ def metric_report(request, tmp_path_factory, dynaprobe_cli):
         write_dump(tmp / "eager", recs, provenance=two_pass(), sides=("eager",))
         write_dump(tmp / "compiled", recs, provenance=two_pass(), sides=("compiled",))
         dumps = [tmp / "eager", tmp / "compiled"]
-    # The spec's allclose as it is: the bf16 cases are about its metrics, not the dtype floor.
+    # The spec's allclose as it is: the bf16 cases are about its metrics, not the dtype floor,
+    # nor the fp32 screen (tolerance_edge is 1e-3 off everywhere: within the tolerances, beyond
+    # fp32 noise).
     proc, report = compare_json(dynaprobe_cli, tmp, *dumps, "--csv", tmp / "report.csv",
-                                "--fixed-tolerances")
+                                "--fixed-tolerances", "--verdict", "tolerances")
     return proc, report, csv_lines(tmp / "report.csv")
 
 

@@ -366,7 +366,10 @@ def test_unfinished_step_is_skipped_with_a_warning(tmp_path, dynaprobe_cli):
 
 
 def tolerance_dump(folder, provenance):
-    """layers.0 off by 5e-4 (fails at the default atol=1e-4 on values near 0.01)."""
+    """layers.0 off by 5e-4 (fails at the default atol=1e-4 on values near 0.01). 5% of its
+    magnitude is beyond fp32 noise, which FAILs a row the tolerances pass: these dumps ask for
+    the tolerances' verdict alone (verdict=tolerances), as the spec has it."""
+    provenance = {"verdict": "tolerances", **provenance}
     e = np.full(4, 0.01, np.float32)
     return write_dump(folder, [Rec("layers.0", "fwd_output", eager=e, compiled=e + np.float32(5e-4))], provenance=provenance)
 

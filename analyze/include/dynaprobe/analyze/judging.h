@@ -47,10 +47,16 @@ struct Judging {
                             formats::DType compiled) const;
   // Whether a row that the tolerances pass, and that has no reference verdict, FAILs as beyond
   // fp32 noise: the reference decides (verdict="reference"), the row is float32 or float64, no
-  // rule of the user's matches it (a rule is the user's own word on that row), and its relative
-  // error is beyond relative_screen.
+  // rule of the user's matches it (a rule is the user's own word on that row), its relative
+  // error is beyond relative_screen and beyond the row's rtol (what the tolerances allow
+  // relative to a value, asked of the whole tensor: rmse / rms(eager) > rtol), and it is not at the rounding level of its module: its
+  // magnitude above kRoundingLevel times `module_magnitude`, the largest rms_eager of the
+  // module's rows in the same pass (a gradient that is mathematically zero, such as attention's
+  // key bias, is pure rounding noise of its module's arithmetic: 100% "relative" error). 0: not
+  // known (each row by itself).
   bool beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
-                     formats::DType compiled, const TensorMetrics& metrics) const;
+                     formats::DType compiled, const TensorMetrics& metrics,
+                     double module_magnitude = 0) const;
 };
 
 // The judging a dump's provenance asks for (atol, rtol, tolerance_rules, dtype_aware_tolerances,
@@ -112,6 +118,7 @@ NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
 // FAILs as beyond fp32 noise. NaN when it cannot be told: eager all zeros, or a dump without
 // rms_eager.
 inline constexpr double kRelativeScreenRoundings = 0x1p12;  // of float32: about 2.4e-4
+inline constexpr double kRoundingLevel = 0x1p-14;           // 2^10 float32 roundings
 double relative_error(const TensorMetrics& metrics);
 // kRelativeScreenRoundings float32 roundings for a row whose sides are float32 or float64 (real
 // or complex); NaN (no screen) for others: reduced precision, integers, bool.
