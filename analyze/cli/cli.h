@@ -98,6 +98,7 @@ struct ReportOptions {
   std::map<std::string, std::string>
       reports;             // report format name (analyze::report_formats()) -> PATH
   bool all_steps = false;  // every step's full report after a run's summary
+  bool failing = false;    // each report's FAIL and WARN rows alone
 };
 // Writes the stdout report and the report files of a run: `run` gives the writers the run (and
 // reads the compiled side's graphs when `read_graphs`). Returns the exit code of its verdict.

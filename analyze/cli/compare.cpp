@@ -206,6 +206,9 @@ void add_report_options(CLI::App& sub, ReportOptions& options) {
   sub.add_flag("--all-steps", options.all_steps,
                "After the summary of a run of several steps or ranks, print every step's full "
                "report (default: the first 3 failing steps')");
+  sub.add_flag("--failing", options.failing,
+               "Each stdout report shows its FAIL and WARN rows alone (the RESULT line and the "
+               "root cause are the whole step's; the file reports keep every row)");
 }
 
 int write_reports(const analyze::RunShape& shape, const ReportOptions& cmd,
@@ -217,6 +220,7 @@ int write_reports(const analyze::RunShape& shape, const ReportOptions& cmd,
   bool read_graphs = false;
   analyze::TextOptions text;
   text.every_step = cmd.all_steps;
+  text.only_failing = cmd.failing;
   for (const analyze::ReportFormat& format : analyze::report_formats()) {
     const auto path = cmd.reports.find(std::string(format.name));
     if (path == cmd.reports.end() || path->second.empty()) continue;

@@ -273,6 +273,17 @@ StepCounts StepReport::counts() const {
     }
     if (row.kind && row.eager && row.compiled) ++counts.compared;
     if (row.status == Status::kPass && row.tolerance_status == Status::kFail) ++counts.noise_pass;
+    if (!row.kind || !row.metrics || !row.eager || !row.compiled) continue;
+    if (recorded_once(*row.kind, single_pass)) {
+      ++counts.shared;
+    } else if (!row.reference_verdict.empty()) {
+      if (reference_decides) ++counts.referenced;
+    } else if (row.beyond_screen) {
+      ++counts.screened;
+    } else if (unit_roundoff(row.eager->dtype) > unit_roundoff(formats::DType::kFloat32) ||
+               unit_roundoff(row.compiled->dtype) > unit_roundoff(formats::DType::kFloat32)) {
+      ++counts.low_precision_unreferenced;
+    }
   }
   counts.loss_failed = loss_status() == Status::kFail;
   counts.no_reference_calls = no_reference_calls;

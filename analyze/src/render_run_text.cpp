@@ -121,7 +121,7 @@ class TextWriter : public ReportWriter {
 
   void add_step(const RankComparison& rank, const StepReport& step) override {
     if (single_) {
-      out_ << render_provenance(rank.comparison) << render_text(step);
+      out_ << render_provenance(rank.comparison) << render_text(step, options_.only_failing);
       return;
     }
     if (!provenance_) provenance_ = render_provenance(rank.comparison);
@@ -215,7 +215,7 @@ class TextWriter : public ReportWriter {
     } else {
       head += "Step " + std::to_string(step.step) + "\n";
     }
-    return head + render_text(step);
+    return head + render_text(step, options_.only_failing);
   }
 
   std::string table_text() const {

@@ -133,20 +133,29 @@ std::string wrap_parts(const std::vector<std::string>& parts, const std::string&
   return out;
 }
 
-// The lines below the row: a note's reason; a failing row's reason when the metrics alone do not
-// say it ("32 NaN/Inf only in compiled", as the CSV's note column has it); the tolerances the row
-// was judged with when not the RESULT line's; the reference verdict. Words wrap at
-// kTerminalWidth; the parts are two spaces apart, as on the row.
-std::string detail_lines(const Row& row) {
+// The lines below the row, where they say something the row does not: a note's reason; a failing
+// row's reason when the metrics alone do not say it ("32 NaN/Inf only in compiled", as the CSV's
+// note column has it); the tolerances the row was judged with when not the RESULT line's and they
+// decided it (no reference verdict did) on a row that differs at all; the reference verdict
+// unless it and the tolerances both pass the row (the CSV's note and the JSON keep it). Words
+// wrap at kTerminalWidth; the parts are two spaces apart, as on the row.
+std::string detail_lines(const Row& row, bool reference_decides) {
   std::vector<std::string> parts;
   if (!row.reason.empty() && (!row.note.empty() || !row.shape_mismatch())) {
     parts.push_back(formats::printable_name(row.reason));
   }
-  if (row.note.empty() && row.tolerances) {
+  const bool verdict_decided = !row.reference_verdict.empty() && reference_decides;
+  const bool differs = !row.metrics || row.metrics->max_abs != 0 || row.status != Status::kPass;
+  if (row.note.empty() && row.tolerances && !verdict_decided && differs) {
     parts.push_back("tol: atol=" + format_tolerance(row.tolerances->atol) +
                     " rtol=" + format_tolerance(row.tolerances->rtol));
   }
-  if (row.note.empty() && !row.reference_verdict.empty()) parts.push_back(reference_text(row));
+  const bool both_pass = row.status == Status::kPass &&
+                         row.tolerance_status.value_or(Status::kPass) == Status::kPass &&
+                         row.reference_verdict == "noise";
+  if (row.note.empty() && !row.reference_verdict.empty() && !both_pass) {
+    parts.push_back(reference_text(row));
+  }
   return wrap_parts(parts, kDetailIndent, kDetailIndent);
 }
 
@@ -253,7 +262,7 @@ std::string tensor_detail_text(bool ok, double max_abs, double mean_abs, double 
          "  max_rel=" + format_float(max_rel, "%.3e") + "  shape=" + std::string(shape);
 }
 
-std::string render_text(const StepReport& report) {
+std::string render_text(const StepReport& report, bool only_failing) {
   std::string out = kRule + "\n";
   const double compiled = report.loss_compiled.value_or(NAN);
   const double eager = report.single_pass ? NAN : report.loss_eager.value_or(NAN);
@@ -264,6 +273,15 @@ std::string render_text(const StepReport& report) {
   if (!report.autocast.empty()) out += "  autocast=" + report.autocast;
   if (report.single_pass) out += kSinglePassLoss;
   out += "\n" + kRule + "\n";
+  const auto hidden = [&](Status status) {
+    return only_failing && status != Status::kFail && status != Status::kWarn;
+  };
+  if (only_failing) {
+    const auto not_shown = std::count_if(report.rows.begin(), report.rows.end(),
+                                         [&](const Row& row) { return hidden(row.status); });
+    out += "  failing rows only: " + std::to_string(not_shown) +
+           " passing or skipped row(s) not shown\n";
+  }
 
   static const char* kTitles[] = {"FORWARD INPUT", "FORWARD OUTPUT", "BACKWARD"};
   bool any_section = false;
@@ -279,7 +297,10 @@ std::string render_text(const StepReport& report) {
       for (std::size_t i = 0; i < report.rows.size();) {
         const Row& row = report.rows[i];
         if (!row.kind) {
-          body += line(row.status, display_name(row, false), detail_text(row)) + detail_lines(row);
+          if (!hidden(row.status)) {
+            body += line(row.status, display_name(row, false), detail_text(row)) +
+                    detail_lines(row, report.reference_decides);
+          }
           ++i;
           continue;
         }
@@ -295,9 +316,15 @@ std::string render_text(const StepReport& report) {
           if (severity(report.rows[end].status) > severity(worst)) worst = report.rows[end].status;
           ++end;
         }
-        body += line(worst, display_name(row, section == 2), detail_text(row)) + detail_lines(row);
+        if (hidden(worst)) {
+          i = end;
+          continue;
+        }
+        body += line(worst, display_name(row, section == 2), detail_text(row)) +
+                detail_lines(row, report.reference_decides);
         for (std::size_t j = i + 1; j < end; ++j) {
-          body += kContinuation + detail_text(report.rows[j]) + "\n" + detail_lines(report.rows[j]);
+          body += kContinuation + detail_text(report.rows[j]) + "\n" +
+                  detail_lines(report.rows[j], report.reference_decides);
         }
         i = end;
       }
@@ -306,9 +333,9 @@ std::string render_text(const StepReport& report) {
     }
   }
   out += "\n" + kRule + "\n";
-  out += "  RESULT: " + result_text(report.counts()) + "  (" + verdict_reasons(report.counts()) +
-         "atol=" + format_tolerance(report.tolerances.atol) +
-         " rtol=" + format_tolerance(report.tolerances.rtol) + ")\n";
+  const StepCounts counts = report.counts();
+  out += "  RESULT: " + result_text(counts) + "  (" + verdict_reasons(counts) +
+         deciding_rule(counts, report.tolerances) + ")\n";
   out += kRule + "\n";
   if (!report.not_stored.empty()) {
     out += "  NOT STORED  " + formats::printable_name(report.not_stored) + "\n";

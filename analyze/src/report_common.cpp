@@ -92,7 +92,23 @@ std::string verdict_reasons(const StepCounts& counts) {
   if (counts.no_reference_calls > 0) {
     add(std::to_string(counts.no_reference_calls) + " call(s) without a reference");
   }
+  if (counts.screened > 0) add(std::to_string(counts.screened) + " beyond fp32 noise");
+  if (counts.low_precision_unreferenced > 0) {
+    add(std::to_string(counts.low_precision_unreferenced) +
+        " low-precision row(s) without a reference: judged by the tolerances");
+  }
   return text.empty() ? "" : text + "; ";
+}
+
+std::string deciding_rule(const StepCounts& counts, const Tolerances& tolerances) {
+  const std::string spec = "atol=" + format_tolerance(tolerances.atol) +
+                           " rtol=" + format_tolerance(tolerances.rtol);
+  if (counts.referenced == 0) return spec;
+  const std::string rule =
+      "reference: noise within " + format_float(kReferenceFactor, "%g") + "x";
+  if (counts.referenced + counts.shared == counts.compared) return rule;
+  return rule + " (" + std::to_string(counts.referenced) +
+         (counts.referenced == 1 ? " row" : " rows") + "), else " + spec;
 }
 
 const char* markup_entity(char c) {

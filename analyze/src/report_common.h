@@ -37,5 +37,9 @@ std::string result_text(const StepCounts& counts);
 // Why a step FAILED, before the tolerances in the RESULT line: "2 FAIL, 3 WARN; ", then ", loss
 // FAIL" and ", nothing compared" when they apply. Empty for a pass, whose line the spec fixes.
 std::string verdict_reasons(const StepCounts& counts);
+// The rule that decided the step's rows, ending the RESULT line: the tolerances
+// ("atol=1e-4 rtol=1e-3"), or the reference's noise rule when it decided every compared row
+// ("reference: noise within 2x"), or both, with how many rows the reference decided.
+std::string deciding_rule(const StepCounts& counts, const Tolerances& tolerances);
 
 }  // namespace dynaprobe::analyze::detail

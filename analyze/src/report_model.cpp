@@ -223,6 +223,9 @@ Value counts_model(const StepCounts& counts) {
                        {"compared", counts.compared},
                        {"noise_pass", counts.noise_pass},
                        {"no_reference_calls", counts.no_reference_calls},
+                       {"referenced", counts.referenced},
+                       {"screened", counts.screened},
+                       {"low_precision_unreferenced", counts.low_precision_unreferenced},
                        {"loss_fail", counts.loss_failed},
                        {"nothing_compared", counts.nothing_compared()}};
 }

@@ -153,17 +153,17 @@ void bind_step_report(py::module_& m) {
       .def_property_readonly("root_cause_json", &analyze::render_root_cause_json)
       .def(
           "render_text",
-          [](const analyze::StepReport& report, const std::string& not_stored) {
+          [](const analyze::StepReport& report, const std::string& not_stored, bool only_failing) {
             if (not_stored.empty() || !report.not_stored.empty()) {
-              return analyze::render_text(report);
+              return analyze::render_text(report, only_failing);
             }
             analyze::StepReport known = report;  // what the capture learnt after judging it
             known.not_stored = not_stored;
-            return analyze::render_text(known);
+            return analyze::render_text(known, only_failing);
           },
-          py::arg("not_stored") = "",
+          py::arg("not_stored") = "", py::arg("only_failing") = false,
           "The stdout report; not_stored: why the step's file was not written, when the capture "
-          "found out after the report was made");
+          "found out after the report was made; only_failing: the FAIL and WARN rows alone");
 }
 
 // Comparison of two dumps, and compare() / compare_pending() that make it.

@@ -283,7 +283,8 @@ TEST(Report, StdoutCsvAndJsonAgreeOnAWarnOnlyFailure) {
   const std::string json = render_json({rank});
   EXPECT_NE(json.find("\"result\": {\"verdict\": \"FAILED\", \"fail\": 0, \"warn\": 2, "
                       "\"pass\": 3, \"skip\": 0, \"compared\": 3, \"noise_pass\": 0, "
-                      "\"no_reference_calls\": 0, \"loss_fail\": false, "
+                      "\"no_reference_calls\": 0, \"referenced\": 0, \"screened\": 0, "
+                      "\"low_precision_unreferenced\": 0, \"loss_fail\": false, "
                       "\"nothing_compared\": false}"),
             std::string::npos)
       << json;
@@ -358,6 +359,64 @@ TEST(Report, SeveralTensorsOfAModuleEachGetALine) {
       << text;
 }
 
+// A bf16 row with its reference: the verdict's line only where it says something (a FAIL, or a
+// pass the tolerances alone would fail), no `tol:` line under a row the reference decided or under
+// an exact match, and a RESULT line naming the rule that decided instead of tolerances no row used.
+Row referenced_row(const std::string& module, double eager_rmse, double compiled_rmse,
+                   Status tolerance_status) {
+  Row row = tensor_row(module, Kind::kFwdOutput, compiled_rmse, compiled_rmse, compiled_rmse);
+  row.eager->dtype = row.compiled->dtype = formats::DType::kBFloat16;
+  row.tolerances = Tolerances{0.01, 0.016};  // the bf16 floor
+  row.reference_verdict = compiled_rmse > 2 * eager_rmse ? "divergence" : "noise";
+  row.reference_dtype = "fp32";
+  row.reference_eager = TensorMetrics{};
+  row.reference_eager->rmse = eager_rmse;
+  row.reference_compiled = TensorMetrics{};
+  row.reference_compiled->rmse = compiled_rmse;
+  row.noise_units = compiled_rmse / eager_rmse;
+  row.tolerance_status = tolerance_status;
+  row.status = row.reference_verdict == "noise" ? Status::kPass : Status::kFail;
+  return row;
+}
+
+TEST(Report, ALowPrecisionReportShowsWhatDecidedEachRowAndTheStep) {
+  StepReport report;
+  report.rows = {referenced_row("quiet", 1e-3, 1e-3, Status::kPass),
+                 referenced_row("close", 1e-3, 1.5e-3, Status::kFail),
+                 referenced_row("fault", 1e-3, 2e-2, Status::kPass)};
+  const std::string text = render_text(report);
+  EXPECT_EQ(text.find("tol: "), std::string::npos) << text;
+  EXPECT_EQ(text.find("fp32: noise, 1.0x noise"), std::string::npos) << text;
+  EXPECT_NE(text.find("fp32: noise, 1.5x noise (rmse compiled=1.5e-03 eager=1.0e-03; tolerances "
+                      "fail)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("fp32: divergence, 20x noise"), std::string::npos) << text;
+  EXPECT_NE(text.find("RESULT: FAILED  (1 FAIL, 0 WARN, 1 pass only within reference noise; "
+                      "reference: noise within 2x)"),
+            std::string::npos)
+      << text;
+  // The failing-only view: the FAIL row alone, the RESULT line the whole step's.
+  const std::string failing = render_text(report, /*only_failing=*/true);
+  EXPECT_NE(failing.find("failing rows only: 2 passing or skipped row(s) not shown"),
+            std::string::npos)
+      << failing;
+  EXPECT_EQ(failing.find("  pass  quiet"), std::string::npos) << failing;
+  EXPECT_NE(failing.find("  FAIL  fault"), std::string::npos) << failing;
+  EXPECT_NE(failing.find("RESULT: FAILED  (1 FAIL, 0 WARN, 1 pass only within reference noise;"),
+            std::string::npos)
+      << failing;
+  // Without the reference, the RESULT line says the dtype's tolerances decided.
+  StepReport unreferenced;
+  unreferenced.rows = {tensor_row("block", Kind::kFwdOutput, 0, 0, 0)};
+  unreferenced.rows[0].eager->dtype = formats::DType::kBFloat16;
+  EXPECT_NE(render_text(unreferenced)
+                .find("RESULT: ALL PASS  (1 low-precision row(s) without a reference: judged by "
+                      "the tolerances; atol=1e-4 rtol=1e-3)"),
+            std::string::npos)
+      << render_text(unreferenced);
+}
+
 // A row's details (reason, its own tolerances, the reference verdict, a note's reason) are on
 // lines of their own below it, indented and wrapped to 120 columns; the row itself is the spec's.
 TEST(Report, RowDetailsGoBelowTheRowAndFitA120ColumnTerminal) {
@@ -381,8 +440,8 @@ TEST(Report, RowDetailsGoBelowTheRowAndFitA120ColumnTerminal) {
       text.find(
           "\n  FAIL  layers.0                                             [!!] max_abs=2.300e-07  "
           "mean_abs=1.200e-08  max_rel=5.100e-06  shape=(2, 128, 4096)\n"
-          "        3 NaN/Inf only in compiled  tol: atol=0.01 rtol=0.016\n"
-          "        fp32: divergence (rmse compiled=3.1e-02 eager=1.0e-03; tolerances pass)\n"),
+          "        3 NaN/Inf only in compiled  fp32: divergence (rmse compiled=3.1e-02 "
+          "eager=1.0e-03; tolerances pass)\n"),
       std::string::npos)
       << text;
   EXPECT_NE(text.find("\n  WARN  layers.1                                             "

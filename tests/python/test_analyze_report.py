@@ -286,7 +286,8 @@ def test_nothing_compared_is_never_a_pass(tmp_path, dynaprobe_cli):
     step = report["ranks"][0]["steps"][0]
     assert step["all_pass"] is False and report["summary"]["all_pass"] is False
     assert step["result"] == {"verdict": "FAILED", "fail": 0, "warn": 0, "pass": 0, "skip": 1, "compared": 0,
-                              "noise_pass": 0, "no_reference_calls": 0, "loss_fail": False,
+                              "noise_pass": 0, "no_reference_calls": 0, "referenced": 0,
+                              "screened": 0, "low_precision_unreferenced": 0, "loss_fail": False,
                               "nothing_compared": True}
     assert report["summary"]["nothing_compared_steps"] == 1 and report["summary"]["failed_steps"] == 1
     # The Python API reads the same verdict through the binding (result.all_pass).

@@ -521,3 +521,39 @@ def test_a_heat_map_of_4096_ranks_scrolls_within_its_box(ranks_run, browser):
                               "document.getElementById('heat-tooltip').textContent") == (
         "rank 4000 step 3")
     assert browser.errors() == []
+
+
+def test_with_a_reference_the_chart_shows_the_error_in_units_of_the_noise(
+        tmp_path, dynaprobe_cli, browser):
+    """A step whose rows have a reference opens on the compiled error in units of the noise,
+    the quantity that decided them, with the rule's factor 2 as the threshold."""
+    rng = np.random.default_rng(7)
+    exact = rng.standard_normal(64)
+    eager = (exact + rng.standard_normal(64) * 1e-3).astype(np.float32)  # eager's own error
+    records = []
+    for module, compiled in (("good", exact + rng.standard_normal(64) * 1e-3),
+                             ("bad", exact * 1.05)):
+        for side, dtype, value in (("eager", "float32", eager),
+                                   ("compiled", "float32", compiled.astype(np.float32)),
+                                   ("reference", "float64", exact)):
+            records.append((module, 0, "fwd_output", 0, side, "", dtype, value))
+    _C.write_step(str(tmp_path / "dump"), 0, {"mode": "single_pass"}, records, [])
+    html, json_path = tmp_path / "r.html", tmp_path / "r.json"
+    proc = subprocess.run([dynaprobe_cli, "compare", str(tmp_path / "dump"), "--html", str(html),
+                           "--json", str(json_path)], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {r["module"]: r for r in json.loads(json_path.read_text())["ranks"][0]["steps"][0]["rows"]}
+    units = {module: rows[module]["reference"]["noise_units"] for module in ("good", "bad")}
+    assert units["good"] < 2 < units["bad"] and rows["bad"]["status"] == "FAIL"
+    open_report(browser, html)
+    assert browser.errors() == []
+    assert browser.evaluate("dynaprobeReport.state.metric") == "noise"
+    chart = "Chart.getChart('error-chart')"
+    threshold = browser.evaluate(f"{chart}.data.datasets.filter(d => !d.rows)"
+                                 ".map(d => [d.label, d.data.map(p => p.y)])")
+    assert threshold == [["factor=2", [2, 2]]]
+    points = dict(browser.evaluate(f"{chart}.data.datasets.filter(d => d.rows)"
+                                   ".flatMap(d => d.data.map(p => [p.index, p.y]))"))
+    step = json.loads(json_path.read_text())["ranks"][0]["steps"][0]
+    by_module = {step["rows"][index]["module"]: y for index, y in points.items()}
+    assert by_module == pytest.approx(units, rel=1e-6)

@@ -22,15 +22,7 @@ FIRST_BLOCK = {"Llama": "model.layers.0", "Qwen2": "model.layers.0",
                "Mistral": "model.layers.0", "Mixtral": "model.layers.0",
                "GPT2": "transformer.h.0"}
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def fresh_inductor():
-    torch._dynamo.reset()
-    yield
-    inductor_config.post_grad_custom_post_pass = None
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_inductor")]
 
 
 def _rsqrt_too_large(graph):

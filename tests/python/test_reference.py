@@ -404,3 +404,26 @@ def test_the_failing_judge_is_the_engines_row_judging():
     assert Judging(rules={"other": (1e-5, 1e-5)}).output_passes("mlp", eager, compiled)
     assert Judging(dtype_aware=False, rules={"fwd_output": (0.1, 0.1)}).output_passes(
         "mlp", eager, compiled)
+
+
+def test_the_failing_only_view_in_python_and_the_cli(tmp_path, dynaprobe_cli, capsys):
+    """report(..., only_failing=True) and `dynaprobe compare --failing` print the FAIL and WARN
+    rows alone, with the whole step's RESULT line and root cause."""
+    torch.manual_seed(0)
+    model = Chain()
+    checker = PrecisionChecker(backend=FORWARD_FAULT, reference="fp64",
+                               dump_dir=str(tmp_path / "dump"))
+    checker.wrap_all_children(model, depth=0)
+    result = checker.compare(_step(torch.randn(4, 8)), model)
+    checker.report(result, only_failing=True)
+    printed = capsys.readouterr().out
+    full = result.text()
+    rows = [line for line in printed.splitlines() if line.startswith(("  pass  ", "  FAIL  "))]
+    assert rows and all(line.startswith("  FAIL  ") for line in rows), printed
+    assert "  pass  stage0" in full and "  pass  stage0" not in printed
+    passing = sum(r.status in ("PASS", "SKIP") for r in result.rows)
+    assert f"failing rows only: {passing} passing or skipped row(s) not shown" in printed
+    assert full.split("RESULT:")[1] == printed.split("RESULT:")[1]  # the whole step's
+    cli = subprocess.run([dynaprobe_cli, "compare", result.dump_dir, "--failing"],
+                         capture_output=True, text=True)
+    assert cli.returncode == 1 and cli.stdout.startswith(result.text(only_failing=True)), cli.stdout

@@ -370,16 +370,18 @@ class PrecisionChecker(_options.CheckerOptions):
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,
-               **format_paths: Optional[str]) -> None:
+               only_failing: bool = False, **format_paths: Optional[str]) -> None:
         """Prints the stdout report; with ``csv_path``, also writes the CSV report there. A step
         that was not checked (collect() returned None) has no report: nothing is printed.
+        ``only_failing``: the stdout report shows its FAIL and WARN rows alone (every file
+        report keeps every row).
 
         Every report format of ``dynaprobe compare --FORMAT PATH`` can be written too, as
         ``FORMAT_path=PATH``: ``html_path`` (the self-contained HTML report: error along the
         network, histograms of |diff|, graph code; docs/report-format.md#html), ``json_path``
         (every row with every metric), ``merged_csv_path`` (``rank,scenario`` + 9 columns).
         """
-        _reporting.print_report(result, csv_path, format_paths)
+        _reporting.print_report(result, csv_path, format_paths, only_failing)
 
     def gather_report(self, results, csv_path: Optional[str] = None, *,
                       timeout: float = 300.0) -> Optional[str]:

@@ -19,7 +19,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def print_report(result: Optional[CompareResult], csv_path: Optional[str],
-                 format_paths: Dict[str, Optional[str]]) -> None:
+                 format_paths: Dict[str, Optional[str]], only_failing: bool = False) -> None:
     """See PrecisionChecker.report."""
     formats = {name.replace("-", "_") + "_path": (name, title)
                for name, title in _C.report_formats()}
@@ -33,7 +33,7 @@ def print_report(result: Optional[CompareResult], csv_path: Optional[str],
         raise TypeError(f"result must be what collect() or compare() returned (a "
                         f"CompareResult), but received {type(result).__name__}: call it as "
                         f"checker.report(checker.collect(loss))")
-    print(result.text(), end="")
+    print(result.text(only_failing), end="")
     if csv_path:
         write_text(csv_path, result.csv())
         print(f"CSV report saved to: {csv_path}")

@@ -433,13 +433,14 @@ class CompareResult:
         return [row for row in self.rows
                 if row.status in (vocabulary.STATUS_FAIL, vocabulary.STATUS_WARN)]
 
-    def text(self) -> str:
-        """The stdout report. A step whose file is known not to have been written when the
-        report is made (``stored``) says so after its RESULT line."""
+    def text(self, only_failing: bool = False) -> str:
+        """The stdout report; ``only_failing``: its FAIL and WARN rows alone (the RESULT line
+        and the root cause are the whole step's). A step whose file is known not to have been
+        written when the report is made (``stored``) says so after its RESULT line."""
         commit = self._commit
         known = commit is not None and commit.done and commit.error is not None
         return self._engine_report().render_text(
-            not_stored=_storage.brief(commit.error) if known else "")
+            not_stored=_storage.brief(commit.error) if known else "", only_failing=only_failing)
 
     def csv(self) -> str:
         """The 9-column CSV report."""

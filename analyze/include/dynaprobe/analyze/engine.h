@@ -136,6 +136,13 @@ struct StepCounts {
   std::size_t noise_pass = 0;
   // Calls that got no reference although one was asked for (NO_REFERENCE rows say why).
   std::size_t no_reference_calls = 0;
+  // Compared rows the reference's verdict decided (the noise rule), rows the fp32 screen FAILed,
+  // and compared rows in bf16/fp16/float8 that no reference judged (the dtype's tolerances did):
+  // what the RESULT line names as the rule that decided.
+  std::size_t referenced = 0;
+  std::size_t screened = 0;
+  std::size_t shared = 0;  // single-pass fwd_input and grad_output: one record for both sides
+  std::size_t low_precision_unreferenced = 0;
   bool loss_failed = false;  // the LOSS check (the CSV's LOSS row) is a FAIL
 
   bool nothing_compared() const { return compared == 0; }

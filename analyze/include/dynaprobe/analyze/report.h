@@ -30,8 +30,11 @@ constexpr std::string_view verdict_text(bool all_pass) {
   return all_pass ? kVerdictAllPass : kVerdictFailed;
 }
 
-// The stdout report of one step, byte for byte in the spec's layout.
-std::string render_text(const StepReport& report);
+// The stdout report of one step, byte for byte in the spec's layout. `only_failing`: the FAIL and
+// WARN rows alone (report(..., only_failing=True), dynaprobe compare --failing), a line under the
+// loss saying how many others are not shown; the RESULT line and the root cause are the whole
+// step's.
+std::string render_text(const StepReport& report, bool only_failing = false);
 
 // A compared tensor's details as the stdout report's row shows them:
 // "[OK] max_abs=1.000e-05  mean_abs=…  max_rel=…  shape=(2, 3)", "[!!]" when `ok` is false;

@@ -93,6 +93,7 @@ RunTotals write_run(const std::vector<RankComparison>& ranks,
 struct TextOptions {
   std::size_t reports_shown = 3;
   bool every_step = false;
+  bool only_failing = false;  // each step's report shows its FAIL and WARN rows alone
   // Where the full reports are, for the summary's last line: "Full reports: " and this.
   std::string full_reports;
 };
