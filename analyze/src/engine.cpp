@@ -171,13 +171,15 @@ double row_roundoff(const Row& row, const StepReport& report) {
 }
 
 // A row's verdict beyond the tolerances: the reference's, which (unless the tolerances alone
-// decide) becomes its status; without one (and unless the tolerances alone decide), a float32 row that passes the tolerances but is beyond
-// fp32 noise relative to its own magnitude FAILs (judging.h, relative_screen).
+// decide) becomes its status; without one (and unless the tolerances alone decide), a float32 row
+// that passes the tolerances but is beyond fp32 noise relative to its own magnitude FAILs
+// (judging.h, relative_screen).
 void judge_row(Row& row, const StepReport& report, double module_magnitude) {
   if (!row.metrics) return;
   if (row.reference_eager && row.reference_compiled) {
-    const NoiseMeasure measure = measure_noise(*row.reference_eager, *row.reference_compiled,
-                                               row_roundoff(row, report), report.tolerances.atol / 20);
+    const NoiseMeasure measure =
+        measure_noise(*row.reference_eager, *row.reference_compiled, row_roundoff(row, report),
+                      report.tolerances.atol / 20);
     row.reference_verdict = measure.divergence ? "divergence" : "noise";
     row.noise_units = measure.units;
     if (!report.reference_decides) return;
@@ -185,7 +187,8 @@ void judge_row(Row& row, const StepReport& report, double module_magnitude) {
     row.status = measure.divergence ? Status::kFail : Status::kPass;
     return;
   }
-  if (row.status != Status::kPass || !row.kind || !row.eager || !row.compiled || !row.note.empty()) {
+  if (row.status != Status::kPass || !row.kind || !row.eager || !row.compiled ||
+      !row.note.empty()) {
     return;
   }
   Judging judging;
@@ -198,13 +201,13 @@ void judge_row(Row& row, const StepReport& report, double module_magnitude) {
     row.beyond_screen = relative;
     row.tolerance_status = Status::kPass;
     row.status = Status::kFail;
-    row.reason += (row.reason.empty() ? "" : "; ") + std::string("beyond fp32 noise: rmse ") +
-                  detail::printf_string("%.1e", relative) + " of its magnitude (screen " +
-                  detail::printf_string(
-                      "%.1e", std::max(relative_screen(row.eager->dtype, row.compiled->dtype),
-                                       row.tolerances ? row.tolerances->rtol
-                                                      : report.tolerances.rtol)) +
-                  "); tolerances pass";
+    row.reason +=
+        (row.reason.empty() ? "" : "; ") + std::string("beyond fp32 noise: rmse ") +
+        detail::printf_string("%.1e", relative) + " of its magnitude (screen " +
+        detail::printf_string(
+            "%.1e", std::max(relative_screen(row.eager->dtype, row.compiled->dtype),
+                             row.tolerances ? row.tolerances->rtol : report.tolerances.rtol)) +
+        "); tolerances pass";
   }
 }
 

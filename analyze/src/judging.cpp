@@ -120,15 +120,14 @@ Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind
 bool Judging::beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
                             formats::DType compiled, const TensorMetrics& metrics,
                             double module_magnitude) const {
-  const double screen =
-      std::max(relative_screen(eager, compiled), row_tolerances(module, kind, eager, compiled).rtol);
+  const double screen = std::max(relative_screen(eager, compiled),
+                                 row_tolerances(module, kind, eager, compiled).rtol);
   if (!reference_decides || !(relative_error(metrics) > screen) ||
       metrics.rms_eager <= kRoundingLevel * module_magnitude) {
     return false;
   }
-  return std::none_of(rules.begin(), rules.end(), [&](const ToleranceRule& rule) {
-    return rule_matches(rule, module, kind);
-  });
+  return std::none_of(rules.begin(), rules.end(),
+                      [&](const ToleranceRule& rule) { return rule_matches(rule, module, kind); });
 }
 
 Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump,
@@ -237,7 +236,9 @@ NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
   NoiseMeasure measure;
   const double eager = reference_eager.rmse, compiled = reference_compiled.rmse;
   const double magnitude = reference_eager.rms_eager;  // the reference's (side a)
-  const double floor = magnitude == formats::kMetricNotStored ? legacy_floor : roundoff * magnitude;
+  const double floor = magnitude == formats::kMetricNotStored
+                           ? legacy_floor
+                           : std::max(roundoff, kLibraryRoundoff) * magnitude;
   if (!std::isfinite(compiled)) {
     measure.noise = eager;
     measure.units = INFINITY;

@@ -65,8 +65,7 @@ class ProgressTicker {
 const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
   switch (task.target) {
     case Target::kRow: {
-      const formats::StoredMetrics* stored =
-          task.compiled_reader->find_metrics(task.compiled->key);
+      const formats::StoredMetrics* stored = task.compiled_reader->find_metrics(task.compiled->key);
       return stored && stored_metrics_hold(*stored, task.tolerances) ? stored : nullptr;
     }
     case Target::kReferenceEager:

@@ -101,11 +101,10 @@ std::string verdict_reasons(const StepCounts& counts) {
 }
 
 std::string deciding_rule(const StepCounts& counts, const Tolerances& tolerances) {
-  const std::string spec = "atol=" + format_tolerance(tolerances.atol) +
-                           " rtol=" + format_tolerance(tolerances.rtol);
+  const std::string spec =
+      "atol=" + format_tolerance(tolerances.atol) + " rtol=" + format_tolerance(tolerances.rtol);
   if (counts.referenced == 0) return spec;
-  const std::string rule =
-      "reference: noise within " + format_float(kReferenceFactor, "%g") + "x";
+  const std::string rule = "reference: noise within " + format_float(kReferenceFactor, "%g") + "x";
   if (counts.referenced + counts.shared == counts.compared) return rule;
   return rule + " (" + std::to_string(counts.referenced) +
          (counts.referenced == 1 ? " row" : " rows") + "), else " + spec;

@@ -72,14 +72,14 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
   // them: stored under the eager record's key and the reference record's.
   if (reference && &eager != &compiled && reference->record.tensor.shape == a.shape) {
     const formats::TensorView& r = reference->record.tensor;
-    formats::StoredMetrics against_eager{eager.record.key, row.tolerances,
-                                         analyze::compare_in_memory(r, a, row.tolerances,
-                                                                    chunk_bytes_)};
-    formats::StoredMetrics against_compiled{reference->record.key, row.tolerances,
-                                            analyze::compare_in_memory(r, b, row.tolerances,
-                                                                       chunk_bytes_)};
-    const double roundoff =
-        std::max({analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
+    formats::StoredMetrics against_eager{
+        eager.record.key, row.tolerances,
+        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_)};
+    formats::StoredMetrics against_compiled{
+        reference->record.key, row.tolerances,
+        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_)};
+    const double roundoff = std::max(
+        {analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
     const analyze::NoiseMeasure measure = analyze::measure_noise(
         against_eager.metrics, against_compiled.metrics, roundoff, judging_.tolerances.atol / 20);
     if (judging_.reference_decides) fails = measure.divergence;
@@ -101,7 +101,8 @@ void PairJudge::finish(const PairKey& pair, std::vector<RecordItem>& store,
   const RecordItem* compiled = slot.compiled ? &*slot.compiled : nullptr;
   if (!eager || !compiled) {
     const RecordItem* only = eager ? eager : compiled;
-    if (only && analyze::recorded_once(only->record.key.kind, single_pass_)) eager = compiled = only;
+    if (only && analyze::recorded_once(only->record.key.kind, single_pass_))
+      eager = compiled = only;
   }
   bool keep_tensors = true;  // a one-sided row, a shape mismatch or a failing pair
   if (eager && compiled && eager->record.tensor.shape == compiled->record.tensor.shape) {

@@ -73,7 +73,7 @@ class PairJudge {
   std::size_t chunk_bytes_;
   std::size_t hold_cap_;
   bool single_pass_ = false;
-  bool active_ = false;  // the step holds both sides
+  bool active_ = false;       // the step holds both sides
   double cast_roundoff_ = 0;  // the unit roundoff of the capture's cast_dtype, if any
   std::set<std::pair<std::string, std::uint32_t>> referenced_calls_;
   std::set<std::string> referenced_modules_;

@@ -588,11 +588,14 @@ TEST(Engine, TheReferenceVerdictDecidesTheRowUnlessTheTolerancesAreAskedFor) {
   write_referenced_step(dir.path(), 4e-3f, -4e-3f, {});
   const std::string text = render_text(compare(dir.path(), dir.path(), {}).steps[0]);
   EXPECT_NE(text.find("[OK] max_abs="), std::string::npos) << text;
-  EXPECT_NE(text.find("fp32: noise, 1.0x noise (rmse compiled=4.0e-03 eager=4.0e-03; tolerances fail)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find("fp32: noise, 1.0x noise (rmse compiled=4.0e-03 eager=4.0e-03; tolerances fail)"),
+      std::string::npos)
       << text;
-  EXPECT_NE(text.find("RESULT: ALL PASS  (1 pass only within reference noise; reference: noise within 2x)"),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(
+          "RESULT: ALL PASS  (1 pass only within reference noise; reference: noise within 2x)"),
+      std::string::npos)
       << text;
 }
 

@@ -115,11 +115,15 @@ def test_a_backward_fault_fails_at_every_loss_scale_and_a_clean_step_passes(
             return {(r.module, r.check_type, r.tensor_index): r.reference["noise_units"]
                     for r in result.rows if r.reference}
 
-        at_one = {key: u for key, u in units(faulty[1.0]).items() if u > BOUNDARY[1]}
+        # Rows the fault dominates (5x the noise and more) stay beyond the factor, their units
+        # within a factor 2 of each other. Eager's own error, the unit, is bf16 rounding:
+        # another realisation of it at each scale that is not a power of two, which moves the
+        # units of a 32-element bias gradient by up to 50% (GPT2's ln_2.bias: 8.1x and 11.8x).
+        at_one = {key: u for key, u in units(faulty[1.0]).items() if u > 5}
         assert at_one
         for scale in SCALES:
-            assert {key: units(faulty[scale])[key] for key in at_one} == \
-                pytest.approx(at_one, rel=0.25), scale
+            for key, unit in at_one.items():
+                assert 2 < unit / 2 <= units(faulty[scale])[key] <= unit * 2, (scale, key)
         assert "x noise" in faulty[1e-8].text()
 
 

@@ -66,8 +66,8 @@ struct Row {
   // A float32 row without a verdict: its RMSE relative to eager's magnitude when that is beyond
   // fp32 noise (judging.h, relative_screen), which made it FAIL.
   std::optional<double> beyond_screen;
-  std::string reference_dtype;                      // "fp32", "fp64": what the reference ran in
-  std::optional<Status> tolerance_status;           // with a verdict: the tolerance check's
+  std::string reference_dtype;             // "fp32", "fp64": what the reference ran in
+  std::optional<Status> tolerance_status;  // with a verdict: the tolerance check's
   // Where its record stands in capture order (the compiled side's, else the eager side's): the
   // order in which the step ran; root_cause.h uses it.
   std::uint64_t sequence = 0;

@@ -49,11 +49,11 @@ struct Judging {
   // fp32 noise: the reference decides (verdict="reference"), the row is float32 or float64, no
   // rule of the user's matches it (a rule is the user's own word on that row), its relative
   // error is beyond relative_screen and beyond the row's rtol (what the tolerances allow
-  // relative to a value, asked of the whole tensor: rmse / rms(eager) > rtol), and it is not at the rounding level of its module: its
-  // magnitude above kRoundingLevel times `module_magnitude`, the largest rms_eager of the
-  // module's rows in the same pass (a gradient that is mathematically zero, such as attention's
-  // key bias, is pure rounding noise of its module's arithmetic: 100% "relative" error). 0: not
-  // known (each row by itself).
+  // relative to a value, asked of the whole tensor: rmse / rms(eager) > rtol), and it is not at the
+  // rounding level of its module: its magnitude above kRoundingLevel times `module_magnitude`, the
+  // largest rms_eager of the module's rows in the same pass (a gradient that is mathematically
+  // zero, such as attention's key bias, is pure rounding noise of its module's arithmetic: 100%
+  // "relative" error). 0: not known (each row by itself).
   bool beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
                      formats::DType compiled, const TensorMetrics& metrics,
                      double module_magnitude = 0) const;
@@ -85,12 +85,15 @@ std::string tolerance_text(double value);
 // the module rows, the op rows of `bisect --ops` and the capture's in-memory judging. Every term is
 // relative to the tensors judged, so that multiplying a loss (or a linear module's inputs) by any
 // constant changes no verdict:
-//   noise      = max(rmse(reference, eager), roundoff * rms(reference))
+//   noise      = max(rmse(reference, eager), max(roundoff, kLibraryRoundoff) * rms(reference))
 //   units      = rmse(reference, compiled) / noise     (the report's "N x noise")
 //   divergence = units > kReferenceFactor, or NaN/Inf in compiled where eager has none
-// `roundoff` is the unit roundoff of the dtype the call computes in (noise_roundoff): the floor
-// is one rounding of that dtype at the reference's magnitude, for rows that eager gets exactly.
+// `roundoff` is the unit roundoff of the dtype the call computes in: the floor is one rounding of
+// that dtype at the reference's magnitude, for rows that eager gets exactly, and never below
+// kLibraryRoundoff (math libraries' vectorised erf, exp, tanh are accurate to a few float32 ulps,
+// inductor's as eager's: in float32 their difference, not the rounding, is the noise).
 inline constexpr double kReferenceFactor = 2.0;
+inline constexpr double kLibraryRoundoff = 0x1p-21;  // 8 float32 roundings
 
 // The unit roundoff of a dtype (half its machine epsilon): bfloat16 2^-8, float16 2^-11,
 // float32 2^-24, float64 2^-53, the float8s 2^-4 (e4m3) and 2^-3 (e5m2); 0 for others.
