@@ -284,6 +284,8 @@ class SinglePass:
                 call.reference = self._reference_call(
                     call.step, target, call.index, call.reference_args, call.wanted,
                     call.devices, grad_mode, inputs, call.eager_out)
+            if call.reference is None:  # no reference for this call: its upcast copies go
+                call.reference_args = None
         except Exception as error:
             call.step.note(call.name, vocabulary.NOTE_HOOK_ERROR,
                            f"eager re-run failed: {type(error).__name__}: {error}")
