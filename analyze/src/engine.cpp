@@ -174,12 +174,12 @@ double row_roundoff(const Row& row, const StepReport& report) {
 // decide) becomes its status; without one (and unless the tolerances alone decide), a float32 row
 // that passes the tolerances but is beyond fp32 noise relative to its own magnitude FAILs
 // (judging.h, relative_screen).
-void judge_row(Row& row, const StepReport& report, double module_magnitude) {
+void judge_row(Row& row, const StepReport& report, const Judging& judging,
+               double module_magnitude) {
   if (!row.metrics) return;
   if (row.reference_eager && row.reference_compiled) {
-    const NoiseMeasure measure =
-        measure_noise(*row.reference_eager, *row.reference_compiled, row_roundoff(row, report),
-                      report.tolerances.atol / 20);
+    const NoiseMeasure measure = measure_noise(*row.reference_eager, *row.reference_compiled,
+                                               row_roundoff(row, report), report.tolerances.atol);
     row.reference_verdict = measure.divergence ? "divergence" : "noise";
     row.noise_units = measure.units;
     if (!report.reference_decides) return;
@@ -191,10 +191,6 @@ void judge_row(Row& row, const StepReport& report, double module_magnitude) {
       !row.note.empty()) {
     return;
   }
-  Judging judging;
-  judging.tolerances = report.tolerances;
-  judging.rules = report.tolerance_rules;
-  judging.reference_decides = report.reference_decides;
   if (judging.beyond_screen(row.module, *row.kind, row.eager->dtype, row.compiled->dtype,
                             *row.metrics, module_magnitude)) {
     const double relative = relative_error(*row.metrics);
@@ -205,8 +201,7 @@ void judge_row(Row& row, const StepReport& report, double module_magnitude) {
         (row.reason.empty() ? "" : "; ") + std::string("beyond fp32 noise: rmse ") +
         detail::printf_string("%.1e", relative) + " of its magnitude (screen " +
         detail::printf_string(
-            "%.1e", std::max(relative_screen(row.eager->dtype, row.compiled->dtype),
-                             row.tolerances ? row.tolerances->rtol : report.tolerances.rtol)) +
+            "%.1e", judging.screen(row.module, *row.kind, row.eager->dtype, row.compiled->dtype)) +
         "); tolerances pass";
   }
 }
@@ -477,6 +472,11 @@ void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
   }
   run_tasks(tasks, options);
   for (StepReport& report : result.steps) {
+    Judging judging;  // the step's, for the fp32 screen
+    judging.tolerances = report.tolerances;
+    judging.rules = report.tolerance_rules;
+    judging.dtype_aware = report.dtype_aware;
+    judging.reference_decides = report.reference_decides;
     // The magnitude of each module's rows per pass (judging.h, kRoundingLevel).
     std::map<std::pair<std::string, bool>, double> magnitude;
     for (const Row& row : report.rows) {
@@ -487,7 +487,7 @@ void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
     for (Row& row : report.rows) {
       const auto found =
           row.kind ? magnitude.find({row.module, formats::is_forward(*row.kind)}) : magnitude.end();
-      judge_row(row, report, found == magnitude.end() ? 0.0 : found->second);
+      judge_row(row, report, judging, found == magnitude.end() ? 0.0 : found->second);
     }
     find_root_cause(report);
   }

@@ -117,17 +117,20 @@ Tolerances Judging::row_tolerances(const std::string& module, formats::Kind kind
   return result;
 }
 
+double Judging::screen(const std::string& module, formats::Kind kind, formats::DType eager,
+                       formats::DType compiled) const {
+  const bool ruled = std::any_of(rules.begin(), rules.end(), [&](const ToleranceRule& rule) {
+    return rule_matches(rule, module, kind);
+  });
+  if (!reference_decides || ruled) return NAN;
+  return std::max(relative_screen(eager, compiled), tolerances.rtol);  // NaN stays NaN
+}
+
 bool Judging::beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
                             formats::DType compiled, const TensorMetrics& metrics,
                             double module_magnitude) const {
-  const double screen = std::max(relative_screen(eager, compiled),
-                                 row_tolerances(module, kind, eager, compiled).rtol);
-  if (!reference_decides || !(relative_error(metrics) > screen) ||
-      metrics.rms_eager <= kRoundingLevel * module_magnitude) {
-    return false;
-  }
-  return std::none_of(rules.begin(), rules.end(),
-                      [&](const ToleranceRule& rule) { return rule_matches(rule, module, kind); });
+  return relative_error(metrics) > screen(module, kind, eager, compiled) &&
+         metrics.rms_eager > kRoundingLevel * module_magnitude;
 }
 
 Judging dump_judging(const formats::Provenance& provenance, const fs::path& dump,
@@ -232,12 +235,12 @@ double unit_roundoff_of_name(std::string_view torch_dtype) {
 
 NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
                            const TensorMetrics& reference_compiled, double roundoff,
-                           double legacy_floor) {
+                           double step_atol) {
   NoiseMeasure measure;
   const double eager = reference_eager.rmse, compiled = reference_compiled.rmse;
   const double magnitude = reference_eager.rms_eager;  // the reference's (side a)
   const double floor = magnitude == formats::kMetricNotStored
-                           ? legacy_floor
+                           ? step_atol / 20
                            : std::max(roundoff, kLibraryRoundoff) * magnitude;
   if (!std::isfinite(compiled)) {
     measure.noise = eager;

@@ -81,7 +81,7 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
     const double roundoff = std::max(
         {analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
     const analyze::NoiseMeasure measure = analyze::measure_noise(
-        against_eager.metrics, against_compiled.metrics, roundoff, judging_.tolerances.atol / 20);
+        against_eager.metrics, against_compiled.metrics, roundoff, judging_.tolerances.atol);
     if (judging_.reference_decides) fails = measure.divergence;
     metrics_.push_back(std::move(against_eager));
     metrics_.push_back(std::move(against_compiled));

@@ -73,13 +73,17 @@ def test_every_call_gets_a_reference_and_a_fault_is_a_divergence(tmp_path):
     assert "beyond fp64-reference noise" in result.root_cause["next"]
 
 
-def test_failing_runs_the_reference_only_for_calls_that_fail(tmp_path):
+def _faulted_chain(tmp_path, **options):
+    """Chain's checked step, its stage1 GELU made wrong by FORWARD_FAULT: (checker, result)."""
     torch.manual_seed(0)
     model = Chain()
-    checker = PrecisionChecker(backend=FORWARD_FAULT, reference="failing",
-                               dump_dir=str(tmp_path / "dump"))
+    checker = PrecisionChecker(backend=FORWARD_FAULT, dump_dir=str(tmp_path / "dump"), **options)
     checker.wrap_all_children(model, depth=0)
-    result = checker.compare(_step(torch.randn(4, 8)), model)
+    return checker, checker.compare(_step(torch.randn(4, 8)), model)
+
+
+def test_failing_runs_the_reference_only_for_calls_that_fail(tmp_path):
+    _, result = _faulted_chain(tmp_path, reference="failing")
     assert {r.module for r in result.rows if r.reference} == {"stage1"}
     assert result.modules["stage0"].get("reference_error") is None
 
@@ -409,12 +413,7 @@ def test_the_failing_judge_is_the_engines_row_judging():
 def test_the_failing_only_view_in_python_and_the_cli(tmp_path, dynaprobe_cli, capsys):
     """report(..., only_failing=True) and `dynaprobe compare --failing` print the FAIL and WARN
     rows alone, with the whole step's RESULT line and root cause."""
-    torch.manual_seed(0)
-    model = Chain()
-    checker = PrecisionChecker(backend=FORWARD_FAULT, reference="fp64",
-                               dump_dir=str(tmp_path / "dump"))
-    checker.wrap_all_children(model, depth=0)
-    result = checker.compare(_step(torch.randn(4, 8)), model)
+    checker, result = _faulted_chain(tmp_path, reference="fp64")
     checker.report(result, only_failing=True)
     printed = capsys.readouterr().out
     full = result.text()

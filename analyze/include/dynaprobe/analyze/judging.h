@@ -45,15 +45,19 @@ struct Judging {
   // side, then the last rule whose pattern matches it.
   Tolerances row_tolerances(const std::string& module, formats::Kind kind, formats::DType eager,
                             formats::DType compiled) const;
-  // Whether a row that the tolerances pass, and that has no reference verdict, FAILs as beyond
-  // fp32 noise: the reference decides (verdict="reference"), the row is float32 or float64, no
-  // rule of the user's matches it (a rule is the user's own word on that row), its relative
-  // error is beyond relative_screen and beyond the row's rtol (what the tolerances allow
-  // relative to a value, asked of the whole tensor: rmse / rms(eager) > rtol), and it is not at the
-  // rounding level of its module: its magnitude above kRoundingLevel times `module_magnitude`, the
-  // largest rms_eager of the module's rows in the same pass (a gradient that is mathematically
-  // zero, such as attention's key bias, is pure rounding noise of its module's arithmetic: 100%
-  // "relative" error). 0: not known (each row by itself).
+  // The fp32 screen of a row without a reference verdict: the largest relative error
+  // (relative_error) that is fp32 noise, max(relative_screen, the step's rtol: what the tolerances
+  // allow relative to a value, asked of the whole tensor). NaN, no screen, unless the reference
+  // decides (verdict="reference"), the row is float32 or float64 and no rule of the user's
+  // matches it (a rule is the user's own word on that row).
+  double screen(const std::string& module, formats::Kind kind, formats::DType eager,
+                formats::DType compiled) const;
+  // Whether a row that the tolerances pass FAILs as beyond fp32 noise: its relative error is
+  // beyond its screen, and it is not at the rounding level of its module: its magnitude above
+  // kRoundingLevel times `module_magnitude`, the largest rms_eager of the module's rows in the
+  // same pass (a gradient that is mathematically zero, such as attention's key bias, is pure
+  // rounding noise of its module's arithmetic: 100% "relative" error). 0: not known (each row by
+  // itself, as the capture judges).
   bool beyond_screen(const std::string& module, formats::Kind kind, formats::DType eager,
                      formats::DType compiled, const TensorMetrics& metrics,
                      double module_magnitude = 0) const;
@@ -104,22 +108,20 @@ double unit_roundoff_of_name(std::string_view torch_dtype);
 
 // A row's noise against its reference, and its compiled error in units of it.
 struct NoiseMeasure {
-  double noise = 0;  // max(eager's own RMSE, roundoff * rms(reference))
+  double noise = 0;  // max(eager's own RMSE, the floor)
   double units = 0;  // compiled RMSE / noise: 0 when both are 0, inf when only noise is
   bool divergence = false;
 };
 // The rule on both sides' metrics against the reference (reference = a, eager or compiled = b).
-// A reference magnitude not stored (a dump from before rms_eager) takes `legacy_floor` instead of
-// roundoff * rms(reference).
+// A reference magnitude not stored (a dump from before rms_eager) takes the step's atol / 20 as
+// the floor: an absolute one, as such dumps were judged.
 NoiseMeasure measure_noise(const TensorMetrics& reference_eager,
                            const TensorMetrics& reference_compiled, double roundoff,
-                           double legacy_floor);
+                           double step_atol);
 
-// The relative screen of a float32 (or float64) row that has no reference verdict: its RMSE
-// relative to eager's own magnitude, which is fp32 noise up to kRelativeScreen(dtype) (measured on
-// the suite: docs/guide/diagnosis.md). Beyond it, a row the tolerances pass is no silent pass: it
-// FAILs as beyond fp32 noise. NaN when it cannot be told: eager all zeros, or a dump without
-// rms_eager.
+// The relative error of a row, rmse / rms(eager): what the fp32 screen (Judging::screen, measured
+// on the suite: docs/guide/diagnosis.md) holds a float32 row without a reference to. NaN when it
+// cannot be told: eager all zeros, or a dump without rms_eager.
 inline constexpr double kRelativeScreenRoundings = 0x1p12;  // of float32: about 2.4e-4
 inline constexpr double kRoundingLevel = 0x1p-14;           // 2^10 float32 roundings
 double relative_error(const TensorMetrics& metrics);
