@@ -79,14 +79,15 @@ class GeluMLP(nn.Module):
         return self.down(nn.functional.gelu(self.up(x)))
 
 
-def _dump(tmp_path, module: nn.Module, backend, shape=(2, 8, 16)):
+def _dump(tmp_path, module: nn.Module, backend, shape=(2, 8, 16), dtype=torch.float32,
+          input_grad=True):
     """A training step of ``module`` checked with ``backend`` (a name and inductor config, or a
-    backend): its stored call."""
+    backend): its stored call. ``input_grad=False``: only its parameters get gradients."""
     import torch._inductor.config as inductor_config
 
     torch.manual_seed(0)
-    model = nn.Sequential(module)
-    x = torch.randn(*shape, requires_grad=True)
+    model = nn.Sequential(module).to(dtype)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=input_grad)
     name, config = backend if isinstance(backend, tuple) else (backend, {})
     checker = PrecisionChecker(backend=name, dump_dir=str(tmp_path / "dump"))
     checker.wrap(model[0])
@@ -102,8 +103,8 @@ def _dump(tmp_path, module: nn.Module, backend, shape=(2, 8, 16)):
     return load_call(checker.dump_dir, "0")
 
 
-def _localised(tmp_path, module, backend):
-    call = _dump(tmp_path, module, backend)
+def _localised(tmp_path, module, backend, **step):
+    call = _dump(tmp_path, module, backend, **step)
     name, config = backend if isinstance(backend, tuple) else (backend, {})
     return localise(call, name, config)
 
@@ -170,6 +171,62 @@ def test_a_fault_in_the_backward_graph_only_is_found_there(tmp_path, kind):
     finding = result.findings[0]
     assert finding.op in {str(t) for t in targets}
     assert "nn.functional.gelu" in finding.source
+
+
+class ReluMLP(nn.Module):
+    """up, relu, down, with one hidden unit at -2^-12 for every token: its relu is zero, a
+    rounding away from the kink."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        with torch.no_grad():
+            self.up.weight[0] = 0
+            self.up.bias[0] = -2.0 ** -12
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def nudged_near_zero(graph: torch.fx.Graph) -> None:
+    """A post-grad pass adding 2^-11 to the forward's linear outputs within 2^-10 of zero: a
+    change below fp16's rounding of the values around them, that moves the hidden unit at
+    -2^-12 across relu's kink."""
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return
+    aten = torch.ops.aten
+    for node in [n for n in graph.nodes if n.target == aten.addmm.default]:
+        with graph.inserting_after(node):
+            magnitude = graph.call_function(aten.abs.default, (node,))
+        with graph.inserting_after(magnitude):
+            small = graph.call_function(aten.lt.Scalar, (magnitude, 2.0 ** -10))
+        with graph.inserting_after(small):
+            moved = graph.call_function(aten.add.Tensor, (node, 2.0 ** -11))
+        with graph.inserting_after(moved):
+            nudged = graph.call_function(aten.where.self, (small, moved, node))
+        ours = {magnitude, moved, nudged}
+        node.replace_all_uses_with(nudged, delete_user_cb=lambda user: user not in ours)
+
+
+@pytest.mark.slow
+def test_a_gradient_that_fails_through_a_kink_is_explained_where_no_op_fails(tmp_path):
+    """fp16: the compiled forward puts a hidden unit on the other side of relu's kink by less
+    than the rounding of its op; its gradient then flows on one side only, so the module's
+    gradients fail while no op does, and the localisation says which mask differs and that it is
+    within rounding noise (the OPT fp16 case of docs/guide/diagnosis.md)."""
+    backend = ("inductor", {"post_grad_custom_post_pass": nudged_near_zero})
+    result = _localised(tmp_path, ReluMLP(), backend, dtype=torch.float16, input_grad=False)
+    assert not result.findings, result.text()
+    # Inductor's partitioner saves relu's mask (aten.le) for the backward; it decided on relu's
+    # output, zero in eager and 2^-12 compiled for each of the 16 tokens.
+    (split,) = result.split_decisions
+    assert split.op in ("aten.le.Scalar", "aten.relu.default"), result.text()
+    assert split.elements == 16 and split.eager == 0 and split.compiled == 2.0 ** -12
+    assert split.within_noise, result.text()
+    text = result.text()
+    assert "no op fails" in text and "decided differently" in text
+    assert "not a\n    compiler divergence" in text, text
 
 
 def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):

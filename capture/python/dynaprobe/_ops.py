@@ -21,6 +21,7 @@ changes its verdict, the finding says it was seen with a changed fusion.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -82,6 +83,27 @@ class OpFinding:
 
 
 @dataclass
+class SplitDecision:
+    """A value the backward graph takes from the forward one that the two sides decided
+    differently at some elements: a mask (a comparison's booleans) or a clamp (relu's zeros),
+    True or zero on one side only. ``within_noise``: at every such element the value decided on
+    (the comparison's input, the clamp's output) differs between the sides by no more than its
+    op's rounding noise: rounding that fell on the two sides of a kink, not a divergence, though
+    every gradient through those elements differs by a whole term."""
+
+    node: str
+    op: str
+    elements: int  # how many were decided differently
+    index: tuple  # the first of them
+    decided_on: str  # the value decided on: the node itself, or the comparison's input
+    eager: float  # that value at ``index``, each side's and fp64's
+    compiled: float
+    reference: float
+    noise: float  # its op's own: eager's rmse against fp64
+    within_noise: bool
+
+
+@dataclass
 class GraphOps:
     """One aten graph's nodes, judged: the engine's row of each, in graph order."""
 
@@ -101,6 +123,7 @@ class OpsResult:
     backend: str
     dump: str
     graphs: List[GraphOps] = field(default_factory=list)
+    split_decisions: List[SplitDecision] = field(default_factory=list)
 
     @property
     def findings(self) -> List[OpFinding]:
@@ -109,9 +132,13 @@ class OpsResult:
     def text(self) -> str:
         lines = [f"Op localisation of {self.module} call {self.call} (step {self.step}), "
                  f"{self.backend} against eager, fp64 as the noise bound:"]
+        rounding = {d.node for d in self.split_decisions if d.within_noise}
         for graph in self.graphs:
             failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
-            lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing} fail")
+            kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module.split(".", 1)[1] in
+                         rounding for r in graph.rows) if graph.kind == "forward" else 0
+            lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing - kinked} fail"
+                         + (f", {kinked} decided otherwise within rounding" if kinked else ""))
         for finding in self.findings:
             row = finding.row
             lines += ["", f"  first op that fails in the {finding.graph} graph: {finding.node} "
@@ -135,6 +162,7 @@ class OpsResult:
                              "inputs; torch only)")
         if not self.findings:
             lines += ["", "  no op fails: every difference is within the fp64 noise bound"]
+            lines += _split_text(self.split_decisions)
         lines += ["", f"  every op's row: dynaprobe compare {self.dump} (--html PATH draws the "
                       "error along the graph)"]
         return "\n".join(lines) + "\n"
@@ -149,6 +177,27 @@ def _noise_text(row) -> str:
             f"{reference.get('compiled_rmse', float('nan')):.3e}, eager="
             f"{reference.get('eager_rmse', float('nan')):.3e}; noise is compiled <= "
             f"{reference.get('factor', 2.0):g} x eager)")
+
+
+def _split_text(decisions: List[SplitDecision]) -> List[str]:
+    """What the backward takes that the two sides decided differently: why a module's gradient
+    can fail where no op does."""
+    if not decisions:
+        return []
+    lines = ["", "  the backward takes values the two sides decided differently:"]
+    for d in decisions:
+        index = ", ".join(str(i) for i in d.index)
+        lines.append(f"    {d.node} ({d.op}): {d.elements} element(s), first [{index}]: "
+                     f"{d.decided_on} eager={d.eager:.3e} compiled={d.compiled:.3e} "
+                     f"fp64={d.reference:.3e} (its op's noise {d.noise:.1e})")
+    if all(d.within_noise for d in decisions):
+        lines += ["    each within its op's rounding noise: rounding that fell on the two sides "
+                  "of a kink, not a",
+                  "    compiler divergence; every gradient through those elements differs by a "
+                  "whole term, so the",
+                  "    module's gradient rows can fail by it (docs/guide/diagnosis.md, "
+                  "\"Rounding at a kink\")"]
+    return lines
 
 
 # ---------------------------------------------------------------------- watching the backend
@@ -189,7 +238,7 @@ class _Watcher:
             from torch._inductor import config, debug  # noqa: PLC0415
 
             with debug.reset_provenance_globals(), config.patch({
-                    "trace.provenance_tracking_level": 1, "fx_graph_cache": False}):
+                    "trace.provenance_tracking_level": 1}):
                 compiled = compile_fx_inner(gm, example_inputs, **kwargs)
                 return compiled, dict(debug._inductor_triton_kernel_to_post_grad_node_info)
 
@@ -326,9 +375,12 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
     watcher = _Watcher()
     folder = folder or ops_folder(call)
     result = OpsResult(call.module, call.call, call.step, label or _backend_name(backend), folder)
-    with inductor_patch(config or {}):
+    with inductor_patch(config or {}), _compiled_afresh():
         replay.run(watcher.backend(backend), "ops")
         graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
+        if not graphs:
+            raise ReplayError(f"the replay of {call.module} call {call.call} ran no aten graph "
+                              f"that {result.backend} compiled: there are no ops to compare")
         evaluated = []
         for graph in graphs:
             graph.inputs = [a.detach() if isinstance(a, torch.Tensor) else a
@@ -336,16 +388,78 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
             with torch.no_grad():
                 evaluated.append(_evaluate(graph))
         rows = _judged(call, graphs, evaluated, folder, result.backend)
-        for graph, (nodes, eager, reference, _, code) in zip(graphs, evaluated):
+        for graph, (nodes, eager, reference, compiled, code) in zip(graphs, evaluated):
             ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
-            first = next((i for i, r in enumerate(ops.rows)
-                          if r.status == vocabulary.STATUS_FAIL), None)
+            if graph.kind == "forward":
+                with torch.no_grad():
+                    result.split_decisions += _split_decisions(
+                        graph, nodes, ops.rows, eager, dict(zip((n.name for n in nodes),
+                                                                compiled)), reference)
+            rounding = {d.node for d in result.split_decisions
+                        if d.within_noise} if graph.kind == "forward" else set()
+            first = next((i for i, (n, r) in enumerate(zip(nodes, ops.rows))
+                          if r.status == vocabulary.STATUS_FAIL and n.name not in rounding),
+                         None)
             if first is not None:
                 with torch.no_grad():
                     ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code,
                                            eager, reference)
             result.graphs.append(ops)
     return result
+
+
+def _split_decisions(graph: AtenGraph, nodes: List[fx.Node], rows: list, eager: dict,
+                     compiled: dict, reference: dict) -> List[SplitDecision]:
+    """The forward graph's outputs (what the backward takes) that are True, or zero, on one side
+    only at some elements (see SplitDecision)."""
+    output = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    returned = {n.name for n in output.all_input_nodes}
+    row_of = {n.name: r for n, r in zip(nodes, rows)}
+    decisions = []
+    for node in nodes:
+        ours, theirs = eager[node.name], compiled.get(node.name)
+        if node.name not in returned or not isinstance(theirs, torch.Tensor):
+            continue
+        if ours.dtype == torch.bool:  # a comparison: what it decided on is its input
+            split = ours != theirs
+            decided_on = next((a.name for a in node.all_input_nodes
+                               if a.name in compiled and compiled[a.name].is_floating_point()),
+                              None)
+            if decided_on is None:
+                continue
+        else:  # a clamp: zero on one side only
+            split, decided_on = (ours == 0) != (theirs == 0), node.name
+        if not bool(split.any()):
+            continue
+        values = [side[decided_on].double() for side in (eager, compiled, reference)]
+        noise = _eager_noise(row_of.get(decided_on))
+        moved = (values[0] - values[1]).abs()[split]
+        within = bool(((moved > 0) & (moved <= 4 * noise)).all())
+        index = tuple(int(i) for i in split.nonzero()[0])
+        decisions.append(SplitDecision(
+            node.name, str(node.target), int(split.sum()), index,
+            "its input " + decided_on if decided_on != node.name else "its value",
+            *(float(v[index]) for v in values), noise, within))
+    return decisions
+
+
+def _eager_noise(row) -> float:
+    """Eager's own error against fp64 of an op's row (nan where it has no reference)."""
+    reference = getattr(row, "reference", None)
+    return float(reference.get("eager_rmse", float("nan"))) if isinstance(reference, dict) \
+        else float("nan")
+
+
+def _compiled_afresh():
+    """No compile cache: a graph AOTAutograd's or inductor's cache already holds is returned
+    without its compilers being called, so the watcher would see no graph."""
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    return stack
 
 
 def _backend_name(backend) -> str:
