@@ -278,14 +278,21 @@ StepCounts StepReport::counts() const {
       if (reference_decides) ++counts.referenced;
     } else if (row.beyond_screen) {
       ++counts.screened;
-    } else if (unit_roundoff(row.eager->dtype) > unit_roundoff(formats::DType::kFloat32) ||
-               unit_roundoff(row.compiled->dtype) > unit_roundoff(formats::DType::kFloat32)) {
+    } else if (judged_by_tolerances_only(row)) {
       ++counts.low_precision_unreferenced;
     }
   }
   counts.loss_failed = loss_status() == Status::kFail;
   counts.no_reference_calls = no_reference_calls;
   return counts;
+}
+
+bool StepReport::judged_by_tolerances_only(const Row& row) const {
+  if (!row.kind || !row.metrics || !row.eager || !row.compiled) return false;
+  if (recorded_once(*row.kind, single_pass) || !row.reference_verdict.empty()) return false;
+  if (row.beyond_screen) return false;
+  const double float32 = unit_roundoff(formats::DType::kFloat32);
+  return unit_roundoff(row.eager->dtype) > float32 || unit_roundoff(row.compiled->dtype) > float32;
 }
 
 Status StepReport::loss_status() const {

@@ -22,6 +22,9 @@ std::string csv_field(const std::string& field) {
   return quoted + "\"";
 }
 
+// A low-precision row no reference judged: what decided it.
+constexpr std::string_view kNoReferenceNote = "no reference: judged by the tolerances";
+
 std::string csv_line(const std::vector<std::string>& fields) {
   std::string text;
   for (std::size_t i = 0; i < fields.size(); ++i) {
@@ -67,9 +70,13 @@ std::vector<std::vector<std::string>> csv_rows(const StepReport& report, bool me
       continue;
     }
     const Numbers n = numbers(row);
+    std::string note = row_note(row);
+    if (report.judged_by_tolerances_only(row)) {
+      note += (note.empty() ? "" : "; ") + std::string(kNoReferenceNote);
+    }
     rows.push_back({module, kind, index, status, format_float(n.max_abs, "%.6e"),
                     format_float(n.mean_abs, "%.6e"), format_float(n.max_rel, "%.6e"),
-                    shape_text(row), row_note(row)});
+                    shape_text(row), note});
   }
   return rows;
 }

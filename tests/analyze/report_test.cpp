@@ -415,6 +415,13 @@ TEST(Report, ALowPrecisionReportShowsWhatDecidedEachRowAndTheStep) {
                       "the tolerances; atol=1e-4 rtol=1e-3)"),
             std::string::npos)
       << render_text(unreferenced);
+  // The CSV says it on the row; a float32 row or a referenced one has no such note.
+  EXPECT_NE(render_csv({unreferenced}).find("4096)\",no reference: judged by the tolerances\n"),
+            std::string::npos)
+      << render_csv({unreferenced});
+  EXPECT_EQ(render_csv({report}).find("no reference"), std::string::npos) << render_csv({report});
+  unreferenced.rows[0].eager->dtype = formats::DType::kFloat32;
+  EXPECT_EQ(render_csv({unreferenced}).find("no reference"), std::string::npos);
 }
 
 // A row's details (reason, its own tolerances, the reference verdict, a note's reason) are on

@@ -183,6 +183,9 @@ struct StepReport {
   bool all_pass() const;
   // The counts behind all_pass() and the RESULT line (docs/report-format.md).
   StepCounts counts() const;
+  // A compared row in bf16/fp16/float8 that no reference judged: the dtype's tolerances decided
+  // it (counted in StepCounts::low_precision_unreferenced; the CSV note says so).
+  bool judged_by_tolerances_only(const Row& row) const;
   // The LOSS check: two-pass compares the two losses with the tolerances; single-pass has only
   // the compiled loss and PASSes when it is finite; without a recorded loss there is no check.
   Status loss_status() const;
