@@ -333,9 +333,7 @@ std::string render_text(const StepReport& report, bool only_failing) {
     }
   }
   out += "\n" + kRule + "\n";
-  const StepCounts counts = report.counts();
-  out += "  RESULT: " + result_text(counts) + "  (" + verdict_reasons(counts) +
-         deciding_rule(counts, report.tolerances) + ")\n";
+  out += "  RESULT: " + result_text(report.counts()) + "  (" + result_details(report) + ")\n";
   out += kRule + "\n";
   if (!report.not_stored.empty()) {
     out += "  NOT STORED  " + formats::printable_name(report.not_stored) + "\n";

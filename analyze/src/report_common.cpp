@@ -100,6 +100,11 @@ std::string verdict_reasons(const StepCounts& counts) {
   return text.empty() ? "" : text + "; ";
 }
 
+std::string result_details(const StepReport& report) {
+  const StepCounts counts = report.counts();
+  return verdict_reasons(counts) + deciding_rule(counts, report.tolerances);
+}
+
 std::string deciding_rule(const StepCounts& counts, const Tolerances& tolerances) {
   const std::string spec =
       "atol=" + format_tolerance(tolerances.atol) + " rtol=" + format_tolerance(tolerances.rtol);

@@ -41,5 +41,7 @@ std::string verdict_reasons(const StepCounts& counts);
 // ("atol=1e-4 rtol=1e-3"), or the reference's noise rule when it decided every compared row
 // ("reference: noise within 2x"), or both, with how many rows the reference decided.
 std::string deciding_rule(const StepCounts& counts, const Tolerances& tolerances);
+// The text inside the RESULT line's parentheses: verdict_reasons, then deciding_rule.
+std::string result_details(const StepReport& report);
 
 }  // namespace dynaprobe::analyze::detail

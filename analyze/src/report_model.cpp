@@ -6,6 +6,7 @@
 #include <map>
 
 #include "dynaprobe/analyze/report.h"
+#include "report_common.h"
 
 namespace dynaprobe::analyze {
 namespace {
@@ -251,6 +252,7 @@ Value step_model(const StepReport& step) {
                        {"single_pass", step.single_pass},
                        {"all_pass", step.all_pass()},
                        {"result", counts_model(step.counts())},
+                       {"result_details", detail::result_details(step)},
                        {"root_cause", root_cause_model(step)},
                        {"ops", ops_model(step)},
                        {"capture_input", step.capture_input},

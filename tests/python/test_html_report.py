@@ -557,3 +557,8 @@ def test_with_a_reference_the_chart_shows_the_error_in_units_of_the_noise(
     step = json.loads(json_path.read_text())["ranks"][0]["steps"][0]
     by_module = {step["rows"][index]["module"]: y for index, y in points.items()}
     assert by_module == pytest.approx(units, rel=1e-6)
+    # The step's RESULT names the rule that decided, as the text report's RESULT line does.
+    result = browser.evaluate("document.getElementById('step-result').textContent")
+    assert ("RESULT FAILED (2 compared; 1 FAIL, 0 WARN, 1 pass only within reference noise; "
+            "reference: noise within 2x)") in result
+    assert step["result_details"] in proc.stdout
