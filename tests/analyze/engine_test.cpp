@@ -610,6 +610,24 @@ TEST(Engine, NoiseRuleOfNonFiniteErrors) {
   EXPECT_FALSE(measure_noise(eager, compiled, 0x1p-8, 0).divergence);
 }
 
+// A row with -inf at the same elements on all three sides (log(0)) is judged on the rest.
+TEST(Engine, NoiseRuleOfEqualInfinitiesJudgesTheFiniteElements) {
+  const auto metrics = [](const std::vector<float>& a, const std::vector<float>& b) {
+    MetricsAccumulator accumulator;
+    accumulator.accumulate(a.data(), b.data(), a.size(), 0, Tolerances{});
+    return accumulator.result();
+  };
+  const std::vector<float> reference = {-INFINITY, 1.0f, 2.0f, 3.0f};
+  const TensorMetrics eager = metrics(reference, {-INFINITY, 1.001f, 2.0f, 3.0f});
+  EXPECT_FALSE(measure_noise(eager, metrics(reference, {-INFINITY, 1.0f, 2.001f, 3.0f}), 0x1p-8,
+                             0)
+                   .divergence);
+  const NoiseMeasure fault =
+      measure_noise(eager, metrics(reference, {-INFINITY, 1.05f, 2.1f, 3.15f}), 0x1p-8, 0);
+  EXPECT_TRUE(fault.divergence);
+  EXPECT_TRUE(std::isfinite(fault.units));
+}
+
 // The rule has no absolute term: the same relative errors give the same verdict and the same
 // units at every magnitude (a loss scaled by 1e-8 .. 1e4), where `rmse <= 2 * eager + atol / 10`
 // called every error below 1e-5 noise.

@@ -97,6 +97,19 @@ TEST(Metrics, EqualInfinitiesAreCloseButTheirDifferenceIsNan) {
   EXPECT_EQ(n.max_abs, kInf);
 }
 
+// Equal infinities differ by 0 in the rmse and leave the norms (over finite elements) finite:
+// T5's position buckets take log(0) = -inf on every side, and the rest must still be judged.
+TEST(Metrics, EqualInfinitiesLeaveTheRmseAndTheNormsOfTheFiniteElements) {
+  const auto m = metrics_of({-kInf, 3.0f, 4.0f}, {-kInf, 3.0f, 4.5f});
+  EXPECT_DOUBLE_EQ(m.rmse, std::sqrt(0.25 / 3));
+  EXPECT_DOUBLE_EQ(m.rms_eager, std::sqrt(25.0 / 3));
+  EXPECT_DOUBLE_EQ(m.rms_compiled, std::sqrt((9.0 + 20.25) / 3));
+  EXPECT_TRUE(std::isfinite(m.cosine));
+  EXPECT_TRUE(std::isnan(m.max_abs));  // the spec's abs(a - b).max() stays torch's
+  EXPECT_TRUE(std::isnan(metrics_of({kNaN, 1.0f}, {kNaN, 1.0f}).rmse));  // NaN is never equal
+  EXPECT_EQ(metrics_of({-kInf}, {kInf}).rmse, kInf);
+}
+
 TEST(Metrics, EmptyTensorsPass) {
   const auto m = metrics_of({}, {});
   EXPECT_EQ(m.elements, 0u);

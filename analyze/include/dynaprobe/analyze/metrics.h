@@ -51,6 +51,7 @@ class MetricsAccumulator {
   double norm_b_ = 0;
   std::uint64_t mismatches_ = 0;
   std::uint64_t nan_diff_ = 0;
+  std::uint64_t nan_unequal_ = 0;
   std::uint64_t nan_rel_ = 0;
   std::uint64_t nan_ratio_ = 0;
   std::uint64_t nan_a_ = 0;

@@ -46,10 +46,12 @@ struct TensorMetrics {
   // written before this metric existed.
   double max_tol_ratio = 0;
   bool allclose = true;
-  double cosine = 1;  // 1 for two all-zero tensors
+  double cosine = 1;  // over the finite elements; 1 for two all-zero tensors
+  // Equal elements (equal infinities too) count 0; NaN only where a NaN makes two unequal.
   double rmse = 0;
-  // The root mean square of each side: the magnitude errors are relative to (the noise rule's
-  // floor and the relative screen, analyze/judging.h). kMetricNotStored when unknown.
+  // The root mean square of each side's finite elements: the magnitude errors are relative to
+  // (the noise rule's floor and the relative screen, analyze/judging.h). kMetricNotStored when
+  // unknown.
   double rms_eager = 0;
   double rms_compiled = 0;
   std::uint64_t elements = 0;
