@@ -229,6 +229,38 @@ def test_a_gradient_that_fails_through_a_kink_is_explained_where_no_op_fails(tmp
     assert "not a\n    compiler divergence" in text, text
 
 
+def scaled_where_fused(graph: torch.fx.Graph) -> None:
+    """A post-grad pass scaling, 5%, the forward's erf where the graph keeps it inside a kernel
+    (not one of the graph's outputs): a fault of the fusion alone, gone when every op is
+    exposed as an output, as a kernel that fuses a reduction wrongly is."""
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return
+    outputs = set(next(n for n in graph.nodes if n.op == "output").all_input_nodes)
+    for node in [n for n in graph.nodes if n.target == torch.ops.aten.erf.default]:
+        if node in outputs:
+            continue
+        with graph.inserting_after(node):
+            scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.05))
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+@pytest.mark.slow
+def test_a_fault_of_a_fusion_alone_is_found_at_the_graph_output_it_changes(tmp_path):
+    """Every op passes with each exposed (the fault is gone with the fusion), yet the graph as
+    inductor compiled it computes its outputs otherwise: the first such output is named, with
+    the kernel that computes it (T5's relative-position bias gradient under autocast, in
+    docs/guide/diagnosis.md)."""
+    backend = ("inductor", {"post_grad_custom_post_pass": scaled_where_fused})
+    result = _localised(tmp_path, GeluMLP(), backend, input_grad=False)
+    forward = next(g for g in result.graphs if g.kind == "forward")
+    assert not result.findings, result.text()
+    fused = forward.fused_output
+    assert fused is not None, result.text()
+    assert fused.row.status == "FAIL" and fused.kernel is not None
+    assert any(node.startswith("erf") for node in fused.kernel.fuses), result.text()
+    assert "fails as the backend compiled the graph" in result.text()
+
+
 def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):
     import subprocess
     import sys

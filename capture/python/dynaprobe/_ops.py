@@ -104,12 +104,28 @@ class SplitDecision:
 
 
 @dataclass
+class FusedOutput:
+    """An output of an aten graph that fails as the backend compiled the graph (its own
+    fusion) while every op passes with each exposed: the kernel that computes it, fused as it
+    was, is where the numbers change."""
+
+    graph: str
+    index: int  # the graph's output position
+    node: str
+    op: str
+    row: object  # the engine's row of it, the backend's own compilation against eager
+    kernel: Optional[Kernel] = None
+
+
+@dataclass
 class GraphOps:
-    """One aten graph's nodes, judged: the engine's row of each, in graph order."""
+    """One aten graph's nodes, judged: the engine's row of each, in graph order; where none
+    fails, the first of its outputs that fails at the backend's own fusion."""
 
     kind: str
     rows: list
     finding: Optional[OpFinding] = None
+    fused_output: Optional[FusedOutput] = None
 
 
 @dataclass
@@ -160,8 +176,23 @@ class OpsResult:
             if finding.repro:
                 lines.append(f"    repro    python {finding.repro}  (the op alone, on its real "
                              "inputs; torch only)")
+        for fused in (g.fused_output for g in self.graphs if g.fused_output is not None):
+            row = fused.row
+            lines += ["", f"  the {fused.graph} graph's output {fused.index} ({fused.node}, "
+                          f"{fused.op}) fails as the backend compiled the graph,",
+                      "  though every op passes with each exposed: the fusion that computes it "
+                      "changes the numbers",
+                      f"    error    max_abs={row.max_abs:.3e} mean_abs={row.mean_abs:.3e} "
+                      f"max_rel={row.max_rel:.3e}",
+                      f"    noise    {_noise_text(row)}"]
+            if fused.kernel is not None:
+                lines += [f"    kernel   {fused.kernel.name}, fusing "
+                          f"{', '.join(fused.kernel.fuses)}",
+                          f"             {fused.kernel.path}"]
         if not self.findings:
-            lines += ["", "  no op fails: every difference is within the fp64 noise bound"]
+            no_op = "no op fails" + ("" if any(g.fused_output for g in self.graphs) else
+                                     ": every difference is within the fp64 noise bound")
+            lines += ["", "  " + no_op]
             lines += _split_text(self.split_decisions)
         lines += ["", f"  every op's row: dynaprobe compare {self.dump} (--html PATH draws the "
                       "error along the graph)"]
@@ -400,12 +431,57 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
             first = next((i for i, (n, r) in enumerate(zip(nodes, ops.rows))
                           if r.status == vocabulary.STATUS_FAIL and n.name not in rounding),
                          None)
-            if first is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if first is not None:
                     ops.finding = _finding(call, graph, nodes[first], ops.rows, nodes, code,
                                            eager, reference)
+                elif not any(r.status == vocabulary.STATUS_FAIL for r in ops.rows):
+                    ops.fused_output = _fused_output(call, graph, eager, reference)
             result.graphs.append(ops)
     return result
+
+
+def _fused_output(call: StoredCall, graph: AtenGraph, eager: dict,
+                  reference: dict) -> Optional[FusedOutput]:
+    """The first output of the graph that fails as the backend compiled it, against the
+    graph evaluated node by node: exposing every op changes what inductor fuses, so a fault of
+    a fusion can pass op by op."""
+    compiled, kernels = graph.code
+    if compiled is None:
+        return None
+    own = list(_call(compiled, list(graph.inputs)))
+    output = next(n for n in graph.gm.graph.nodes if n.op == "output")
+    judged = [(i, node, own[i]) for i, node in enumerate(output.args[0])
+              if isinstance(node, fx.Node) and i < len(own) and isinstance(own[i], torch.Tensor)
+              and node.name in eager and node.name in reference
+              and isinstance(eager[node.name], torch.Tensor)
+              and eager[node.name].dtype != torch.bool]  # a mask: judged by what it decided on
+    if not judged:
+        return None
+    pairs = [(Run([eager[n.name]]), Run([value])) for _, n, value in judged]
+    results = judge(call, pairs, references=[Run([reference[n.name]]) for _, n, _ in judged])
+    for (index, node, _), result in zip(judged, results):
+        row = next(r for r in result.rows if r.check_type == FWD_OUTPUT)
+        if row.status == vocabulary.STATUS_FAIL:
+            return FusedOutput(graph.kind, index, node.name, str(node.target), row,
+                               _nearest_kernel(graph.code, node))
+    return None
+
+
+def _nearest_kernel(code: tuple, node: fx.Node) -> Optional[Kernel]:
+    """The generated kernel of ``node``, else of its nearest producer that has one: a view has
+    none, and an extern matmul is not a generated kernel, so the fusion feeding it is named."""
+    frontier, seen = [node], set()
+    while frontier:
+        current = frontier.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        kernel = _kernel(code, current.name)
+        if kernel is not None and not kernel.name.startswith("extern_kernels."):
+            return kernel
+        frontier += current.all_input_nodes
+    return None
 
 
 def _split_decisions(graph: AtenGraph, nodes: List[fx.Node], rows: list, eager: dict,
