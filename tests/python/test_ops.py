@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -273,6 +274,36 @@ def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):
     assert run.returncode == 0, run.stderr
     assert "first op that fails in the forward graph: rsqrt (aten.rsqrt.default)" in run.stdout
     assert "inputs   matched" in run.stdout or "inputs   within noise" in run.stdout
+
+
+@pytest.mark.slow
+def test_bisect_ops_sees_the_graphs_the_compile_caches_hold(tmp_path, dynaprobe_cli):
+    """The stage bisection before the localisation compiles the call's graph with inductor,
+    filling AOTAutograd's and inductor's caches; the localisation compiles the same graph, which
+    a cache would return without calling the compilers it watches. It compiles afresh, so it
+    compares every op (and never says "no op fails" of a replay it did not see)."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(GeluMLP())
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"), replay="all")
+    checker.wrap(model[0])
+
+    def step(m):
+        loss = m(x).square().sum()
+        loss.backward()
+        return loss
+
+    checker.compare(step, model)
+    env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable}
+    run = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "0", "--ops"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    counts = re.findall(r"(forward|backward) graph: (\d+) ops", run.stdout)
+    assert [kind for kind, _ in counts] == ["forward", "backward"], run.stdout
+    assert all(int(ops) > 0 for _, ops in counts), run.stdout
 
 
 def _layer_call(tmp_path, family_name, backend, cast=None):

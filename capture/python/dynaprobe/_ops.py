@@ -145,13 +145,18 @@ class OpsResult:
     split_decisions: List[SplitDecision] = field(default_factory=list)
 
     @property
+    def split_by_rounding(self) -> set:
+        """The forward nodes whose split decisions are rounding at a kink: not findings."""
+        return {d.node for d in self.split_decisions if d.within_noise}
+
+    @property
     def findings(self) -> List[OpFinding]:
         return [g.finding for g in self.graphs if g.finding is not None]
 
     def text(self) -> str:
         lines = [f"Op localisation of {self.module} call {self.call} (step {self.step}), "
                  f"{self.backend} against eager, fp64 as the noise bound:"]
-        rounding = {d.node for d in self.split_decisions if d.within_noise}
+        rounding = self.split_by_rounding
         for graph in self.graphs:
             failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
             kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module.split(".", 1)[1] in
@@ -414,7 +419,10 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
         graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
         if not graphs:
             raise ReplayError(f"the replay of {call.module} call {call.call} ran no aten graph "
-                              f"that {result.backend} compiled: there are no ops to compare")
+                              f"that {result.backend} compiled, so there are no ops to compare: "
+                              "the stage bisection (bisect without --ops) still names the stage; "
+                              "with a custom backend, build it with aot_autograd so that its "
+                              "compilers can be watched")
         evaluated = []
         for graph in graphs:
             graph.inputs = [a.detach() if isinstance(a, torch.Tensor) else a
@@ -429,8 +437,7 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
                     result.split_decisions += _split_decisions(
                         graph, nodes, ops.rows, eager, dict(zip((n.name for n in nodes),
                                                                 compiled)), reference)
-            rounding = {d.node for d in result.split_decisions
-                        if d.within_noise} if graph.kind == "forward" else set()
+            rounding = result.split_by_rounding if graph.kind == "forward" else set()
             first = next((i for i, (n, r) in enumerate(zip(nodes, ops.rows))
                           if r.status == vocabulary.STATUS_FAIL and n.name not in rounding),
                          None)
