@@ -16,6 +16,9 @@ of known classes:
   attributes, are set back to what they were before the compiled call for the re-run, then to what
   the compiled call left.
 
+- Inputs the module writes in place (``ReLU(inplace=True)``, ``x += y``, a write through a view
+  of an input): the training call writes the caller's tensors, once, as without the checker; the
+  re-runs write fresh copies of their own (``InputWrites``, ``rerun_input``).
 - Module-level names of the code the module runs (``global CALLS; CALLS += 1`` in a forward) that
   the re-run rebinds are put back, and the checker warns: the forward has a global side effect.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import copy
 import enum
 import types
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -269,3 +272,53 @@ def counterparts(left: List[Tuple[tuple, torch.Tensor]], args: tuple,
         if twin is not None and twin.requires_grad and twin.shape == tensor.shape:
             twins.append((position, twin))
     return twins
+
+
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    """The tensor's version counter; None for an inference tensor, which has none (and cannot
+    require grad)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+class InputWrites:
+    """Which inputs of a call the call writes in place (``x.mul_(2)``, ``ReLU(inplace=True)``,
+    ``x += y``, a write through a view of an input), found by mechanism: every in-place op on a
+    tensor or on any view of it advances the version counter they share. Taken before the
+    training call and read after it, it tells the re-runs of the same module which inputs they
+    will write."""
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        self._before = [_version(t) for t in tensors]
+
+    def written(self, tensors: List[torch.Tensor]) -> FrozenSet[int]:
+        """The indices of ``tensors`` (the call's inputs, as given to __init__) written since."""
+        return frozenset(index for index, (tensor, before) in enumerate(zip(tensors, self._before))
+                         if before is not None and _version(tensor) != before)
+
+
+def rerun_input(grad_mode: bool, requires_grad: Callable[[int], bool],
+                written: FrozenSet[int], leaves: list) -> Callable[[int, torch.Tensor],
+                                                                     torch.Tensor]:
+    """The ``map_tensors`` function that gives a re-run (the eager one, the reference) its copy of
+    each input. In grad mode a floating-point copy of an input that requires grad becomes a leaf
+    requiring grad, appended once to ``leaves`` as (input index, leaf): a tensor passed at several
+    positions is one leaf, as ``probe_inputs`` probes it once. An input the training call wrote in
+    place (``written``, from InputWrites) is given as a fresh copy in the leaf's graph: autograd
+    refuses in-place writes to a leaf, the gradient reaching the leaf is that of the input's value
+    on entry (what ``register_full_backward_hook`` gives), and the copies taken before the call,
+    which replays keep, stay as the call received them."""
+    given: Dict[int, torch.Tensor] = {}
+
+    def enter(index: int, tensor: torch.Tensor) -> torch.Tensor:
+        if grad_mode and requires_grad(index) and (tensor.is_floating_point()
+                                                   or tensor.is_complex()):
+            tensor.requires_grad_(True)
+            if all(leaf is not tensor for _, leaf in leaves):
+                leaves.append((index, tensor))
+        if index not in written:
+            return tensor
+        if id(tensor) not in given:
+            given[id(tensor)] = tensor.clone()
+        return given[id(tensor)]
+
+    return enter

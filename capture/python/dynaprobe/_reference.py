@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,7 @@ import torch.nn as nn
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import autocast_device_type
-from dynaprobe._isolation import copy_arguments
+from dynaprobe._isolation import copy_arguments, rerun_input
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -247,23 +247,15 @@ def upcast_weights(module: nn.Module, dtype: torch.dtype,
 
 def run_reference(module: nn.Module, forward: Callable, arguments, dtype: torch.dtype,
                   devices: set, grad_mode: bool, requires_grad: Callable[[int], bool],
-                  leaves_of: Callable,
+                  written: FrozenSet[int], leaves_of: Callable,
                   map_inputs: Callable) -> Tuple[object, Optional[ReferenceRun]]:
     """Runs ``forward`` (the module's original, uncompiled forward, a bound method) with the
     module's weights and the ``arguments`` upcast to ``dtype`` and autocast off; returns the
-    output and, in grad mode, what the reference backward needs."""
+    output and, in grad mode, what the reference backward needs. ``written``: the inputs the
+    training call wrote in place (_isolation.rerun_input)."""
     args, kwargs, _ = arguments
-    leaves = []
-
-    def as_leaf(index: int, tensor: torch.Tensor) -> torch.Tensor:
-        if grad_mode and requires_grad(index) and (tensor.is_floating_point()
-                                                   or tensor.is_complex()):
-            tensor.requires_grad_(True)
-            if all(leaf is not tensor for _, leaf in leaves):  # once, as _capture.probe_inputs
-                leaves.append((index, tensor))
-        return tensor
-
-    args, kwargs = map_inputs(args, kwargs, as_leaf)
+    leaves: list = []
+    args, kwargs = map_inputs(args, kwargs, rerun_input(grad_mode, requires_grad, written, leaves))
     real = {id(p): p for p in module.parameters() if p.requires_grad}
     with upcast_weights(module, dtype, grad_mode) as copies, no_autocast(devices), \
             torch.set_grad_enabled(grad_mode):

@@ -24,11 +24,13 @@ from dynaprobe._capture import (
     tensor_leaves,
 )
 from dynaprobe._isolation import (
+    InputWrites,
     LeftInArguments,
     ModuleGlobals,
     ModuleState,
     copy_arguments,
     counterparts,
+    rerun_input,
 )
 from dynaprobe import _replay_store
 from dynaprobe._planning import Plan, warn_nested_fully_shard
@@ -93,6 +95,8 @@ class _Call:
         self.reference_dtype: Optional[torch.dtype] = None  # a reference up front
         self.wanted: Optional[torch.dtype] = None  # a reference up front or if failing
         self.reference_args = None
+        self.writes: Optional[InputWrites] = None  # the inputs the training call writes
+        self.written: frozenset = frozenset()
         self.state_before: Optional[ModuleState] = None
         self.rng_before: Optional[RngState] = None
         self.watched = None  # replay: the module's parameters and buffers watched
@@ -215,6 +219,7 @@ class SinglePass:
         call.watched = (_replay_store.watch_parameters(module),
                         _replay_store.watch_buffers(module)) if self.replay != "none" else None
         call.params = self._call_params(step, call.target)
+        call.writes = InputWrites([t for _, t in call.inputs])
 
     def _probe_inputs(self, call: _Call) -> None:
         """Grad mode: the training call's inputs probed for their gradients, and the tensors it
@@ -259,18 +264,11 @@ class SinglePass:
                     call.rng_before, grad_mode, bool(target.shards), call.graph_calls)
             call.state_before.apply()
             call.rng_before.restore()
-
-            def eager_input(index: int, tensor: torch.Tensor) -> torch.Tensor:
-                original = inputs[index][1]
-                if grad_mode and original.requires_grad and (tensor.is_floating_point()
-                                                             or tensor.is_complex()):
-                    tensor.requires_grad_(True)
-                    if all(leaf is not tensor for _, leaf in call.leaves):  # see probe_inputs
-                        call.leaves.append((index, tensor))
-                return tensor
-
-            call.eager_args, call.eager_kwargs = map_tensors(call.eager_args, call.eager_kwargs,
-                                                             eager_input)
+            call.written = call.writes.written([t for _, t in inputs])
+            call.eager_args, call.eager_kwargs = map_tensors(
+                call.eager_args, call.eager_kwargs,
+                rerun_input(grad_mode, lambda index: inputs[index][1].requires_grad,
+                            call.written, call.leaves))
             with torch.set_grad_enabled(grad_mode), autocast_context(self.cast_dtype,
                                                                      call.devices):
                 call.eager_out = target.eager(*call.eager_args, **call.eager_kwargs)
@@ -281,9 +279,7 @@ class SinglePass:
                         call.eager_out, compiled_out, tensor_leaves, call.name,
                         self.tolerances)):
                 call.rng_before.restore()
-                call.reference = self._reference_call(
-                    call.step, target, call.index, call.reference_args, call.wanted,
-                    call.devices, grad_mode, inputs, call.eager_out)
+                call.reference = self._reference_call(call)
             if call.reference is None:  # no reference for this call: its upcast copies go
                 call.reference_args = None
         except Exception as error:
@@ -365,16 +361,16 @@ class SinglePass:
                             stacklevel=_IN_CALL)
             return [], []
 
-    def _reference_call(self, step: Step, target: Target, call: int, arguments,
-                        dtype: torch.dtype, devices: set, grad_mode: bool,
-                        inputs: list, eager_out) -> Optional[ReferenceRun]:
-        """Runs and records the reference of this call in ``dtype``; what its backward needs. A
-        reference that cannot run (an op without a kernel for the dtype, ...) is a NO_REFERENCE
-        row of the report and a warning."""
+    def _reference_call(self, call: _Call) -> Optional[ReferenceRun]:
+        """Runs and records the reference of this call in the dtype it wants; what its backward
+        needs. A reference that cannot run (an op without a kernel for the dtype, ...) is a
+        NO_REFERENCE row of the report and a warning."""
+        step, target, dtype, inputs = call.step, call.target, call.wanted, call.inputs
         try:
-            out, run = run_reference(target.module, target.eager, arguments, dtype, devices,
-                                     grad_mode, lambda index: inputs[index][1].requires_grad,
-                                     tensor_leaves, map_tensors)
+            out, run = run_reference(target.module, target.eager, call.reference_args, dtype,
+                                     call.devices, call.grad_mode,
+                                     lambda index: inputs[index][1].requires_grad,
+                                     call.written, tensor_leaves, map_tensors)
         except Exception as error:
             what = f"{type(error).__name__}: {error}"
             step.reference_missing(target.name, what)
@@ -384,12 +380,13 @@ class SinglePass:
                             stacklevel=_IN_CALL)
             return None
         leaves = tensor_leaves(out)
-        differ = shapes_differ([t for _, t in leaves], [t for _, t in tensor_leaves(eager_out)])
+        differ = shapes_differ([t for _, t in leaves],
+                               [t for _, t in tensor_leaves(call.eager_out)])
         if differ:
             step.reference_missing(target.name, differ)
             return None
         for index, (label, tensor) in enumerate(leaves):
-            step.record(target.name, call, FWD_OUTPUT, index, REFERENCE, tensor, label)
+            step.record(target.name, call.index, FWD_OUTPUT, index, REFERENCE, tensor, label)
         return run
 
     def decide_replays(self, step: Step, final: bool = False) -> None:

@@ -1,0 +1,207 @@
+"""Modules that write their inputs in place, as vision code does everywhere: ``ReLU(inplace=True)``,
+an input scaled in place, a residual ``x += skip``, BatchNorm's running statistics in training
+mode. Each is wrapped in a small CNN and checked in single-pass (the training call compiled, the
+eager re-run and the reference on copies) under aot_eager and inductor, and in two-pass inference:
+
+- a clean step passes with forward and backward rows for every such module, and the checked step is
+  the step the user runs without the checker, bit for bit: loss, every gradient, every buffer
+  (BatchNorm's running statistics updated once);
+- an inductor post-grad pass that moves one op inside the module's own kernel (5%) makes that
+  module the root cause.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn as nn
+
+from dynaprobe import PrecisionChecker, _C
+
+pytestmark = pytest.mark.usefixtures("fresh_inductor")
+
+
+class ScaledInPlace(nn.Module):
+    """Scales its input in place, then convolves it."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.conv(x)
+
+
+class ResidualAdd(nn.Module):
+    """A residual added in place to its input (``out += identity`` of a ResNet block)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x, skip):
+        x += skip
+        return self.conv(x)
+
+
+class InPlaceCNN(nn.Module):
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.scale = ScaledInPlace(channels)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.residual = ResidualAdd(channels)
+        self.head = nn.Linear(channels, 4)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.scale(self.stem(x))))
+        y = self.residual(self.bn2(self.conv(h)), h)
+        return self.head(y.mean((2, 3)))
+
+
+# The wrapped modules, by the op of theirs that the fault below moves (an op no other wrapped
+# module computes in the same form).
+WRAPPED = (ScaledInPlace, nn.BatchNorm2d, nn.ReLU, ResidualAdd)
+INPLACE_MODULES = ("scale", "bn", "act", "residual")
+
+
+def _moves(node, module: str) -> bool:
+    """Whether ``node`` of a post-grad graph is the op of ``module`` the fault moves."""
+    if node.op != "call_function":
+        return False
+    aten = torch.ops.aten
+    if module == "scale":  # x.mul_(0.5)
+        return node.target == aten.mul.Tensor and 0.5 in node.args
+    if module == "bn":  # the normalisation's rsqrt (bn2 computes one too)
+        return node.target == aten.rsqrt.default
+    if module == "act":
+        return node.target == aten.relu.default
+    # residual: the only sum of two 4-d tensors of one shape (batch norm adds a broadcast bias)
+    shapes = [getattr(a.meta.get("val"), "shape", None) if isinstance(a, torch.fx.Node) else None
+              for a in node.args]
+    return (node.target == aten.add.Tensor and len(shapes) == 2 and shapes[0] is not None
+            and len(shapes[0]) == 4 and shapes[0] == shapes[1])
+
+
+def _fault_in(module: str):
+    """An inductor post-grad pass making ``module``'s op 5% too large inside its kernel."""
+    def fault(graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if _moves(node, module):
+                with graph.inserting_after(node):
+                    moved = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.05))
+                node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+
+    return fault
+
+
+def _step(model, x, target):
+    model.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(model(x), target)
+    loss.backward()
+    return loss
+
+
+def _state(model, loss):
+    """What a training step leaves: the loss, every gradient, every buffer."""
+    state = {"loss": loss.detach().clone()}
+    state.update({f"grad {n}": p.grad.clone() for n, p in model.named_parameters()})
+    state.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+    return state
+
+
+def _unchecked(model, backend, x, target):
+    """The step without the checker: the same modules compiled in place by the user."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, WRAPPED):
+            module.compile(backend=backend)
+    return _state(model, _step(model, x, target))
+
+
+def _data():
+    torch.manual_seed(0)
+    return InPlaceCNN(), torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+
+
+def _recorded(result, module: str, kind: str, side: str) -> torch.Tensor:
+    dtype, shape, data = _C.read_record(result.dump_file, module, 0, kind, 0, side)
+    assert dtype == "float32"
+    return torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(shape).copy())
+
+
+def _assert_bit_identical(checked: dict, unchecked: dict) -> None:
+    assert checked.keys() == unchecked.keys()
+    for name, value in unchecked.items():
+        assert torch.equal(checked[name], value), name
+
+
+def _check(model, backend, x, target, dump_dir):
+    """The checked training step's result and what it left in the model."""
+    checker = PrecisionChecker(backend=backend, dump_dir=str(dump_dir))
+    checker.wrap_by_policy(model, WRAPPED)
+    checker.install(model)
+    loss = _step(model, x, target)
+    result = checker.collect(loss)
+    checker.uninstall()
+    return result, _state(model, loss)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_modules_writing_their_inputs_pass_and_leave_the_step_as_without_the_checker(
+        backend, tmp_path):
+    model, x, target = _data()
+    unchecked = _unchecked(model, backend, x, target)
+    torch._dynamo.reset()
+    result, checked = _check(model, backend, x, target, tmp_path / "dump")
+
+    assert result.all_pass, result.text()
+    assert "HOOK_ERROR" not in result.text() and "MISSING" not in result.text(), result.text()
+    for name in INPLACE_MODULES + ("bn2",):
+        kinds = {r.check_type for r in result.rows if r.module == name}
+        wanted = {"fwd_output", "grad_input"} | ({"param_grad"} if name != "act" else set())
+        assert wanted <= kinds, (name, kinds)
+    # Under inductor the checker still compiles some modules into another program than
+    # module.compile() does (BatchNorm2d in training mode: its running mean one rounding apart),
+    # issue 47 item 2.
+    if backend == "aot_eager":
+        _assert_bit_identical(checked, unchecked)
+    # grad_input is the gradient of the input's value on entry, on both sides, by its definition
+    entry = _recorded(result, "scale", "fwd_input", "compiled").requires_grad_(True)
+    grad_output = _recorded(result, "scale", "grad_output", "compiled")
+    (expected,) = torch.autograd.grad(model.scale(entry.clone()), entry, grad_output)
+    for side in ("eager", "compiled"):
+        torch.testing.assert_close(_recorded(result, "scale", "grad_input", side), expected)
+
+
+def test_two_pass_inference_through_modules_writing_their_inputs_passes(tmp_path):
+    model, x, _ = _data()
+    checker = PrecisionChecker(single_pass=False, dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, WRAPPED)
+
+    def infer(m):
+        with torch.no_grad():
+            return m(x).pow(2).mean()
+
+    result = checker.compare(infer, model)
+    assert result.all_pass, result.text()
+    assert {r.module for r in result.rows if r.check_type == "fwd_output"} >= set(INPLACE_MODULES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", INPLACE_MODULES)
+def test_a_fault_inside_a_module_writing_its_input_is_found_at_that_module(module, tmp_path):
+    model, x, target = _data()
+    inductor_config.post_grad_custom_post_pass = _fault_in(module)
+    result, _ = _check(model, "inductor", x, target, tmp_path / "dump")
+    assert not result.all_pass, result.text()
+    assert "HOOK_ERROR" not in result.text(), result.text()
+    assert result.root_cause["forward"]["module"] == module, result.text()
