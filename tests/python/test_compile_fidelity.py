@@ -2,6 +2,7 @@
 compiled, graph breaks, backends (inductor on CPU included), the dropout RNG difference of
 inductor, and one-sided captures made in separate processes compared with the CLI."""
 
+import copy
 import itertools
 import json
 import os
@@ -248,6 +249,67 @@ def test_graph_breaks_are_counted_per_wrapped_module(single_pass, dynaprobe_cli)
 
 
 # --------------------------------------------------------------------------- backends
+class GroupNormBlock(nn.Module):
+    """A diffusion UNet's resnet block in small: GroupNorm, SiLU, convolution, residual."""
+
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, channels)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(nn.functional.silu(self.norm(x)))
+
+
+class DownsamplingNet(nn.Module):
+    """Blocks of one class at three resolutions, as in a UNet's down path."""
+
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList([GroupNormBlock(channels) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.stem(x)
+        for index, block in enumerate(self.blocks):
+            h = block(h if index == 0 else nn.functional.avg_pool2d(h, 2))
+        return h.pow(2).mean()
+
+
+def test_blocks_of_one_class_at_other_sizes_compile_to_the_program_the_user_trains(tmp_path):
+    """Without the checker the second block, at half the first's resolution, makes Dynamo compile
+    that class with symbolic sizes (automatic dynamic shapes), and inductor emits other kernels.
+    The checker's compilation must learn the same, or the step it checks is another program
+    than the one trained (issue 47: a diffusers UNet's loss and gradients moved under it)."""
+    model, x = DownsamplingNet(), torch.randn(2, 3, 16, 16)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x)
+        loss.backward()
+        return loss
+
+    def state(m, loss):
+        return [loss.detach()] + [p.grad for p in m.parameters()]
+
+    unchecked = copy.deepcopy(model)
+    for block in unchecked.blocks:
+        block.forward = torch.compile(block.forward, backend="inductor")
+    expected = state(unchecked, step(unchecked))
+    torch._dynamo.reset()
+
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, (GroupNormBlock,))
+    checker.install(model)
+    loss = step(model)
+    result = checker.collect(loss)
+    checker.uninstall()
+    assert result.all_pass, result.text()
+    for name, got, want in zip(["loss"] + [n for n, _ in model.named_parameters()],
+                               state(model, loss), expected):
+        assert torch.equal(got, want), name
+
+
 def test_inductor_training_step_on_a_small_transformer_passes_in_fp32(capsys):
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -16,7 +16,7 @@ from dynaprobe._step import Step, Target
 
 
 def own_entry(forward: Callable, name: str) -> Callable:
-    """A function calling ``forward``, with a code object of its own.
+    """A function calling ``forward``, with a code object of its own, named ``dynaprobe_{name}``.
 
     Dynamo keeps its compiled code, its recompile limit (8) and its skip decisions per code
     object, and every instance of a class shares that class's ``forward`` code (every torch.nn
@@ -24,6 +24,10 @@ def own_entry(forward: Callable, name: str) -> Callable:
     model, or every built-in module after an ``nn.Identity`` whose empty graph gets its code
     skipped, silently run eagerly. One entry code object per wrapped module keeps each module's
     compilation its own.
+
+    What Dynamo learns of the sizes it sees (automatic dynamic shapes: a dimension that changed
+    between calls is compiled as a symbol from then on) it keeps by the code's file, line and
+    name, for every code object alike: entries of one ``name`` share it (see Compiler.compile).
     """
 
     def entry(*args, **kwargs):
@@ -49,7 +53,14 @@ class Compiler:
     def compile(self, name: str, forward: Callable) -> Callable:
         """torch.compile of a wrapped module's forward, through the graph recorder, counting the
         graph breaks Dynamo meets while compiling it."""
-        compiled = torch.compile(own_entry(forward, name), backend=self.graphs.for_module(name))
+        # The entry is named after the forward's own code, as the user's torch.compile(block)
+        # is: the wrapped blocks of one class share what Dynamo learns of their sizes, as they do
+        # without the checker (a UNet's second ResnetBlock2D, at half the resolution of the
+        # first, compiles with symbolic sizes), so each compiles to the program the user trains.
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        shared = code.co_qualname if code is not None else type(forward).__qualname__
+        compiled = torch.compile(own_entry(forward, shared),
+                                 backend=self.graphs.for_module(name))
         counters = torch._dynamo.utils.counters
 
         # Dynamo counts explicit graph breaks under "graph_break" and what it cannot trace
