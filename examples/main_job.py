@@ -6,9 +6,10 @@ MLP applies dropout in training mode, and inductor generates dropout masks with 
 number generator, so the compiled block drops different elements than eager PyTorch would. Nothing
 is faked or injected; every other block computes the same numbers both ways, within tolerance.
 
-    .venv/bin/python examples/main_job.py [RUN_FOLDER]
+    .venv/bin/python examples/main_job.py [RUN_FOLDER] [--device cuda]
 """
 
+import argparse
 import datetime
 import os
 import sys
@@ -49,13 +50,18 @@ class TinyTransformer(nn.Module):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="One checked training step of a small transformer.")
+    parser.add_argument("run", nargs="?", metavar="RUN_FOLDER",
+                        help="where the dump and graphs go (default: dynaprobe_runs/main_job-<time>)")
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu (default), cuda")
+    args = parser.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run = sys.argv[1] if len(sys.argv) > 1 else os.path.join("dynaprobe_runs", f"main_job-{stamp}")
+    run = args.run or os.path.join("dynaprobe_runs", f"main_job-{stamp}")
     torch.manual_seed(0)
-    model = TinyTransformer()
+    model = TinyTransformer().to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 100, (4, 32))
-    targets = torch.randint(0, 100, (4, 32))
+    tokens = torch.randint(0, 100, (4, 32)).to(args.device)
+    targets = torch.randint(0, 100, (4, 32)).to(args.device)
 
     checker = PrecisionChecker(backend="inductor", dump_graphs=True,
                                graph_dir=os.path.join(run, "graphs"),

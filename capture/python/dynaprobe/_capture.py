@@ -207,6 +207,11 @@ class RngState:
         for index, state in self.cuda.items():
             torch.cuda.set_rng_state(state, index)
 
+    def accelerator_drawn(self) -> bool:
+        """Whether random numbers were drawn on an accelerator since this state was taken."""
+        return any(not torch.equal(torch.cuda.get_rng_state(index), state)
+                   for index, state in self.cuda.items())
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2/tensor-parallel shards); other tensors as they are.
