@@ -27,7 +27,7 @@ fi
 
 # Python packages: torch is pinned to the CPU build; never let a range pull a CUDA build.
 # pybind11-stubgen writes dynaprobe._C's type stubs at build time; mypy's stubtest checks them.
-python_requirements="torch==2.13.0 numpy pytest pytest-xdist h5py hdf5plugin scikit-build-core>=0.10 transformers==5.24.0 dask distributed pybind11-stubgen==3.0.0 mypy==1.20.2"
+python_requirements="torch==2.13.0 numpy pytest pytest-xdist h5py hdf5plugin scikit-build-core>=0.10 transformers==5.24.0 diffusers==0.42.1 dask distributed pybind11-stubgen==3.0.0 mypy==1.20.2"
 venv="$repo/.venv"
 stamp="$venv/.dynaprobe-requirements"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$python_requirements" ]; then

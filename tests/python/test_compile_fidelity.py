@@ -261,26 +261,42 @@ class GroupNormBlock(nn.Module):
         return x + self.conv(nn.functional.silu(self.norm(x)))
 
 
+class ChannelMixer(nn.Module):
+    """A UNet's attention block in small: GroupNorm, then a mix over the channels, residual."""
+
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        self.norm = nn.GroupNorm(4, channels)
+        self.mix = nn.Linear(channels, channels)
+
+    def forward(self, x):
+        return x + self.mix(self.norm(x).transpose(1, 3)).transpose(1, 3)
+
+
 class DownsamplingNet(nn.Module):
-    """Blocks of one class at three resolutions, as in a UNet's down path."""
+    """Blocks of one class at three resolutions, the lower two followed by a block of another
+    class, as in a UNet's down path (attention at the lower resolutions only)."""
 
     def __init__(self, channels: int = 16):
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
         self.blocks = nn.ModuleList([GroupNormBlock(channels) for _ in range(3)])
+        self.mixers = nn.ModuleList([ChannelMixer(channels) for _ in range(2)])
 
     def forward(self, x):
-        h = self.stem(x)
-        for index, block in enumerate(self.blocks):
-            h = block(h if index == 0 else nn.functional.avg_pool2d(h, 2))
+        h = self.blocks[0](self.stem(x))
+        for block, mixer in zip(self.blocks[1:], self.mixers):
+            h = mixer(block(nn.functional.avg_pool2d(h, 2)))
         return h.pow(2).mean()
 
 
 def test_blocks_of_one_class_at_other_sizes_compile_to_the_program_the_user_trains(tmp_path):
     """Without the checker the second block, at half the first's resolution, makes Dynamo compile
-    that class with symbolic sizes (automatic dynamic shapes), and inductor emits other kernels.
-    The checker's compilation must learn the same, or the step it checks is another program
-    than the one trained (issue 47: a diffusers UNet's loss and gradients moved under it)."""
+    that class with symbolic sizes (automatic dynamic shapes), and inductor emits other kernels;
+    its outputs carry the symbolic dimensions (AOTAutograd marks them) into the next compiled
+    module, the mixer, which is compiled with symbolic sizes at its very first call. The checker's
+    compilation must learn the same, or the step it checks is another program than the one
+    trained (issue 47: a diffusers UNet's loss and gradients moved under it)."""
     model, x = DownsamplingNet(), torch.randn(2, 3, 16, 16)
 
     def step(m):
@@ -293,13 +309,13 @@ def test_blocks_of_one_class_at_other_sizes_compile_to_the_program_the_user_trai
         return [loss.detach()] + [p.grad for p in m.parameters()]
 
     unchecked = copy.deepcopy(model)
-    for block in unchecked.blocks:
+    for block in [*unchecked.blocks, *unchecked.mixers]:
         block.forward = torch.compile(block.forward, backend="inductor")
     expected = state(unchecked, step(unchecked))
     torch._dynamo.reset()
 
     checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
-    checker.wrap_by_policy(model, (GroupNormBlock,))
+    checker.wrap_by_policy(model, (GroupNormBlock, ChannelMixer))
     checker.install(model)
     loss = step(model)
     result = checker.collect(loss)

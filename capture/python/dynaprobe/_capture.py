@@ -137,8 +137,22 @@ def probe(tensor: torch.Tensor, hook: Callable) -> torch.Tensor:
     if not tensor.requires_grad:
         return tensor
     view = tensor.view_as(tensor)
+    carry_dynamo_marks(tensor, view)
     view.register_hook(hook)
     return view
+
+
+def carry_dynamo_marks(source: torch.Tensor, view: torch.Tensor) -> None:
+    """Gives ``view`` the dimension markings Dynamo keeps on ``source`` as Python attributes: the
+    user's (``torch._dynamo.mark_dynamic``) and those AOTAutograd stamps on a compiled graph's
+    outputs whose sizes are symbolic (``_dynamo_propagated_dynamic_indices``), from which the next
+    compiled module learns that those sizes vary. A view of the checker's without them would make
+    that module compile with static sizes where, without the checker, its sizes are symbolic: a
+    diffusers UNet's attention blocks, fed by resnet blocks at two resolutions, were another
+    program under the checker."""
+    for name, value in vars(source).items():
+        if name.startswith(("_dynamo", "_has_dynamo")):
+            setattr(view, name, value.copy() if hasattr(value, "copy") else value)
 
 
 def probe_inputs(args: tuple, kwargs: dict, hook_for: Callable[[int], Callable]):
