@@ -65,8 +65,7 @@ void judge_zero_gradient(const StepReader* reader, const RecordInfo& held, Row& 
 StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
                               const StepReader* compiled, std::vector<Task>& tasks) {
   StepReport report = report_header(step, eager, compiled);
-  ModuleOrder order;
-  const ModuleAttributes modules = merge_module_attributes(eager, compiled, order);
+  const ModuleAttributes modules = merge_module_attributes(eager, compiled);
   for (const auto& [module, attributes] : modules) {
     if (wanted(module)) report.modules.emplace(module, attributes);
     // The user's own autocast, seen by a module's call when the step began outside it.
@@ -75,7 +74,9 @@ StepReport StepBuilder::build(std::int64_t step, const StepReader* eager,
       report.autocast = autocast->second;
     }
   }
+  ModuleOrder order;  // execution order: the modules with records first
   const Pairs pairs = pair_records(eager, compiled, order, eager_side_);
+  add_listed_modules(eager, compiled, order);
   const CallsRun calls = calls_run(pairs);
   const ModuleRoles roles(modules);
   const StepRecords records{eager, compiled, modules, pairs, calls, roles};

@@ -44,18 +44,28 @@ void apply_provenance(const formats::Provenance& provenance, StepReport& report)
   report.autocast = value(vocabulary::provenance::kAutocast);
 }
 
-ModuleAttributes merge_module_attributes(const StepReader* eager, const StepReader* compiled,
-                                         ModuleOrder& order) {
+ModuleAttributes merge_module_attributes(const StepReader* eager, const StepReader* compiled) {
   ModuleAttributes modules;
   for (const StepReader* reader : {eager, compiled}) {
     if (!reader) continue;
     for (const auto& info : reader->modules()) {
-      order.add(info.module);
       auto& attributes = modules[info.module];
       for (const auto& [key, value] : info.attributes) attributes.emplace(key, value);
     }
   }
   return modules;
+}
+
+void add_listed_modules(const StepReader* eager, const StepReader* compiled, ModuleOrder& order) {
+  std::vector<std::string> listed;
+  std::set<std::string> seen;
+  for (const StepReader* reader : {eager, compiled}) {
+    if (!reader) continue;
+    for (const auto& info : reader->modules()) {
+      if (seen.insert(info.module).second) listed.push_back(info.module);
+    }
+  }
+  order.place_listed(listed);
 }
 
 Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOrder& order,
@@ -72,8 +82,8 @@ Pairs pair_records(const StepReader* eager, const StepReader* compiled, ModuleOr
       pairs[{info.key.module, info.key.call, info.key.kind, info.key.tensor_index}].*into = &info;
     }
   };
-  collect(eager, eager_side, &Pair::eager);
   collect(compiled, Side::kCompiled, &Pair::compiled);
+  collect(eager, eager_side, &Pair::eager);
   const StepReader* reference_reader = compiled ? compiled : eager;
   if (reference_reader) {
     for (const RecordInfo& info : reference_reader->records()) {

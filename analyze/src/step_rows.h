@@ -5,6 +5,8 @@
 // tests/analyze/step_rows_test.cpp include it.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -29,12 +31,28 @@ using formats::is_forward;
 // defaults.
 void apply_provenance(const formats::Provenance& provenance, StepReport& report);
 
-// The modules of a step in model order, each once: the capture's /modules list first, then the
-// modules seen in records, in record order.
+// The modules of a step in execution order, each once: the modules seen in records, in the order
+// of their first record (the compiled side's file first: a call's records are written as it runs,
+// so a module comes with its first forward call); a module of the capture's /modules list that
+// has no record (not run, ignored, a failed hook) right after the module before it in that list.
 class ModuleOrder {
  public:
   void add(const std::string& module) {
     if (seen_.insert(module).second) modules_.push_back(module);
+  }
+  // `listed` in model order: each one not placed yet goes right after the one before it there
+  // (first when it is the first).
+  void place_listed(const std::vector<std::string>& listed) {
+    std::size_t at = 0;
+    for (const std::string& module : listed) {
+      if (seen_.insert(module).second) {
+        modules_.insert(modules_.begin() + static_cast<std::ptrdiff_t>(at), module);
+        ++at;
+      } else {
+        at = static_cast<std::size_t>(
+                 std::find(modules_.begin(), modules_.end(), module) - modules_.begin()) + 1;
+      }
+    }
   }
   const std::vector<std::string>& modules() const { return modules_; }
 
@@ -44,9 +62,14 @@ class ModuleOrder {
 };
 
 // The /modules attributes of both sides (either may be null); the eager side's value wins where
-// both have a key. Adds the modules to `order`.
+// both have a key.
 ModuleAttributes merge_module_attributes(const formats::StepReader* eager,
-                                         const formats::StepReader* compiled, ModuleOrder& order);
+                                         const formats::StepReader* compiled);
+
+// Places the modules of both sides' /modules lists (either reader may be null) that have no record
+// in `order` (after pair_records), each after the module before it in model order.
+void add_listed_modules(const formats::StepReader* eager, const formats::StepReader* compiled,
+                        ModuleOrder& order);
 
 // What pairs a tensor of one side with the other's: the record key less step and side.
 struct TensorKey {
@@ -68,7 +91,8 @@ using Pairs = std::map<TensorKey, Pair>;
 // Pairs the eager side's records of `eager` with the compiled side's of `compiled` (either may be
 // null), and attaches the fp64 reference records, which live with the compiled side (single-pass
 // writes both in one file). Loss records are not paired (the report's LOSS check reads them).
-// Adds the modules of the records to `order`. The pointers point into the readers' records().
+// Adds the modules of the records to `order`, the compiled side's first, each in record order.
+// The pointers point into the readers' records().
 // `eager_side`: the side of `eager` read as the eager one (kCompiled when a baseline capture of
 // the compiled side stands in for it, Comparison::compiled_baseline).
 Pairs pair_records(const formats::StepReader* eager, const formats::StepReader* compiled,

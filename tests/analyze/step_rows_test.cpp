@@ -252,8 +252,8 @@ formats::Record record(const std::string& module, Kind kind, Side side, const fl
 }
 
 // Records read back from a step file pair by (module, call, kind, tensor index); the reference
-// joins its pair, the loss is left to the LOSS check, and modules keep model order.
-TEST(PairRecords, RecordsOfAStepFilePairByKeyInModelOrder) {
+// joins its pair, the loss is left to the LOSS check, and modules come in execution order.
+TEST(PairRecords, RecordsOfAStepFilePairByKeyInExecutionOrder) {
   const float values[2] = {1, 2};
   TempDir dir;
   {
@@ -268,11 +268,17 @@ TEST(PairRecords, RecordsOfAStepFilePairByKeyInModelOrder) {
     writer.commit();
   }
   const formats::StepReader reader(dir.path() / formats::step_file_name(0));
-  ModuleOrder order;
-  const ModuleAttributes modules = merge_module_attributes(&reader, &reader, order);
+  const ModuleAttributes modules = merge_module_attributes(&reader, &reader);
   EXPECT_EQ(modules.at("c").at("note"), "NOT_RUN");
+  ModuleOrder order;
   const Pairs pairs = pair_records(&reader, &reader, order);
+  // Execution order: the compiled side's records first, then the eager side's ...
+  EXPECT_EQ(order.modules(), (std::vector<std::string>{"b", "a"}));
+  // ... and a listed module without a record after the one before it in model order (c is
+  // listed first).
+  add_listed_modules(&reader, &reader, order);
   EXPECT_EQ(order.modules(), (std::vector<std::string>{"c", "b", "a"}));
+
   ASSERT_EQ(pairs.size(), 2u);
 
   const TensorKey b_key{"b", 0, Kind::kFwdOutput, 0};
@@ -297,6 +303,15 @@ TEST(PairRecords, RecordsOfAStepFilePairByKeyInModelOrder) {
   EXPECT_TRUE(a_row.eager && !a_row.compiled);
 }
 
+// A module without a record keeps its neighbour of the model's order, wherever that ran.
+TEST(ModuleOrder, AModuleWithoutARecordFollowsTheOneBeforeItInModelOrder) {
+  ModuleOrder order;
+  for (const char* ran : {"down", "mid", "up"}) order.add(ran);
+  order.place_listed({"down", "ignored", "up", "spare", "mid"});
+  EXPECT_EQ(order.modules(),
+            (std::vector<std::string>{"down", "ignored", "mid", "up", "spare"}));
+}
+
 // The eager side's /modules value wins where both sides have a key; keys of either are kept.
 TEST(MergeModuleAttributes, EagerValueWinsAndBothSidesKeysAreKept) {
   const float values[2] = {1, 2};
@@ -311,14 +326,13 @@ TEST(MergeModuleAttributes, EagerValueWinsAndBothSidesKeysAreKept) {
   }
   const formats::StepReader eager(dir.path() / "eager" / formats::step_file_name(0));
   const formats::StepReader compiled(dir.path() / "compiled" / formats::step_file_name(0));
-  ModuleOrder order;
-  const ModuleAttributes modules = merge_module_attributes(&eager, &compiled, order);
+  const ModuleAttributes modules = merge_module_attributes(&eager, &compiled);
   EXPECT_EQ(modules.at("m").at("calls"), "eager");
   EXPECT_EQ(modules.at("n").at("graph_breaks"), "1");
+  ModuleOrder order;
+  add_listed_modules(&eager, &compiled, order);
   EXPECT_EQ(order.modules(), (std::vector<std::string>{"m", "n"}));
-  ModuleOrder compiled_only;
-  EXPECT_EQ(merge_module_attributes(nullptr, &compiled, compiled_only).at("m").at("calls"),
-            "compiled");
+  EXPECT_EQ(merge_module_attributes(nullptr, &compiled).at("m").at("calls"), "compiled");
 }
 
 }  // namespace

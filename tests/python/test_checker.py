@@ -1,6 +1,7 @@
 """PrecisionChecker as users run it: the spec's examples, real torch.compile, real training steps."""
 
 import copy
+import json
 import math
 import os
 import pathlib
@@ -550,3 +551,38 @@ def test_importing_dynaprobe_imports_no_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+class UpBeforeMid(nn.Module):
+    """Modules registered in another order than they run (a UNet's up_blocks before mid_block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.mid = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.up(self.mid(x))
+
+
+@pytest.mark.parametrize("single_pass", [True, False], ids=["single_pass", "two_pass"])
+def test_every_report_lists_the_modules_in_execution_order(single_pass, tmp_path, capsys):
+    """Readers look for the first module that fails from the top: every format lists the modules
+    in the order they ran, not the order the model registered them."""
+    checker = PrecisionChecker(single_pass=single_pass, dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model := UpBeforeMid(), (nn.Linear,))
+    result = checker.compare(lambda m: train_step(m, torch.randn(3, 4)), model)
+    checker.report(result, csv_path=str(tmp_path / "r.csv"), json_path=str(tmp_path / "r.json"))
+    out = capsys.readouterr().out
+
+    def in_order(modules):
+        seen = [m for m in modules if m in ("mid", "up")]
+        return seen.index("mid") < seen.index("up")
+
+    assert in_order([r.module for r in result.rows])
+    assert in_order([line.split()[1] for line in out.splitlines()
+                     if line.strip().startswith("pass ")])
+    assert in_order([line.split(",")[0] for line in
+                     (tmp_path / "r.csv").read_text().splitlines()[1:]])
+    rows = json.loads((tmp_path / "r.json").read_text())["ranks"][0]["steps"][0]["rows"]
+    assert in_order([row["module"] for row in rows])
