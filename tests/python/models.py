@@ -1,5 +1,7 @@
 """Small models and backends shared by the tests."""
 
+import copy
+
 import torch
 import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
@@ -126,6 +128,18 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h, _ = block(h, attn_mask=mask)
         return self.head(h)
+
+
+def compiled_copy(model: nn.Module, classes: tuple, backend) -> nn.Module:
+    """The user's own compiled setup, without the checker, to compare a checked step with: a deep
+    copy of ``model`` with the forward of each module of ``classes`` compiled in place, as
+    install() compiles them (not ``module.compile()``, which Dynamo skips for torch.nn's own
+    modules: it compiles nothing)."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, classes):
+            module.forward = torch.compile(module.forward, backend=backend)
+    return model
 
 
 def rsqrt_too_large(graph: torch.fx.Graph) -> None:

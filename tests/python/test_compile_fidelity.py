@@ -2,7 +2,6 @@
 compiled, graph breaks, backends (inductor on CPU included), the dropout RNG difference of
 inductor, and one-sided captures made in separate processes compared with the CLI."""
 
-import copy
 import itertools
 import json
 import os
@@ -20,7 +19,7 @@ import torch.nn as nn
 from dynaprobe import PrecisionChecker
 from dynaprobe._capture import autocast_context
 
-from models import Block, TinyTransformer
+from models import Block, TinyTransformer, compiled_copy
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -308,9 +307,7 @@ def test_blocks_of_one_class_at_other_sizes_compile_to_the_program_the_user_trai
     def state(m, loss):
         return [loss.detach()] + [p.grad for p in m.parameters()]
 
-    unchecked = copy.deepcopy(model)
-    for block in [*unchecked.blocks, *unchecked.mixers]:
-        block.forward = torch.compile(block.forward, backend="inductor")
+    unchecked = compiled_copy(model, (GroupNormBlock, ChannelMixer), "inductor")
     expected = state(unchecked, step(unchecked))
     torch._dynamo.reset()
 

@@ -12,8 +12,6 @@ leaves on them, so the attention blocks fed by them compiled static too.
 
 from __future__ import annotations
 
-import copy
-
 import diffusers
 import pytest
 import torch
@@ -21,6 +19,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.resnet import ResnetBlock2D
 
 from dynaprobe import PrecisionChecker
+from models import compiled_copy
 
 BLOCKS = (ResnetBlock2D, Attention)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_inductor")]
@@ -60,10 +59,7 @@ def _state(model, loss):
 def test_a_unet_training_step_passes_and_is_the_step_trained_without_the_checker(dtype,
                                                                                tmp_path):
     model, batch = _unet(dtype), _ddpm_batch(dtype)
-    unchecked = copy.deepcopy(model)
-    for module in unchecked.modules():
-        if isinstance(module, BLOCKS):
-            module.forward = torch.compile(module.forward, backend="inductor")
+    unchecked = compiled_copy(model, BLOCKS, "inductor")
     expected = _state(unchecked, _step(unchecked, *batch))
     torch._dynamo.reset()
 

@@ -12,8 +12,6 @@ eager re-run and the reference on copies) under aot_eager and inductor, and in t
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -21,6 +19,7 @@ import torch._inductor.config as inductor_config
 import torch.nn as nn
 
 from dynaprobe import PrecisionChecker, _C
+from models import compiled_copy
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")
 
@@ -103,9 +102,9 @@ def _fault_in(module: str):
     return fault
 
 
-def _step(model, x, target):
+def _step(model, x, target, scale: float = 1.0):
     model.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(model(x), target)
+    loss = nn.functional.mse_loss(model(x), target) * scale
     loss.backward()
     return loss
 
@@ -119,12 +118,8 @@ def _state(model, loss):
 
 
 def _unchecked(model, backend, x, target):
-    """The step without the checker: the same modules' forwards compiled by the user (not
-    ``module.compile()``, which Dynamo skips for torch.nn's own modules: it compiles nothing)."""
-    model = copy.deepcopy(model)
-    for module in model.modules():
-        if isinstance(module, WRAPPED):
-            module.forward = torch.compile(module.forward, backend=backend)
+    """The step without the checker."""
+    model = compiled_copy(model, WRAPPED, backend)
     return _state(model, _step(model, x, target))
 
 
@@ -198,7 +193,12 @@ def test_two_pass_inference_through_modules_writing_their_inputs_passes(tmp_path
 def test_a_fault_inside_a_module_writing_its_input_is_found_at_that_module(module, tmp_path):
     model, x, target = _data()
     inductor_config.post_grad_custom_post_pass = _fault_in(module)
-    result, _ = _check(model, "inductor", x, target, tmp_path / "dump")
-    assert not result.all_pass, result.text()
-    assert "HOOK_ERROR" not in result.text(), result.text()
-    assert result.root_cause["forward"]["module"] == module, result.text()
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, WRAPPED)
+    checker.install(model)
+    for scale in (1.0, 1e-3):  # the loss as returned, and as a loss scaler makes it
+        result = checker.collect(_step(model, x, target, scale))
+        assert not result.all_pass, result.text()
+        assert "HOOK_ERROR" not in result.text(), result.text()
+        assert result.root_cause["forward"]["module"] == module, result.text()
+    checker.uninstall()
