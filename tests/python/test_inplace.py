@@ -1,7 +1,8 @@
 """Modules that write their inputs in place, as vision code does everywhere: ``ReLU(inplace=True)``,
 an input scaled in place, a residual ``x += skip``, BatchNorm's running statistics in training
 mode. Each is wrapped in a small CNN and checked in single-pass (the training call compiled, the
-eager re-run and the reference on copies) under aot_eager and inductor, and in two-pass inference:
+eager re-run and the reference on copies) under aot_eager and inductor, and in two-pass, training
+and inference:
 
 - a clean step passes with forward and backward rows for every such module, and the checked step is
   the step the user runs without the checker, bit for bit: loss, every gradient, every buffer
@@ -12,6 +13,8 @@ eager re-run and the reference on copies) under aot_eager and inductor, and in t
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +22,9 @@ import torch._inductor.config as inductor_config
 import torch.nn as nn
 
 from dynaprobe import PrecisionChecker, _C
+from dynaprobe._replay import load_call
 from models import compiled_copy
+from test_replay import _routes
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")
 
@@ -64,6 +69,26 @@ class InPlaceCNN(nn.Module):
         h = self.act(self.bn(self.scale(self.stem(x))))
         y = self.residual(self.bn2(self.conv(h)), h)
         return self.head(y.mean((2, 3)))
+
+
+class Halve(nn.Module):
+    """Halves its input in place and returns nothing: its caller reads the written input."""
+
+    def forward(self, x):
+        x.mul_(0.5)
+
+
+class ReadsWrittenInput(nn.Module):
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.halve = Halve()
+        self.head = nn.Linear(channels, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        self.halve(h)
+        return self.head(h.mean((2, 3)))
 
 
 # The wrapped modules, by the op of theirs that the fault below moves (an op no other wrapped
@@ -172,6 +197,89 @@ def test_modules_writing_their_inputs_pass_and_leave_the_step_as_without_the_che
     (expected,) = torch.autograd.grad(model.scale(entry.clone()), entry, grad_output)
     for side in ("eager", "compiled"):
         torch.testing.assert_close(_recorded(result, "scale", "grad_input", side), expected)
+
+
+def _two_pass_training(model, backend, x, target, dump_dir, scale: float = 1.0):
+    checker = PrecisionChecker(backend=backend, single_pass=False, dump_dir=str(dump_dir))
+    checker.wrap_by_policy(model, WRAPPED)
+    return checker.compare(lambda m: _step(m, x, target, scale), model)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_two_pass_training_through_modules_writing_their_inputs_passes(backend, tmp_path):
+    """Each side's probes are written in place (by the module, or by the next module: ``act``
+    writes ``bn``'s output) and still see the gradient at the module boundary, on both sides."""
+    model, x, target = _data()
+    result = _two_pass_training(model, backend, x, target, tmp_path / "dump")
+
+    assert result.all_pass, result.text()
+    assert "HOOK_ERROR" not in result.text() and "MISSING" not in result.text(), result.text()
+    for name in INPLACE_MODULES + ("bn2",):
+        kinds = {r.check_type for r in result.rows if r.module == name}
+        assert {"fwd_output", "grad_input", "grad_output"} <= kinds, (name, kinds)
+    for side in ("eager", "compiled"):
+        entry = _recorded(result, "scale", "fwd_input", side).requires_grad_(True)
+        grad_output = _recorded(result, "scale", "grad_output", side)
+        (expected,) = torch.autograd.grad(model.scale(entry.clone()), entry, grad_output)
+        torch.testing.assert_close(_recorded(result, "scale", "grad_input", side), expected)
+
+
+@pytest.mark.parametrize("side", ["eager", "compiled"])
+@pytest.mark.parametrize("make", [InPlaceCNN, ReadsWrittenInput])
+def test_each_two_pass_side_trains_as_without_the_checker(make, side, tmp_path):
+    """A two-pass side runs the step the user runs without the checker, bit for bit, also when
+    the caller reads an input the module wrote (ReadsWrittenInput: its gradient flows through the
+    write)."""
+    torch.manual_seed(0)
+    model, x, target = make(), torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+    wrapped = WRAPPED + (Halve,)
+    plain = compiled_copy(model, wrapped, "aot_eager") if side == "compiled" \
+        else copy.deepcopy(model)
+    expected = _state(plain, _step(plain, x, target))
+    torch._dynamo.reset()
+
+    checker = PrecisionChecker(single_pass=False, dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, wrapped)
+    losses = []
+    checker.capture(lambda m: losses.append(_step(m, x, target)) or losses[-1], model, side)
+    _assert_bit_identical(_state(model, losses[-1]), expected)
+
+
+@pytest.mark.slow
+def test_two_pass_training_finds_a_fault_inside_a_module_writing_its_input(tmp_path):
+    model, x, target = _data()
+    inductor_config.post_grad_custom_post_pass = _fault_in("act")
+    for scale in (1.0, 1e-3):
+        result = _two_pass_training(model, "inductor", x, target, tmp_path / f"dump{scale}",
+                                    scale)
+        assert not result.all_pass, result.text()
+        assert "HOOK_ERROR" not in result.text() and "MISSING" not in result.text()
+        assert result.root_cause["forward"]["module"] == "act", result.text()
+        assert result.root_cause["forward"]["origin"] == "local", result.text()
+
+
+def test_calls_writing_their_inputs_replay_bit_for_bit_by_both_routes(tmp_path):
+    """A replay (replay="all") of each call, through the module and from the captured graph,
+    eagerly and compiled, gives back the outputs and gradients the check recorded: the replay
+    gives the call its inputs and buffers as they were before it wrote them, and lets it write
+    them (not leaves that autograd protects)."""
+    model, x, target = _data()
+    checker = PrecisionChecker(backend="aot_eager", dump_dir=str(tmp_path / "dump"), replay="all")
+    checker.wrap_by_policy(model, WRAPPED)
+    checker.install(model)
+    result = checker.collect(_step(model, x, target))
+    checker.uninstall()
+    assert result.all_pass, result.text()
+    for name in INPLACE_MODULES + ("bn2",):
+        call = load_call(checker.dump_dir, name)
+        for route, replay in _routes(call).items():
+            for side, backend in (("eager", None), ("compiled", call.backend())):
+                run = replay.run(backend)
+                where = (name, route, side)
+                assert torch.equal(run.outputs[0], _recorded(result, name, "fwd_output", side)), \
+                    where
+                assert torch.equal(run.grad_input[0], _recorded(result, name, "grad_input", side)), \
+                    where
 
 
 def test_two_pass_inference_through_modules_writing_their_inputs_passes(tmp_path):

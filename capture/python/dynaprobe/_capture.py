@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from dynaprobe._graph_runner import own_tensor
+
 # Set while dynaprobe runs the eager backward, so that the parameter hooks which sum the training
 # (compiled) gradients ignore the eager ones.
 _local = threading.local()
@@ -125,21 +127,28 @@ def map_tensors(args: tuple, kwargs: dict, fn: Callable[[int, torch.Tensor], tor
     return mapped_args, {key: visit(value) for key, value in kwargs.items()}
 
 
-def probe(tensor: torch.Tensor, hook: Callable) -> torch.Tensor:
-    """An identity view of ``tensor`` that calls ``hook(grad)`` in the backward.
+def probe(tensor: torch.Tensor, hook: Callable, writable: bool = False) -> torch.Tensor:
+    """An identity of ``tensor`` that calls ``hook(grad)`` in the backward.
 
-    Probing a module's inputs and outputs through their own views gives the gradients at the
-    module boundary, as ``register_full_backward_hook`` means them: the view of an output gets
+    Probing a module's inputs and outputs through identities of their own gives the gradients at
+    the module boundary, as ``register_full_backward_hook`` means them: the probe of an output gets
     only the gradient arriving from outside the module (a hook on the output itself would also
-    see the paths through the module's other outputs computed from it), and the view of an input
+    see the paths through the module's other outputs computed from it), and the probe of an input
     the gradient leaving the module through that argument.
+
+    The probe is a view (``view_as``), unless ``writable``: then a tensor of its own on the same
+    storage. Code that writes a view in place (``ReLU(inplace=True)``, ``x += skip``) rebases
+    the history of the view's base, and autograd takes the gradient around the view, whose hook
+    never fires; a written tensor of its own keeps its hook on the path. The caller's tensor then
+    holds the written data with its old history: ``ProbedInputs.write_back`` gives it the
+    probe's.
     """
     if not tensor.requires_grad:
         return tensor
-    view = tensor.view_as(tensor)
-    carry_dynamo_marks(tensor, view)
-    view.register_hook(hook)
-    return view
+    identity = own_tensor(tensor) if writable else tensor.view_as(tensor)
+    carry_dynamo_marks(tensor, identity)
+    identity.register_hook(hook)
+    return identity
 
 
 def carry_dynamo_marks(source: torch.Tensor, view: torch.Tensor) -> None:
@@ -155,29 +164,51 @@ def carry_dynamo_marks(source: torch.Tensor, view: torch.Tensor) -> None:
             setattr(view, name, value.copy() if hasattr(value, "copy") else value)
 
 
-def probe_inputs(args: tuple, kwargs: dict, hook_for: Callable[[int], Callable]):
-    """(args, kwargs) with each input tensor that requires grad probed by ``hook_for(index)``
-    (grad_input), indexed as input_leaves.
+class ProbedInputs:
+    """A call's arguments with each input tensor that requires grad probed by ``hook_for(index)``
+    (grad_input), indexed as input_leaves: ``args`` and ``kwargs``.
 
     A tensor passed as several arguments (Funnel's query, key and value; NeoMME's hidden and
-    initial states) is probed once, at its first position, and that one view goes to every
+    initial states) is probed once, at its first position, and that one probe goes to every
     position: Dynamo sees one input, as without the checker (probing each position would make it
     several inputs, and the compiled backward would sum their gradients in another order). Its
-    grad_input is the gradient through all of them, at its first index."""
-    probed: dict = {}
+    grad_input is the gradient through all of them, at its first index.
 
-    def probe_once(index: int, tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in probed:
-            probed[id(tensor)] = probe(tensor, hook_for(index))
-        return probed[id(tensor)]
+    ``writable`` probes (see ``probe``) need ``write_back()`` after the call.
+    """
 
-    return map_tensors(args, kwargs, probe_once)
+    def __init__(self, args: tuple, kwargs: dict, hook_for: Callable[[int], Callable],
+                 writable: bool = False):
+        self._writable = writable
+        self._probed: dict = {}  # id(tensor) -> (tensor, probe, the probe's version)
+
+        def probe_once(index: int, tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in self._probed:
+                probed = probe(tensor, hook_for(index), writable)
+                self._probed[id(tensor)] = (tensor, probed, probed._version)
+            return self._probed[id(tensor)][1]
+
+        self.args, self.kwargs = map_tensors(args, kwargs, probe_once)
+
+    def write_back(self) -> None:
+        """Gives each caller's tensor the call wrote through its writable probe the probe's
+        history, as the write would have without the checker: a copy onto itself (the same
+        memory: no data moves), the version counter left as the write left it. The gradient of
+        the caller's later uses then flows through the write and the probe."""
+        if not self._writable:
+            return
+        for tensor, probed, version in self._probed.values():
+            if probed is not tensor and probed._version != version:
+                with torch.autograd.grad_mode._unsafe_preserve_version_counter(tensor):
+                    tensor.copy_(probed)
 
 
-def probe_outputs(value: Any, hook_for: Callable[[int], Callable]) -> Any:
+def probe_outputs(value: Any, hook_for: Callable[[int], Callable],
+                  writable: bool = False) -> Any:
     """A module's output with each tensor that requires grad probed by ``hook_for(index)``
-    (grad_output), indexed as tensor_leaves."""
-    return map_output_tensors(value, lambda index, tensor: probe(tensor, hook_for(index)))
+    (grad_output), indexed as tensor_leaves; ``writable``: see ``probe``."""
+    return map_output_tensors(value, lambda index, tensor: probe(tensor, hook_for(index),
+                                                                writable))
 
 
 def patch_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:

@@ -66,8 +66,10 @@ def replay_graphs(calls: List[GraphCall], graphs: Dict[str, Callable], grad_mode
             torch.cuda.set_rng_state(state, index)
         autocast = torch.autocast(device_type=torch.device(device).type, dtype=cast_dtype,
                                   enabled=cast_dtype is not None)
+        given = [own_tensor(arg) if isinstance(arg, torch.Tensor) and arg.requires_grad else arg
+                 for arg in args]  # a graph may write its inputs in place
         with torch.set_grad_enabled(grad_mode), autocast:
-            out = graphs[call.function](*args)
+            out = graphs[call.function](*given)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         for position, value in enumerate(out):
             if isinstance(value, torch.Tensor):
@@ -95,6 +97,25 @@ def replay_graphs(calls: List[GraphCall], graphs: Dict[str, Callable], grad_mode
             else:
                 replayed.grad_inputs.append((f"{call.function} {call.names[position]}", grad))
     return replayed
+
+
+class _OwnTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()  # the same storage and version counter, not a differentiable view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def own_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The identity of a tensor in a graph, returning a tensor of its own on the same storage:
+    not a view, and not a leaf. Code may write it in place (``ReLU(inplace=True)``): autograd
+    refuses writes to a leaf that requires grad or to a view of one, and a written view passes
+    its gradient to its base, around the view's own history. The gradient reaching ``tensor`` is
+    that of the value on entry."""
+    return _OwnTensor.apply(tensor)
 
 
 def _fresh(value, requires_grad: bool):

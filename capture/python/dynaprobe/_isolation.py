@@ -302,7 +302,7 @@ def rerun_input(grad_mode: bool, requires_grad: Callable[[int], bool],
     """The ``map_tensors`` function that gives a re-run (the eager one, the reference) its copy of
     each input. In grad mode a floating-point copy of an input that requires grad becomes a leaf
     requiring grad, appended once to ``leaves`` as (input index, leaf): a tensor passed at several
-    positions is one leaf, as ``probe_inputs`` probes it once. An input the training call wrote in
+    positions is one leaf, as ``ProbedInputs`` probes it once. An input the training call wrote in
     place (``written``, from InputWrites) is given as a fresh copy in the leaf's graph: autograd
     refuses in-place writes to a leaf, the gradient reaching the leaf is that of the input's value
     on entry (what ``register_full_backward_hook`` gives), and the copies taken before the call,

@@ -28,7 +28,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe._capture import tensor_leaves
 from dynaprobe._compiling import own_entry
 from dynaprobe._graph_data import UntrustedGraph, graph_from_data
-from dynaprobe._graph_runner import GraphCall, replay_graphs
+from dynaprobe._graph_runner import GraphCall, own_tensor, replay_graphs
 from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, GRAPH_ARG, GRAPH_GRAD, GRAPH_RNG,
                                      GRAPH_TENSOR, INPUT, KIND, PARAM, RNG, STRUCTURE,
                                      split_label)
@@ -214,7 +214,8 @@ class StoredCall:
     # ------------------------------------------------------------------ the call
     def arguments(self, device: str = "cpu") -> Tuple[tuple, dict, List[Tuple[int, torch.Tensor]]]:
         """Fresh copies of the call's (args, kwargs); the inputs that required grad are leaves
-        requiring grad (in grad mode), returned as (input index, leaf)."""
+        requiring grad (in grad mode), returned as (input index, leaf), and given to the call as
+        their ``own_tensor``, which it may write in place."""
         description = self.description
         unsupported = [leaf["unsupported"] for leaf in description["leaves"]
                        if "unsupported" in leaf]
@@ -230,6 +231,7 @@ class StoredCall:
                 if description["grad_mode"] and leaf["requires_grad"]:
                     tensor.requires_grad_(True)
                     grad_leaves.append((leaf["tensor"], tensor))
+                    tensor = own_tensor(tensor)
                 leaves.append(tensor)
             elif "value" in leaf:
                 leaves.append(leaf["value"])

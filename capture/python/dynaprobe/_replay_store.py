@@ -173,12 +173,15 @@ class Candidate:
     ``rng`` the RNG state before the call (``_capture.RngState``); ``pending`` its eager
     backward (``_step.PendingBackward``), whose grad_outputs seed a backward replay;
     ``graph_calls`` the runs of the module's compiled graphs during the call
-    (``_graphs.LiveGraphCall``), for a replay from the captured graphs.
+    (``_graphs.LiveGraphCall``), for a replay from the captured graphs; ``given`` the tensors the
+    training call received, in the order of the tensors of ``args``/``kwargs``: a graph
+    argument that is one of them has its value from before the call there, should the call or a
+    later one write it in place.
     """
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, requires_grad: List[bool],
                  params: list, buffers: list, rng, grad_mode: bool, sharded: bool,
-                 graph_calls: Optional[list] = None):
+                 graph_calls: Optional[list] = None, given: Optional[list] = None):
         self.module = module
         self.args, self.kwargs, self.requires_grad = args, kwargs, requires_grad
         self.params = params  # (name, tensor, version)
@@ -187,6 +190,7 @@ class Candidate:
         self.grad_mode = grad_mode
         self.sharded = sharded  # FSDP2/DTensor parameters: cannot be replayed (see unavailable)
         self.graph_calls = graph_calls or []
+        self.given = given or []
         self.pending = None
 
     def release(self) -> None:
@@ -278,6 +282,12 @@ def _record_graph_calls(record: CallRecord, replay: dict, candidate: Candidate,
         return {"unavailable": "Dynamo ran no compiled graph for this call"}
     names = {id(t): (PARAM, n) for n, t in candidate.module.named_parameters()}
     names.update({id(t): (BUFFER, n) for n, t in candidate.module.named_buffers()})
+    # Values from before the call of what it (or a later call) may write in place: the inputs
+    # (their re-run copies) and the buffers it changed (their private copies, recorded).
+    copies = [t for t in pytree.tree_leaves((candidate.args, candidate.kwargs))
+              if isinstance(t, torch.Tensor)]
+    input_before = {id(t): copy for t, copy in zip(candidate.given, copies)}
+    buffers_kept = {(BUFFER, n) for n, _, version in candidate.buffers if version is None}
     stored = replay.setdefault("graph_data", {})
     calls = []
     for index, live in enumerate(candidate.graph_calls):
@@ -294,7 +304,9 @@ def _record_graph_calls(record: CallRecord, replay: dict, candidate: Candidate,
         if "unstorable" in stored[function]:
             return {"unavailable": f"its graph {function} cannot be stored as data: "
                                    f"{stored[function]['unstorable']}"}
-        changed = live.overwritten + live.changed_since()
+        changed = [position for position in live.overwritten + live.changed_since()
+                   if id(live.args[position]) not in input_before
+                   and names.get(id(live.args[position])) not in buffers_kept]
         if changed:
             return {"unavailable": f"argument(s) {', '.join(map(str, sorted(set(changed))))} of "
                                    f"{function} were written in place, during or after the call, "
@@ -306,8 +318,8 @@ def _record_graph_calls(record: CallRecord, replay: dict, candidate: Candidate,
                     role, name = names[id(value)]
                     args.append({role: name})
                 else:
-                    record.add(f"{GRAPH_ARG}:{index}.{position}",
-                               live.before.get(position, value).detach())
+                    before = live.before.get(position, input_before.get(id(value), value))
+                    record.add(f"{GRAPH_ARG}:{index}.{position}", before.detach())
                     args.append({"tensor": position})
             elif isinstance(value, (bool, int, float)):
                 args.append({"value": value})

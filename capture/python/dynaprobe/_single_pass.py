@@ -13,13 +13,13 @@ import torch
 
 from dynaprobe._C import vocabulary
 from dynaprobe._capture import (
+    ProbedInputs,
     RngState,
     autocast_context,
     devices_of,
     input_leaves,
     map_tensors,
     patch_forward,
-    probe_inputs,
     probe_outputs,
     tensor_leaves,
 )
@@ -225,9 +225,9 @@ class SinglePass:
         """Grad mode: the training call's inputs probed for their gradients, and the tensors it
         leaves in its arguments followed (LeftInArguments)."""
         step, target, index = call.step, call.target, call.index
-        call.args, call.kwargs = probe_inputs(
-            call.args, call.kwargs,
-            lambda i: self._compiled_grad_input_hook(step, target, index, i))
+        probed = ProbedInputs(call.args, call.kwargs,
+                              lambda i: self._compiled_grad_input_hook(step, target, index, i))
+        call.args, call.kwargs = probed.args, probed.kwargs
         try:
             call.left_watch = LeftInArguments(call.args, call.kwargs)
         except Exception as error:
@@ -261,7 +261,8 @@ class SinglePass:
                     [t.requires_grad for _, t in inputs], call.watched[0],
                     _replay_store.buffers_before(
                         call.watched[1], call.state_before.saved_buffers(target.module)),
-                    call.rng_before, grad_mode, bool(target.shards), call.graph_calls)
+                    call.rng_before, grad_mode, bool(target.shards), call.graph_calls,
+                    [t for _, t in input_leaves(call.args, call.kwargs)])
             call.state_before.apply()
             call.rng_before.restore()
             call.written = call.writes.written([t for _, t in inputs])

@@ -10,13 +10,13 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._capture import (
+    ProbedInputs,
     RngState,
     autocast_context,
     devices_of,
     input_leaves,
     map_tensors,
     patch_forward,
-    probe_inputs,
     probe_outputs,
     tensor_leaves,
 )
@@ -161,16 +161,21 @@ def _recorded_call(step: Step, target: Target, side: str, args: tuple, kwargs: d
         for index, (label, tensor) in enumerate(inputs):
             step.record(target.name, call, FWD_INPUT, index, side, tensor, label)
     grad_mode = torch.is_grad_enabled()
-    if grad_mode:
-        args, kwargs = probe_inputs(args, kwargs, lambda index: _grad_hook(
-            step, target, call, GRAD_INPUT, index, side))
-    out = run(*args, **kwargs)
+    if not grad_mode:
+        out = run(*args, **kwargs)
+        for index, (label, tensor) in enumerate(tensor_leaves(out)):
+            step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
+        return out
+    # Writable probes: the module, or the code after it, may write them in place (ReLU(inplace),
+    # x += skip), on either side.
+    probed = ProbedInputs(args, kwargs, lambda index: _grad_hook(
+        step, target, call, GRAD_INPUT, index, side), writable=True)
+    out = run(*probed.args, **probed.kwargs)
+    probed.write_back()
     for index, (label, tensor) in enumerate(tensor_leaves(out)):
         step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
-    if not grad_mode:
-        return out
     return probe_outputs(out, lambda index: _grad_hook(
-        step, target, call, GRAD_OUTPUT, index, side))
+        step, target, call, GRAD_OUTPUT, index, side), writable=True)
 
 
 def _grad_hook(step: Step, target: Target, call: int, kind: str, index: int, side: str):
