@@ -83,7 +83,7 @@ class MarkdownWriter : public ReportWriter {
       add(rank.rank, step.step, "(step)", "nothing compared", "FAIL", "");
     const bool earlier =
         !cause_ || step.step < cause_step_ || (step.step == cause_step_ && rank.rank < cause_rank_);
-    if (!step.root_cause.empty() && earlier) {
+    if (step.root_cause.found() && earlier) {
       const RootCause& root = step.root_cause;
       cause_ = "\n### Root cause (first seen at rank " + std::to_string(rank.rank) + ", step " +
                std::to_string(step.step) + ")\n\n";

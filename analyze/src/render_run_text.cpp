@@ -134,7 +134,7 @@ class TextWriter : public ReportWriter {
         ++table_total_;
       }
     }
-    if (!step.root_cause.empty() &&
+    if (step.root_cause.found() &&
         (!cause_ || std::tie(step.step, rank.rank) < std::tie(cause_step_, cause_rank_))) {
       const RootCause& root = step.root_cause;
       const Finding& finding = root.forward ? *root.forward : *root.backward;

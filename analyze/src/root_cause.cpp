@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "dynaprobe/analyze/report.h"
 
@@ -210,6 +211,49 @@ std::string next_step(const StepReport& report) {
          "(aot_eager, then inductor) to find the stage that changes the numbers";
 }
 
+// What to do after a step that FAILED by warnings alone: about its first row that WARNs (in
+// execution order), by its note; empty when no row WARNs.
+std::string warning_next_step(const StepReport& report) {
+  const Row* first = nullptr;
+  std::size_t warnings = 0;
+  std::set<std::string> modules;
+  for (const Row& row : report.rows) {
+    if (row.status != Status::kWarn) continue;
+    ++warnings;
+    modules.insert(row.module);
+    if (!first) first = &row;
+  }
+  if (!first) return "";
+  const std::string_view note = first->note;
+  std::string name = first->module;
+  if (first->call > 0) name.append(" (call ").append(std::to_string(first->call)).append(")");
+  if (first->kind) name.append(" ").append(formats::kind_name(*first->kind));
+  std::string what;
+  if (note == notes::kHookError) {
+    what = "dynaprobe's own work for it failed: read its reason; wrap finer or check it in "
+           "two-pass (reading-the-report: \"WARN HOOK_ERROR\")";
+  } else if (note == notes::kNotCompiled) {
+    what = "its compiled side ran eagerly: see troubleshooting, \"Graph breaks and "
+           "NOT_COMPILED\"";
+  } else if (note == notes::kNotRun) {
+    what = "the step did not call it: wrap modules that run, or check the step";
+  } else if (note == notes::kNoReference) {
+    what = "it was judged without a reference: reference=\"fp32\" where float64 has no "
+           "kernel, or reference=None (diagnosis: \"Is it noise?\")";
+  } else if (note.rfind("MISSING_", 0) == 0) {
+    what = "a tensor recorded on one side only: check the wrap granularity and that both runs "
+           "call the module and run a backward through it (reading-the-report: \"Statuses "
+           "and markers\")";
+  } else {
+    what = "read its reason (reading-the-report: \"Statuses and markers\")";
+  }
+  std::string out = "no row FAILs, but ";
+  out.append(std::to_string(warnings)).append(warnings == 1 ? " row in " : " rows in ");
+  out.append(std::to_string(modules.size())).append(modules.size() == 1 ? " module" : " modules");
+  out.append(" could not be compared; the first, ").append(name).append(" ").append(note);
+  return out.append(": ").append(what);
+}
+
 }  // namespace
 
 void find_root_cause(StepReport& report) {
@@ -235,15 +279,17 @@ void find_root_cause(StepReport& report) {
   }
   if (backward) cause.backward = backward_origin(report, *backward);
   report.root_cause = std::move(cause);
-  if (!report.root_cause.empty()) report.root_cause.next = next_step(report);
+  report.root_cause.next =
+      report.root_cause.found() ? next_step(report) : warning_next_step(report);
 }
 
 std::string describe_finding(const StepReport& report, const Finding& finding) {
   const Row& row = report.rows[finding.row];
   std::string name = row.module;
   if (row.call > 0) name += " (call " + std::to_string(row.call) + ")";
-  name += " " + std::string(formats::kind_name(*row.kind)) + "[" +
-          std::to_string(row.tensor_index) + "]";
+  // appended piece by piece: GCC 12 warns of " " + string (its bug 105329)
+  name.append(" ").append(formats::kind_name(*row.kind)).append("[");
+  name.append(std::to_string(row.tensor_index)).append("]");
   if (row.kind == Kind::kParamGrad && !row.label.empty()) name += " " + row.label;
   return formats::printable_name(name) + " (" + max_abs_text(row) + "): " + finding.origin + ", " +
          finding.evidence;

@@ -261,7 +261,7 @@ class RunTally {
     totals_.skip += counts.skip;
     totals_.rows += step.rows.size();
     auto& first = totals_.root_cause_first_seen;
-    if (!step.root_cause.empty() && (!first || step.step < first->step ||
+    if (step.root_cause.found() && (!first || step.step < first->step ||
                                      (step.step == first->step && rank.rank < first->rank))) {
       first = RunTotals::Place{rank.rank, step.step};
     }

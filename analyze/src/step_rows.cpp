@@ -223,15 +223,40 @@ Row ignored_row(const std::string& module) {
   return row;
 }
 
+namespace {
+
+// Why a tensor of one side has no counterpart in the `missing` run (MISSING_*), when nothing
+// more specific is known.
+std::string missing_reason(std::string_view missing, bool forward) {
+  const std::string side(missing);
+  if (forward) {
+    return "the " + side +
+           " run recorded no such tensor: it called the module fewer times, or the module took "
+           "or returned fewer tensors there";
+  }
+  std::string reason = "no gradient reached it in the " + side + " backward: the " + side +
+                       " run took another path";
+  if (missing == "eager") {
+    reason += "; or, in single-pass, the module's result reached the loss only through an input "
+              "it wrote in place, which seeds no eager backward";
+  }
+  return reason;
+}
+
+}  // namespace
+
 Verdict one_sided_verdict(const OneSidedCase& row) {
   Verdict verdict;
   const bool forward = is_forward(row.kind);
   if (row.held == Side::kCompiled) {
     verdict.note = forward ? notes::kMissingFwdInEager : notes::kMissingBwdInEager;
+    verdict.reason = missing_reason("eager", forward);
   } else if (forward) {
     verdict.note = row.inside_wrapped ? notes::kInsideCompiled : notes::kMissingFwdInCompiled;
     if (row.wrapped && !row.compiled_ran) {
       verdict.reason = "the compiled model did not run this call";
+    } else if (!row.inside_wrapped) {
+      verdict.reason = missing_reason("compiled", forward);
     }
   } else if (row.wrapped && !row.compiled_ran) {
     verdict.note = notes::kMissingBwdInCompiled;
@@ -240,6 +265,7 @@ Verdict one_sided_verdict(const OneSidedCase& row) {
     verdict.note = notes::kCompiledWrapper;
   } else {
     verdict.note = row.inside_wrapped ? notes::kInsideCompiled : notes::kMissingBwdInCompiled;
+    if (!row.inside_wrapped) verdict.reason = missing_reason("compiled", forward);
   }
   verdict.status = note_status(verdict.note);
   return verdict;

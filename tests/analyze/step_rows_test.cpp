@@ -20,6 +20,20 @@ using formats::testing::TempDir;
 constexpr Kind kForwardKinds[] = {Kind::kFwdInput, Kind::kFwdOutput};
 constexpr Kind kBackwardKinds[] = {Kind::kGradInput, Kind::kGradOutput, Kind::kParamGrad};
 
+// The reasons of a tensor missing on one side when nothing more specific is known.
+constexpr std::string_view kForwardMissingInEager =
+    "the eager run recorded no such tensor: it called the module fewer times, or the module took "
+    "or returned fewer tensors there";
+constexpr std::string_view kForwardMissingInCompiled =
+    "the compiled run recorded no such tensor: it called the module fewer times, or the module "
+    "took or returned fewer tensors there";
+constexpr std::string_view kBackwardMissingInEager =
+    "no gradient reached it in the eager backward: the eager run took another path; or, in "
+    "single-pass, the module's result reached the loss only through an input it wrote in place, "
+    "which seeds no eager backward";
+constexpr std::string_view kBackwardMissingInCompiled =
+    "no gradient reached it in the compiled backward: the compiled run took another path";
+
 // Every case of one_sided_verdict's table, with its status as the report prints it.
 struct VerdictCase {
   OneSidedCase row;
@@ -50,13 +64,13 @@ TEST(VerdictTable, CompiledOnlyTensorIsMissingInEager) {
           expect_verdict({{Side::kCompiled, kind, wrapped, inside, ran},
                           Status::kWarn,
                           notes::kMissingFwdInEager,
-                          ""});
+                          kForwardMissingInEager});
         }
         for (Kind kind : kBackwardKinds) {
           expect_verdict({{Side::kCompiled, kind, wrapped, inside, ran},
                           Status::kWarn,
                           notes::kMissingBwdInEager,
-                          ""});
+                          kBackwardMissingInEager});
         }
       }
     }
@@ -71,12 +85,14 @@ TEST(VerdictTable, EagerOnlyForwardIsSkippedInsideCompiledElseMissing) {
       expect_verdict({{Side::kEager, kind, false, false, ran},
                       Status::kWarn,
                       notes::kMissingFwdInCompiled,
-                      ""});
+                      kForwardMissingInCompiled});
       expect_verdict(
           {{Side::kEager, kind, false, true, ran}, Status::kSkip, notes::kInsideCompiled, ""});
     }
-    expect_verdict(
-        {{Side::kEager, kind, true, false, true}, Status::kWarn, notes::kMissingFwdInCompiled, ""});
+    expect_verdict({{Side::kEager, kind, true, false, true},
+                    Status::kWarn,
+                    notes::kMissingFwdInCompiled,
+                    kForwardMissingInCompiled});
     expect_verdict({{Side::kEager, kind, true, false, false},
                     Status::kWarn,
                     notes::kMissingFwdInCompiled,
@@ -108,7 +124,7 @@ TEST(VerdictTable, EagerOnlyGradientOfAWrapperIsSkippedUnlessTheCallDidNotRun) {
       expect_verdict({{Side::kEager, kind, false, false, ran},
                       Status::kWarn,
                       notes::kMissingBwdInCompiled,
-                      ""});
+                      kBackwardMissingInCompiled});
     }
   }
 }

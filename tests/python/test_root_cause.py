@@ -85,3 +85,39 @@ def test_a_passing_report_has_no_summary_and_the_cli_agrees(tmp_path, dynaprobe_
     assert failing.text() in proc.stdout  # the CLI prints the in-process report, summary included
     step = json.loads(json_path.read_text())["ranks"][0]["steps"][0]
     assert step["root_cause"] == failing.root_cause
+
+
+class WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_step_failed_by_warnings_alone_ends_with_what_to_do(tmp_path, dynaprobe_cli):
+    """No row FAILs, one module was not compared: the RESULT is FAILED, and the report still ends
+    with a next line about that module, in every format."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    checker = PrecisionChecker(single_pass=False, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model.used)
+    checker.wrap(model.unused)
+    result = checker.compare(lambda m: m(torch.randn(2, 4)).sum(), model)
+
+    assert not result.all_pass
+    assert {row.status for row in result.rows} == {"PASS", "WARN"}
+    next_line = ("no row FAILs, but 1 row in 1 module could not be compared; the first, unused "
+                 "NOT_RUN: the step did not call it: wrap modules that run, or check the step")
+    assert result.root_cause == {"forward": None, "backward": None, "next": next_line}
+    assert result.text().rstrip().endswith("  ROOT CAUSE\n" + "  " + "-" * 68 + "\n"
+                                           "  next      " + next_line), result.text()
+    json_path = tmp_path / "report.json"
+    proc = subprocess.run([dynaprobe_cli, "compare", result.dump_dir, "--json", str(json_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert result.text() in proc.stdout
+    step = json.loads(json_path.read_text())["ranks"][0]["steps"][0]
+    assert step["root_cause"] == result.root_cause

@@ -404,11 +404,12 @@ class CompareResult:
 
     @property
     def root_cause(self) -> Optional[dict]:
-        """Where the step's differences start, None when no row FAILs: ``{"forward": finding,
-        "backward": finding, "next": str}``, each finding ``None`` or a dict with ``module``,
-        ``call``, ``check_type``, ``tensor_index``, ``label``, ``origin`` (``"local"``: the
-        module's inputs, or the gradient it received, matched; ``"carried"``: they already
-        differed; ``"unknown"``) and ``evidence`` in words. The same object as the JSON
+        """Where the step's differences start, None when every row passes or skips:
+        ``{"forward": finding, "backward": finding, "next": str}``, each finding ``None`` (both,
+        when rows WARN but none FAILs: ``next`` is then about the first that warns) or a dict
+        with ``module``, ``call``, ``check_type``, ``tensor_index``, ``label``, ``origin``
+        (``"local"``: the module's inputs, or the gradient it received, matched; ``"carried"``:
+        they already differed; ``"unknown"``) and ``evidence`` in words. The same object as the JSON
         report's ``root_cause``; the text report ends with it."""
         return self._engine_report().root_cause
 

@@ -90,8 +90,11 @@ struct Finding {
 struct RootCause {
   std::optional<Finding> forward;   // first forward output (or input) to differ, in run order
   std::optional<Finding> backward;  // first gradient to differ, in backward order
-  std::string next;                 // what to do next: one line, naming the troubleshooting entry
-  bool empty() const { return !forward && !backward; }
+  // What to do next: one line, naming the docs' entry. Also without a finding when the step
+  // FAILED by warnings only (modules not compared): then about the first of them.
+  std::string next;
+  bool found() const { return forward || backward; }  // some row FAILs
+  bool empty() const { return !found() && next.empty(); }
 };
 
 // The op localisation of one call (dynaprobe bisect --ops), read from its ops dump beside the
