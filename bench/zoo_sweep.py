@@ -10,14 +10,16 @@ and image-classification classes, builds each from its own config class at gener
 - trains the same step single-pass with the checker, per dtype (float32, bfloat16 with the
   default reference): *checked* when every row passes, every layer has forward and backward rows,
   and loss and gradients are bit-identical to the unchecked compiled step; else *short*, and why;
+  --backends aot_eager,inductor adds a column per dtype compiled under inductor (a family torch
+  cannot compile there without the checker reads *not checkable* in that column only);
 - runs one two-pass inference and expects every row to pass.
 
 Each family runs in a process of its own, under a memory limit and a time limit. Prints a
 markdown table and the totals; --json keeps one line per family.
 
     .venv/bin/python bench/zoo_sweep.py [--kinds causal-lm,masked-lm,seq2seq,vision]
-        [--only llama,dory] [--dtypes float32,bfloat16] [--jobs 2] [--timeout 600]
-        [--memory-gb 16] [--json results.jsonl]
+        [--only llama,dory] [--dtypes float32,bfloat16] [--backends aot_eager,inductor]
+        [--jobs 2] [--timeout 600] [--memory-gb 16] [--json results.jsonl]
     .venv/bin/python bench/zoo_sweep.py --coverage results.jsonl   (the docs' coverage section;
         the latest line of a family wins, so rerunning some families appends to the file)
 """
@@ -136,16 +138,18 @@ def train_step(model, batch):
 
 
 def same_training(a, b) -> str:
-    """'' when two steps' loss and gradients are bit-identical, else what differs."""
+    """'' when two steps' loss and gradients (and buffers, when the steps give a third dict) are
+    bit-identical, else what differs."""
     import torch
 
     if not torch.equal(a[0], b[0]):
         return f"loss {a[0].item()!r} != {b[0].item()!r}"
-    for name, grad in a[1].items():
-        other = b[1][name]
-        if (grad is None) != (other is None) or (grad is not None and not torch.equal(grad,
-                                                                                    other)):
-            return f"gradient of {name}"
+    for what, mine, theirs in zip(("gradient", "buffer"), a[1:], b[1:]):
+        for name, value in mine.items():
+            other = theirs[name]
+            if (value is None) != (other is None) or (
+                    value is not None and not torch.equal(value, other)):
+                return f"{what} of {name}"
     return ""
 
 
@@ -166,12 +170,16 @@ def short_reason(result, layer_names) -> str:
     return ""
 
 
-def check_family(kind: str, model_type: str, dtypes: list) -> dict:
+def column(backend: str, dtype_name: str) -> str:
+    """A table column: the dtype's name under aot_eager (the default), else backend and dtype."""
+    return dtype_name if backend == "aot_eager" else f"{backend} {dtype_name}"
+
+
+def check_family(kind: str, model_type: str, dtypes: list, backends=("aot_eager",)) -> dict:
     import torch
+    import torch._inductor.config
     import transformers
     from transformers.models.auto import modeling_auto
-
-    from dynaprobe import PrecisionChecker
 
     torch.set_num_threads(1)
     # The unchecked baseline compiles each layer's forward, all instances sharing one code object:
@@ -179,6 +187,7 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
     # which compiles each layer through its own. A higher limit compiles them all.
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.accumulated_recompile_limit = 4096
+    torch._inductor.config.compile_threads = 1  # inductor's compile workers: one core
     mapping = getattr(modeling_auto, KINDS[kind][0])
     entry = {"kind": kind, "family": model_type, "class": mapping[model_type]}
 
@@ -211,45 +220,68 @@ def check_family(kind: str, model_type: str, dtypes: list) -> dict:
         except Exception as error:
             return outcome(NOT_CHECKABLE, f"{dtype_name} eager training fails at tiny sizes: "
                            f"{type(error).__name__}: {error}", **results)
-        compiled = copy.deepcopy(base)
-        for name, module in compiled.named_modules():
-            if name in ran:
-                module.forward = torch.compile(module.forward, backend="aot_eager")
-        torch._dynamo.reset()
-        try:
-            expected = train_step(compiled, batch)
-        except Exception as error:
-            return outcome(NOT_CHECKABLE, f"{dtype_name}: torch cannot compile its layers "
-                           f"without the checker: {type(error).__name__}: {error}", **results)
-        torch._dynamo.reset()
-        layer_names = sorted(ran)
-        with tempfile.TemporaryDirectory() as dump:
-            checker = PrecisionChecker(dump_dir=dump)
-            for name, module in base.named_modules():
-                if name in ran:
-                    checker.wrap(module)
-            checker.install(base)
+        for backend in backends:
+            key = column(backend, dtype_name)
+            compiled = compiled_layers(base, ran, backend)
+            torch._dynamo.reset()
             try:
-                got = train_step(base, batch)
-                result = checker.collect(got[0])
+                expected = train_step(compiled, batch)
             except Exception as error:
-                results[dtype_name] = f"{SHORT}: the checked step raised " \
-                                      f"{type(error).__name__}: {error}"
+                why = f"torch cannot compile its layers without the checker: " \
+                      f"{type(error).__name__}: {error}"
+                if backend == "aot_eager":
+                    return outcome(NOT_CHECKABLE, f"{dtype_name}: {why}", **results)
+                results[key] = f"{NOT_CHECKABLE}: {why}"
                 continue
-            finally:
-                checker.uninstall()
-        why = short_reason(result, layer_names) or (
-            "" if not (d := same_training(got, expected)) else f"training changed: {d}")
-        results[dtype_name] = CHECKED if not why else f"{SHORT}: {why}"
+            results[key] = single_pass_checked(copy.deepcopy(base), ran, backend,
+                                               lambda m: train_step(m, batch), expected)
     results["inference"] = two_pass_inference(kind, model, ran)
     shorts = [f"{k}: {v.split(': ', 1)[1]}" for k, v in results.items() if v != CHECKED]
     return outcome(SHORT if shorts else CHECKED, "; ".join(shorts), **results)
 
 
-def two_pass_inference(kind: str, model, ran: set) -> str:
+def compiled_layers(model, ran: set, backend: str):
+    """The user's own compiled setup, without the checker: a deep copy of ``model`` with the
+    forward of each layer named in ``ran`` compiled in place, as install() compiles them."""
+    import torch
+
+    model = copy.deepcopy(model)
+    for name, module in model.named_modules():
+        if name in ran:
+            module.forward = torch.compile(module.forward, backend=backend)
+    return model
+
+
+def single_pass_checked(model, ran: set, backend: str, step, expected) -> str:
+    """One single-pass checked ``step`` of ``model`` (it returns the loss and the gradients, and
+    may return the buffers) with the layers named in ``ran`` wrapped: checked when every row
+    passes, every layer has forward and backward rows and the step is ``expected`` (the
+    unchecked compiled step) bit for bit; else short, and why."""
     import torch
 
     from dynaprobe import PrecisionChecker
+
+    torch._dynamo.reset()
+    with tempfile.TemporaryDirectory() as dump:
+        checker = PrecisionChecker(backend=backend, dump_dir=dump)
+        for name, module in model.named_modules():
+            if name in ran:
+                checker.wrap(module)
+        checker.install(model)
+        try:
+            got = step(model)
+            result = checker.collect(got[0])
+        except Exception as error:
+            return f"{SHORT}: the checked step raised {type(error).__name__}: {error}"
+        finally:
+            checker.uninstall()
+    why = short_reason(result, sorted(ran)) or (
+        "" if not (d := same_training(got, expected)) else f"training changed: {d}")
+    return CHECKED if not why else f"{SHORT}: {why}"
+
+
+def two_pass_inference(kind: str, model, ran: set) -> str:
+    import torch
 
     model = copy.deepcopy(model).eval()
     batch = batch_for(kind, model, train=False)
@@ -259,6 +291,16 @@ def two_pass_inference(kind: str, model, ran: set) -> str:
             out = m(**batch)
         logits = out.logits if getattr(out, "logits", None) is not None else out[0]
         return logits.float().mean()
+
+    return two_pass_checked(model, ran, step)
+
+
+def two_pass_checked(model, ran: set, step) -> str:
+    """One two-pass ``step`` of ``model`` with the layers named in ``ran`` wrapped: checked
+    when every row passes, else short, and why."""
+    import torch
+
+    from dynaprobe import PrecisionChecker
 
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as dump:
@@ -287,20 +329,26 @@ def families(kinds: list, only: set) -> list:
 
 
 def run_isolated(kind: str, model_type: str, args) -> dict:
-    limit = args.memory_gb << 30
+    command = [sys.executable, os.path.abspath(__file__), "--worker", kind, model_type,
+               "--dtypes", args.dtypes, "--backends", args.backends]
+    return run_worker(command, {"kind": kind, "family": model_type}, args.timeout,
+                      args.memory_gb)
+
+
+def run_worker(command: list, names: dict, timeout: int, memory_gb: int) -> dict:
+    """Runs ``command`` (a --worker process printing one JSON line) under a memory limit and a
+    time limit; its entry, or ``names`` with why it gave none."""
+    limit = memory_gb << 30
 
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    command = [sys.executable, os.path.abspath(__file__), "--worker", kind, model_type,
-               "--dtypes", args.dtypes]
     started = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=limit_memory)
     except subprocess.TimeoutExpired:
-        entry = {"kind": kind, "family": model_type, "status": NOT_CHECKABLE,
-                 "why": f"timed out after {args.timeout} s"}
+        entry = {**names, "status": NOT_CHECKABLE, "why": f"timed out after {timeout} s"}
     else:
         lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
         if lines:
@@ -309,15 +357,14 @@ def run_isolated(kind: str, model_type: str, args) -> dict:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             memory = any(s in done.stderr for s in ("MemoryError", "allocate memory")) \
                 or done.returncode in (-9, 137)
-            entry = {"kind": kind, "family": model_type, "status": NOT_CHECKABLE,
+            entry = {**names, "status": NOT_CHECKABLE,
                      "why": ("over the memory limit: " if memory else "the process died: ")
                      + tail[:200]}
     entry["seconds"] = round(time.monotonic() - started, 1)
     return entry
 
 
-def table(entries: list, dtypes: list) -> str:
-    columns = dtypes + ["inference"]
+def table(entries: list, columns: list, noun: str = "families") -> str:
     lines = ["| kind | family | status | " + " | ".join(columns) + " | why |",
              "|---" * (4 + len(columns)) + "|"]
     for e in entries:
@@ -328,26 +375,25 @@ def table(entries: list, dtypes: list) -> str:
     for e in entries:
         counts[e["status"]] = counts.get(e["status"], 0) + 1
     lines.append("")
-    lines.append(f"{len(entries)} families: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in
+    lines.append(f"{len(entries)} {noun}: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in
                                                          (CHECKED, SHORT, NOT_CHECKABLE)))
     return "\n".join(lines)
 
 
-def coverage(entries: list) -> str:
-    """docs/real-models.md's coverage section: totals per kind for the installed transformers,
+def coverage(entries: list, library: str = "transformers", noun: str = "families") -> str:
+    """docs/real-models.md's coverage section: totals per kind for the installed ``library``,
     then every family short of fully checked, with why."""
-    import transformers
-
+    version = __import__(library).__version__
     kinds = sorted({e["kind"] for e in entries})
-    lines = [f"transformers {transformers.__version__}, torch "
-             f"{__import__('torch').__version__}:", "",
-             "| kind | families | fully checked | short | not checkable |", "|---|---|---|---|---|"]
+    lines = [f"{library} {version}, torch {__import__('torch').__version__}:", "",
+             f"| kind | {noun} | fully checked | short | not checkable |", "|---|---|---|---|---|"]
     for kind in kinds + ["all"]:
         mine = [e for e in entries if kind in ("all", e["kind"])]
         count = {s: sum(e["status"] == s for e in mine) for s in (CHECKED, SHORT, NOT_CHECKABLE)}
         lines.append(f"| {kind} | {len(mine)} | {count[CHECKED]} | {count[SHORT]} | "
                      f"{count[NOT_CHECKABLE]} |")
-    lines += ["", "| kind | family | status | why |", "|---|---|---|---|"]
+    lines += ["", f"| kind | {noun[:-3] + 'y' if noun.endswith('ies') else noun[:-1]} "
+              "| status | why |", "|---|---|---|---|"]
     for e in sorted(entries, key=lambda e: (e["status"], e["kind"], e["family"])):
         if e["status"] != CHECKED:
             why = " ".join(e.get("why", "").split()).replace("|", "/")[:160]
@@ -360,6 +406,8 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--only", default="", help="model types, comma-separated (e.g. llama)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--backends", default="aot_eager",
+                        help="comma-separated, e.g. aot_eager,inductor: a column per dtype each")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per family")
     parser.add_argument("--memory-gb", type=int, default=16, help="address space per family")
@@ -370,8 +418,9 @@ def main() -> None:
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
+    backends = [b for b in args.backends.split(",") if b]
     if args.worker:
-        print(json.dumps(check_family(*args.worker, dtypes)), flush=True)
+        print(json.dumps(check_family(*args.worker, dtypes, backends)), flush=True)
         return
     if args.coverage:
         with open(args.coverage) as f:
@@ -393,7 +442,7 @@ def main() -> None:
                 with open(args.json, "a") as out:
                     out.write(json.dumps(entry) + "\n")
     entries.sort(key=lambda e: (e["kind"], e["family"]))
-    print(table(entries, dtypes))
+    print(table(entries, [column(b, d) for b in backends for d in dtypes] + ["inference"]))
 
 
 if __name__ == "__main__":
