@@ -224,24 +224,32 @@ def test_two_pass_training_through_modules_writing_their_inputs_passes(backend, 
         torch.testing.assert_close(_recorded(result, "scale", "grad_input", side), expected)
 
 
-@pytest.mark.parametrize("side", ["eager", "compiled"])
+@pytest.mark.parametrize("side, backend", [
+    ("eager", "aot_eager"), ("compiled", "aot_eager"),
+    pytest.param("compiled", "inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("make", [InPlaceCNN, ReadsWrittenInput])
-def test_each_two_pass_side_trains_as_without_the_checker(make, side, tmp_path):
+def test_each_two_pass_side_trains_as_without_the_checker(make, side, backend, tmp_path):
     """A two-pass side runs the step the user runs without the checker, bit for bit, also when
     the caller reads an input the module wrote (ReadsWrittenInput: its gradient flows through the
     write)."""
     torch.manual_seed(0)
     model, x, target = make(), torch.randn(4, 3, 8, 8), torch.randn(4, 4)
     wrapped = WRAPPED + (Halve,)
-    plain = compiled_copy(model, wrapped, "aot_eager") if side == "compiled" \
+    plain = compiled_copy(model, wrapped, backend) if side == "compiled" \
         else copy.deepcopy(model)
     expected = _state(plain, _step(plain, x, target))
     torch._dynamo.reset()
 
-    checker = PrecisionChecker(single_pass=False, dump_dir=str(tmp_path / "dump"))
+    checker = PrecisionChecker(backend=backend, single_pass=False,
+                               dump_dir=str(tmp_path / "dump"))
     checker.wrap_by_policy(model, wrapped)
     losses = []
-    checker.capture(lambda m: losses.append(_step(m, x, target)) or losses[-1], model, side)
+
+    def step(m):
+        losses.append(_step(m, x, target))
+        return losses[-1]
+
+    checker.capture(step, model, side)
     _assert_bit_identical(_state(model, losses[-1]), expected)
 
 
@@ -258,13 +266,15 @@ def test_two_pass_training_finds_a_fault_inside_a_module_writing_its_input(tmp_p
         assert result.root_cause["forward"]["origin"] == "local", result.text()
 
 
-def test_calls_writing_their_inputs_replay_bit_for_bit_by_both_routes(tmp_path):
+@pytest.mark.parametrize("backend", ["aot_eager",
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
+def test_calls_writing_their_inputs_replay_bit_for_bit_by_both_routes(backend, tmp_path):
     """A replay (replay="all") of each call, through the module and from the captured graph,
     eagerly and compiled, gives back the outputs and gradients the check recorded: the replay
     gives the call its inputs and buffers as they were before it wrote them, and lets it write
     them (not leaves that autograd protects)."""
     model, x, target = _data()
-    checker = PrecisionChecker(backend="aot_eager", dump_dir=str(tmp_path / "dump"), replay="all")
+    checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"), replay="all")
     checker.wrap_by_policy(model, WRAPPED)
     checker.install(model)
     result = checker.collect(_step(model, x, target))
@@ -273,13 +283,12 @@ def test_calls_writing_their_inputs_replay_bit_for_bit_by_both_routes(tmp_path):
     for name in INPLACE_MODULES + ("bn2",):
         call = load_call(checker.dump_dir, name)
         for route, replay in _routes(call).items():
-            for side, backend in (("eager", None), ("compiled", call.backend())):
-                run = replay.run(backend)
-                where = (name, route, side)
-                assert torch.equal(run.outputs[0], _recorded(result, name, "fwd_output", side)), \
-                    where
-                assert torch.equal(run.grad_input[0], _recorded(result, name, "grad_input", side)), \
-                    where
+            for side, compiler in (("eager", None), ("compiled", call.backend())):
+                run = replay.run(compiler)
+                for kind, got in (("fwd_output", run.outputs[0]),
+                                  ("grad_input", run.grad_input[0])):
+                    assert torch.equal(got, _recorded(result, name, kind, side)), \
+                        (name, route, side, kind)
 
 
 def test_two_pass_inference_through_modules_writing_their_inputs_passes(tmp_path):

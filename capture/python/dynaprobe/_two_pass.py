@@ -161,19 +161,19 @@ def _recorded_call(step: Step, target: Target, side: str, args: tuple, kwargs: d
         for index, (label, tensor) in enumerate(inputs):
             step.record(target.name, call, FWD_INPUT, index, side, tensor, label)
     grad_mode = torch.is_grad_enabled()
-    if not grad_mode:
-        out = run(*args, **kwargs)
-        for index, (label, tensor) in enumerate(tensor_leaves(out)):
-            step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
-        return out
-    # Writable probes: the module, or the code after it, may write them in place (ReLU(inplace),
-    # x += skip), on either side.
-    probed = ProbedInputs(args, kwargs, lambda index: _grad_hook(
-        step, target, call, GRAD_INPUT, index, side), writable=True)
-    out = run(*probed.args, **probed.kwargs)
-    probed.write_back()
+    if grad_mode:
+        # Writable probes: the module, or the code after it, may write them in place
+        # (ReLU(inplace=True), x += skip), on either side.
+        probed = ProbedInputs(args, kwargs, lambda index: _grad_hook(
+            step, target, call, GRAD_INPUT, index, side), writable=True)
+        args, kwargs = probed.args, probed.kwargs
+    out = run(*args, **kwargs)
+    if grad_mode:
+        probed.write_back()
     for index, (label, tensor) in enumerate(tensor_leaves(out)):
         step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
+    if not grad_mode:
+        return out
     return probe_outputs(out, lambda index: _grad_hook(
         step, target, call, GRAD_OUTPUT, index, side), writable=True)
 
