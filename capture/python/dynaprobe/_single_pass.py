@@ -45,6 +45,7 @@ from dynaprobe._reference import (
     shapes_differ,
 )
 from dynaprobe._step import (
+    CallShares,
     PendingBackward,
     Step,
     Target,
@@ -109,6 +110,7 @@ class _Call:
         self.eager_leaves: list = []
         self.candidate = None  # its replay data, until decided
         self.reference: Optional[ReferenceRun] = None
+        self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
 
 
 class SinglePass:
@@ -241,8 +243,11 @@ class SinglePass:
         listening = self.graphs.listen(call.name) \
             if call.watched is not None and self.graphs is not None \
             else contextlib.nullcontext([])
+        shares = call.shares = CallShares() if call.grad_mode else None
         with autocast_context(self.cast_dtype, call.devices), listening as graph_calls:
             compiled_out = call.target.run(*call.args, **call.kwargs)
+        if shares is not None:
+            shares.close()
         call.graph_calls = graph_calls
         return compiled_out
 
@@ -337,11 +342,28 @@ class SinglePass:
             step.pending.append(pending)
             if call.candidate is not None:
                 call.candidate.pending = pending
+        self._split_param_grads(call, left)
         probed = probe_outputs(compiled_out,
                                lambda index: self._grad_output_hook(step, pending, index))
         self._hook_outputs_themselves(step, pending, call.compiled_leaves, call.args,
                                       call.kwargs, call.inputs)
         return probed
+
+    def _split_param_grads(self, call: _Call, left: list) -> None:
+        """The compiled side of each parameter's gradient is its share from this call
+        (CallShares), the twin of the eager re-run's, where it can be found."""
+        params = [p for _, p in call.params]
+        try:
+            results = [t for _, t in call.compiled_leaves] + [t for _, t in left] + [
+                t for _, t in input_leaves(call.args, call.kwargs)]
+            call.shares.attach(call.step, results, params)
+        except Exception as error:  # never break training: the training backward's sums
+            for param in params:
+                call.step.by_call[id(param)] = False
+            self._warn_once(call.name, "shares", f"dynaprobe: {call.name}: its parameters' "
+                            "gradients are compared as the training backward sums them, uses "
+                            f"outside the module included ({type(error).__name__}: {error})",
+                            stacklevel=_IN_CALL)
 
     def _left_in_arguments(self, name: str, watch: Optional[LeftInArguments], args, kwargs,
                            eager_args, eager_kwargs, compiled_leaves, reference,
