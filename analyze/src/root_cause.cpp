@@ -175,6 +175,13 @@ std::string next_step(const StepReport& report) {
            " was not compiled as one graph: see troubleshooting, \"Graph breaks "
            "and NOT_COMPILED\"";
   }
+  if (const std::string* drawn =
+          module_attribute(report, row.module, module_attributes::kRandomDraws)) {
+    return row.module + " draws random numbers (dropout, torch.rand; generator " + *drawn +
+           ") in its compiled call, and inductor draws its own: set "
+           "torch._inductor.config.fallback_random = True to compare the rest (troubleshooting: "
+           "\"Random ops: dropout under inductor\")";
+  }
   const std::string reference = row.reference_dtype.empty() ? "fp64" : row.reference_dtype;
   if (row.reference_verdict == "divergence") {
     return row.module + " is beyond " + reference +

@@ -373,6 +373,46 @@ def test_dropout_under_inductor_needs_fallback_random(fallback_random, capsys):
         assert all(r.status == "PASS" for r in rows_of(result, module=module))
 
 
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 64)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.down(self.drop(self.up(x)))
+
+
+@pytest.mark.parametrize("backend,fallback_random",
+                         [("inductor", False), ("inductor", True), ("aot_eager", False)])
+def test_single_pass_names_random_draws_under_inductor_as_the_next_step(backend, fallback_random,
+                                                                         tmp_path):
+    """Single-pass: a wrapped block with dropout under inductor FAILs (its eager re-run drew
+    other numbers), and the report's next line says why and what to set; with fallback_random,
+    or under aot_eager (eager's random ops), the block passes and no draws are noted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), DropoutBlock(), nn.Linear(8, 8))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=fallback_random):
+        checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"))
+        checker.wrap_by_policy(model, (DropoutBlock,))
+        checker.install(model)
+        result = checker.collect(train_step(model, torch.randn(16, 8)))
+        checker.uninstall()
+    torch._dynamo.reset()
+    if backend == "inductor" and not fallback_random:
+        assert not result.all_pass
+        assert result.root_cause["forward"]["module"] == "1", result.text()
+        assert result.modules["1"]["random_draws"] == "cpu"
+        assert ("1 draws random numbers (dropout, torch.rand; generator cpu) in its compiled "
+                "call, and inductor draws its own: set torch._inductor.config.fallback_random "
+                "= True") in result.root_cause["next"], result.text()
+    else:
+        assert result.all_pass, result.text()
+        assert "random_draws" not in result.modules["1"]
+
+
 # --------------------------------------------------------------------------- cross-machine
 CAPTURE_SCRIPT = textwrap.dedent("""
     import sys

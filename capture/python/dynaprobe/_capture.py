@@ -10,7 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -251,6 +251,13 @@ class RngState:
         torch.set_rng_state(self.cpu)
         for index, state in self.cuda.items():
             torch.cuda.set_rng_state(state, index)
+
+    def drawn_until(self, later: "RngState") -> List[str]:
+        """The generators (``cpu``, ``cuda:0``, ...) that drew random numbers between this state
+        and ``later``, taken on the same devices."""
+        drawn = [] if torch.equal(self.cpu, later.cpu) else ["cpu"]
+        return drawn + [f"cuda:{index}" for index, state in self.cuda.items()
+                        if index in later.cuda and not torch.equal(state, later.cuda[index])]
 
     def accelerator_drawn(self) -> bool:
         """Whether random numbers were drawn on an accelerator since this state was taken."""

@@ -280,6 +280,7 @@ class SinglePass:
                 call.eager_out = target.eager(*call.eager_args, **call.eager_kwargs)
             if call.candidate is not None:
                 call.step.replay_candidates[(call.name, call.index)] = call.candidate
+            self._note_random_draws(call, rng_after)
             if call.reference_args is not None and call.rng_before.accelerator_drawn():
                 # CUDA's random kernels (dropout) map their random numbers to elements by the
                 # dtype's vector width: a reference in another dtype drops other elements than
@@ -313,6 +314,19 @@ class SinglePass:
                     "in-place changes to module-level objects) it cannot undo.",
                     stacklevel=_IN_CALL)
         return True
+
+    def _note_random_draws(self, call: _Call, rng_after: RngState) -> None:
+        """A training call that drew random numbers (dropout, torch.rand) under inductor, which
+        draws its own unless ``fallback_random`` is set: its eager re-run drew other ones, and
+        the report's next line says so."""
+        if self.backend != "inductor":
+            return
+        import torch._inductor.config as inductor_config
+
+        drawn = call.rng_before.drawn_until(rng_after)
+        if drawn and not inductor_config.fallback_random:
+            call.step.attributes.setdefault(call.name, {})[
+                vocabulary.ATTRIBUTE_RANDOM_DRAWS] = ", ".join(drawn)
 
     def _record_outputs(self, call: _Call, compiled_out) -> Tuple[list, list]:
         """Both sides' outputs recorded; returns what the compiled call and the eager re-run

@@ -80,6 +80,9 @@ inline constexpr std::string_view kReferenceError = "reference_error";
 // says why): the report's NO_REFERENCE row.
 inline constexpr std::string_view kReferenceMissing = "reference_missing";
 inline constexpr std::string_view kNestedFullyShard = "nested_fully_shard";
+// The generators ("cpu", "cuda:0", ...) a compiled call drew random numbers from where the backend
+// draws its own (inductor without fallback_random): the eager side drew other numbers.
+inline constexpr std::string_view kRandomDraws = "random_draws";
 // JSON: what replaying the module's calls needs besides its "replay" records (class path,
 // backend, each recorded call's argument structure; docs/dump-format.md#replay-records).
 inline constexpr std::string_view kReplay = "replay";
@@ -163,6 +166,7 @@ inline constexpr std::pair<std::string_view, std::string_view> kExported[] = {
     {"ATTRIBUTE_REFERENCE_ERROR", module_attribute::kReferenceError},
     {"ATTRIBUTE_REFERENCE_MISSING", module_attribute::kReferenceMissing},
     {"ATTRIBUTE_NESTED_FULLY_SHARD", module_attribute::kNestedFullyShard},
+    {"ATTRIBUTE_RANDOM_DRAWS", module_attribute::kRandomDraws},
     {"ATTRIBUTE_REPLAY", module_attribute::kReplay},
     {"ATTRIBUTE_OP", module_attribute::kOp},
     {"ATTRIBUTE_GRAPH", module_attribute::kGraph},
