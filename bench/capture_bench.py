@@ -29,7 +29,7 @@ import torch.nn as nn
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0] + "/tests/python")
 from models import Block  # noqa: E402
 
-from dynaprobe import PrecisionChecker, _C  # noqa: E402
+from dynaprobe import _C, PrecisionChecker  # noqa: E402
 
 
 class Transformer(nn.Module):

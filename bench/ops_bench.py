@@ -3,7 +3,7 @@
 In one run, on the CPU:
   compile    torch.compile of the layer with inductor, one training step (compile included): the
              reference, what a user pays anyway to see the layer compiled once
-  localise   dynaprobe._ops.localise of the layer's stored call under inductor with a post-grad
+  localise   dynaprobe._offline.ops.localise of the layer's stored call under inductor with a post-grad
              pass that scales rsqrt (RMSNorm): replay, watched compile, eager and fp64
              evaluations of every node, the compile with every node exposed, the cut graph's
              compile, the op's repro
@@ -23,14 +23,13 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 import transformers
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0] + "/tests/python")
 from models import rsqrt_too_large  # noqa: E402
 
 from dynaprobe import PrecisionChecker  # noqa: E402
-from dynaprobe._ops import localise  # noqa: E402
-from dynaprobe._replay import load_call  # noqa: E402
+from dynaprobe._offline.ops import localise  # noqa: E402
+from dynaprobe._offline.replay import load_call  # noqa: E402
 
 
 def _model(hidden: int):

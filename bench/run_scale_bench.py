@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLI = os.environ.get("DYNAPROBE_CLI") or shutil.which("dynaprobe") or os.path.join(
     HERE, "..", "build", "analyze", "dynaprobe")
@@ -33,6 +32,7 @@ CLI = os.environ.get("DYNAPROBE_CLI") or shutil.which("dynaprobe") or os.path.jo
 
 def write_run(run: str, ranks: int, steps: int, modules: int) -> None:
     import numpy as np
+
     from dynaprobe import _C
     rng = np.random.default_rng(0)
     x = rng.standard_normal(256).astype(np.float32)

@@ -186,8 +186,9 @@ class Dynaprobe(Config):
 class MsProbe(Config):
     def __init__(self, name, model, dump_dir):
         super().__init__(name, model, dump_dir)
-        from msprobe.pytorch.compile_accuracy_checker.precision_checker import \
-            PrecisionChecker as MsChecker
+        from msprobe.pytorch.compile_accuracy_checker.precision_checker import (
+            PrecisionChecker as MsChecker,
+        )
 
         self.checker = MsChecker()
         self.checker.wrap_by_policy(model, (block_type(),))

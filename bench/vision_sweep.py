@@ -42,8 +42,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zoo_sweep import (  # noqa: E402
-    CHECKED, NOT_CHECKABLE, SHORT, compiled_layers, coverage, layers_run, run_worker,
-    single_pass_checked, table, two_pass_checked)
+    CHECKED,
+    NOT_CHECKABLE,
+    SHORT,
+    compiled_layers,
+    coverage,
+    layers_run,
+    run_worker,
+    single_pass_checked,
+    table,
+    two_pass_checked,
+)
 
 CONFIGS = "aot_eager:float32,inductor:float32,inductor:bfloat16"
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -233,9 +242,8 @@ def _images(dtype):
 
 
 def autoencoder_kl():
-    import torch.nn.functional as F
-
     import diffusers
+    import torch.nn.functional as F
 
     model = diffusers.AutoencoderKL(latent_channels=4, **_AUTOENCODER)
 
@@ -248,9 +256,8 @@ def autoencoder_kl():
 
 
 def vq_model():
-    import torch.nn.functional as F
-
     import diffusers
+    import torch.nn.functional as F
 
     model = diffusers.VQModel(latent_channels=4, num_vq_embeddings=32, **_AUTOENCODER)
 
@@ -275,9 +282,8 @@ def unet1d():
 
 
 def transformer2d():
-    import torch.nn.functional as F
-
     import diffusers
+    import torch.nn.functional as F
     from diffusers.models.attention import BasicTransformerBlock
 
     model = diffusers.Transformer2DModel(num_attention_heads=2, attention_head_dim=8,
@@ -293,9 +299,8 @@ def transformer2d():
 
 
 def dit():
-    import torch
-
     import diffusers
+    import torch
     from diffusers.models.attention import BasicTransformerBlock
 
     model = diffusers.DiTTransformer2DModel(
@@ -334,12 +339,13 @@ def sd3():
 
 
 def flux():
+    import diffusers
     import torch
     import torch.nn.functional as F
-
-    import diffusers
-    from diffusers.models.transformers.transformer_flux import (FluxSingleTransformerBlock,
-                                                                FluxTransformerBlock)
+    from diffusers.models.transformers.transformer_flux import (
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
 
     model = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,

@@ -21,8 +21,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "python"))
 
 from browser import Browser
-from dynaprobe import PrecisionChecker
 from models import TinyTransformer, perturbed_gelu_backend
+
+from dynaprobe import PrecisionChecker
 
 
 def main() -> None:

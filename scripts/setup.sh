@@ -13,7 +13,7 @@ cd "$repo"
 
 apt_packages=(cmake ninja-build g++ pkg-config libhdf5-dev libzstd-dev libxxhash-dev libtbb-dev
               libcli11-dev libgtest-dev hdf5-tools zlib1g-dev libjs-chart.js chromium
-              clang libclang-rt-14-dev)
+              clang libclang-rt-14-dev clang-format)
 missing=()
 for package in "${apt_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
@@ -26,8 +26,9 @@ if ((${#missing[@]})); then
 fi
 
 # Python packages: torch is pinned to the CPU build; never let a range pull a CUDA build.
-# pybind11-stubgen writes dynaprobe._C's type stubs at build time; mypy's stubtest checks them.
-python_requirements="torch==2.13.0 numpy pytest pytest-xdist h5py hdf5plugin scikit-build-core>=0.10 transformers==5.24.0 diffusers==0.42.1 dask distributed pybind11-stubgen==3.0.0 mypy==1.20.2"
+# pybind11-stubgen writes dynaprobe._C's type stubs at build time; mypy's stubtest checks them;
+# ruff lints the Python (scripts/test.sh).
+python_requirements="torch==2.13.0 numpy pytest pytest-xdist h5py hdf5plugin scikit-build-core>=0.10 transformers==5.24.0 diffusers==0.42.1 dask distributed pybind11-stubgen==3.0.0 mypy==1.20.2 ruff==0.17.6"
 venv="$repo/.venv"
 stamp="$venv/.dynaprobe-requirements"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$python_requirements" ]; then

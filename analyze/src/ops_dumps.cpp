@@ -1,6 +1,6 @@
 // The op localisations beside a dump (ops_dumps.h): each ops dump is an ordinary one-step dump
-// (capture/python/dynaprobe/_ops.py writes it), compared here like any other and summed up per
-// aten graph for the reports (docs/report-format.md#op-localisation).
+// (capture/python/dynaprobe/_offline/ops.py writes it), compared here like any other and summed up
+// per aten graph for the reports (docs/report-format.md#op-localisation).
 #include "ops_dumps.h"
 
 #include <fnmatch.h>

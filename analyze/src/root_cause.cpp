@@ -237,20 +237,24 @@ std::string warning_next_step(const StepReport& report) {
   if (first->kind) name.append(" ").append(formats::kind_name(*first->kind));
   std::string what;
   if (note == notes::kHookError) {
-    what = "dynaprobe's own work for it failed: read its reason; wrap finer or check it in "
-           "two-pass (reading-the-report: \"WARN HOOK_ERROR\")";
+    what =
+        "dynaprobe's own work for it failed: read its reason; wrap finer or check it in "
+        "two-pass (reading-the-report: \"WARN HOOK_ERROR\")";
   } else if (note == notes::kNotCompiled) {
-    what = "its compiled side ran eagerly: see troubleshooting, \"Graph breaks and "
-           "NOT_COMPILED\"";
+    what =
+        "its compiled side ran eagerly: see troubleshooting, \"Graph breaks and "
+        "NOT_COMPILED\"";
   } else if (note == notes::kNotRun) {
     what = "the step did not call it: wrap modules that run, or check the step";
   } else if (note == notes::kNoReference) {
-    what = "it was judged without a reference: reference=\"fp32\" where float64 has no "
-           "kernel, or reference=None (diagnosis: \"Is it noise?\")";
+    what =
+        "it was judged without a reference: reference=\"fp32\" where float64 has no "
+        "kernel, or reference=None (diagnosis: \"Is it noise?\")";
   } else if (note.rfind("MISSING_", 0) == 0) {
-    what = "a tensor recorded on one side only: check the wrap granularity and that both runs "
-           "call the module and run a backward through it (reading-the-report: \"Statuses "
-           "and markers\")";
+    what =
+        "a tensor recorded on one side only: check the wrap granularity and that both runs "
+        "call the module and run a backward through it (reading-the-report: \"Statuses "
+        "and markers\")";
   } else {
     what = "read its reason (reading-the-report: \"Statuses and markers\")";
   }

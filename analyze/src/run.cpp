@@ -262,7 +262,7 @@ class RunTally {
     totals_.rows += step.rows.size();
     auto& first = totals_.root_cause_first_seen;
     if (step.root_cause.found() && (!first || step.step < first->step ||
-                                     (step.step == first->step && rank.rank < first->rank))) {
+                                    (step.step == first->step && rank.rank < first->rank))) {
       first = RunTotals::Place{rank.rank, step.step};
     }
     rank_steps_.push_back(step.step);

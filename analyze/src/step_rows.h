@@ -49,8 +49,9 @@ class ModuleOrder {
         modules_.insert(modules_.begin() + static_cast<std::ptrdiff_t>(at), module);
         ++at;
       } else {
-        at = static_cast<std::size_t>(
-                 std::find(modules_.begin(), modules_.end(), module) - modules_.begin()) + 1;
+        at = static_cast<std::size_t>(std::find(modules_.begin(), modules_.end(), module) -
+                                      modules_.begin()) +
+             1;
       }
     }
   }

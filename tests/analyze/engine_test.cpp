@@ -619,8 +619,7 @@ TEST(Engine, NoiseRuleOfEqualInfinitiesJudgesTheFiniteElements) {
   };
   const std::vector<float> reference = {-INFINITY, 1.0f, 2.0f, 3.0f};
   const TensorMetrics eager = metrics(reference, {-INFINITY, 1.001f, 2.0f, 3.0f});
-  EXPECT_FALSE(measure_noise(eager, metrics(reference, {-INFINITY, 1.0f, 2.001f, 3.0f}), 0x1p-8,
-                             0)
+  EXPECT_FALSE(measure_noise(eager, metrics(reference, {-INFINITY, 1.0f, 2.001f, 3.0f}), 0x1p-8, 0)
                    .divergence);
   const NoiseMeasure fault =
       measure_noise(eager, metrics(reference, {-INFINITY, 1.05f, 2.1f, 3.15f}), 0x1p-8, 0);

@@ -324,8 +324,7 @@ TEST(ModuleOrder, AModuleWithoutARecordFollowsTheOneBeforeItInModelOrder) {
   ModuleOrder order;
   for (const char* ran : {"down", "mid", "up"}) order.add(ran);
   order.place_listed({"down", "ignored", "up", "spare", "mid"});
-  EXPECT_EQ(order.modules(),
-            (std::vector<std::string>{"down", "ignored", "mid", "up", "spare"}));
+  EXPECT_EQ(order.modules(), (std::vector<std::string>{"down", "ignored", "mid", "up", "spare"}));
 }
 
 // The eager side's /modules value wins where both sides have a key; keys of either are kept.

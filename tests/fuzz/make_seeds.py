@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from dynaprobe import PrecisionChecker, _C
+from dynaprobe import _C, PrecisionChecker
 
 
 def single_pass(out):

@@ -11,7 +11,6 @@ import torch
 
 from dynaprobe import _C
 
-
 ATOL, RTOL = 1e-4, 1e-3
 RULE = "=" * 72
 SECTION_RULE = "  " + "-" * 68

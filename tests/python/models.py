@@ -4,8 +4,8 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 
 class MLP(nn.Module):

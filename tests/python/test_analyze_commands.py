@@ -6,8 +6,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
-from analyze_dumps import randn, Rec, run_cli, same, single_pass, two_pass, write_dump
+from analyze_dumps import Rec, randn, run_cli, same, single_pass, two_pass, write_dump
 from dump_checksum import group_checksum, set_text_attribute
 
 

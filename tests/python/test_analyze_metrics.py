@@ -6,17 +6,16 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from analyze_dumps import (
     ATOL,
     RTOL,
+    Rec,
     as_float_tensor,
     compare_json,
     csv_lines,
     json_float,
     json_row,
     randn,
-    Rec,
     single_pass,
     spec_bf16_fwd_output,
     spec_core_fwd_output,

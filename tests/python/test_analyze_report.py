@@ -2,14 +2,12 @@
 (precision-checker.zh.md: 报告说明, CSV 报告格式), how the two sides are aligned, steps and tolerances."""
 
 import numpy as np
-
-from dynaprobe import _C
-
 from analyze_dumps import (
     CSV_HEADER,
     RULE,
     SECTION_RULE,
     ZERO_DETAIL,
+    Rec,
     compare_json,
     compare_rows,
     csv_lines,
@@ -17,7 +15,6 @@ from analyze_dumps import (
     loss_recs,
     ok_detail,
     randn,
-    Rec,
     report_row,
     run_cli,
     same,
@@ -26,6 +23,8 @@ from analyze_dumps import (
     two_pass,
     write_dump,
 )
+
+from dynaprobe import _C
 
 
 def test_stdout_report_has_the_spec_layout(tmp_path, dynaprobe_cli):

@@ -2,16 +2,15 @@
 and the provenance lines of two captures."""
 
 import numpy as np
-
 from analyze_dumps import (
     CSV_HEADER,
     MERGED_CSV_HEADER,
     SPEC_SHAPE,
+    Rec,
     csv_lines,
     loss_recs,
     ok_detail,
     randn,
-    Rec,
     report_row,
     run_cli,
     same,

@@ -11,11 +11,9 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from models import MLP, Block, ConvBN, TiedTwice, perturbed_gelu_backend
 
 from dynaprobe import CompareResult, PrecisionChecker
-
-from models import MLP, Block, ConvBN, TiedTwice, perturbed_gelu_backend
 
 
 @pytest.fixture(autouse=True)

@@ -58,9 +58,9 @@ def test_a_baseline_capture_gates_a_compiler_change(tmp_path, dynaprobe_cli):
     the compiled side kept as a baseline, compared with one made after the change."""
     import torch
     import torch.nn as nn
+    from models import perturbed_gelu_backend
 
     from dynaprobe import PrecisionChecker
-    from models import perturbed_gelu_backend
 
     def capture(folder, backend):
         torch.manual_seed(0)

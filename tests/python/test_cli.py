@@ -5,10 +5,10 @@ import os
 import re
 
 import pytest
+from analyze_dumps import Rec, randn, run_cli, same, write_dump
+from conftest import REPO
 
 import dynaprobe
-from conftest import REPO
-from analyze_dumps import Rec, randn, run_cli, same, write_dump
 
 
 @pytest.fixture

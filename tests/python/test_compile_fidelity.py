@@ -15,11 +15,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from models import Block, TinyTransformer, compiled_copy
 
 from dynaprobe import PrecisionChecker
-from dynaprobe._capture import autocast_context
-
-from models import Block, TinyTransformer, compiled_copy
+from dynaprobe._mechanics.capture import autocast_context
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

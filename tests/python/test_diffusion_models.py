@@ -17,9 +17,9 @@ import pytest
 import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.resnet import ResnetBlock2D
+from models import compiled_copy
 
 from dynaprobe import PrecisionChecker
-from models import compiled_copy
 
 BLOCKS = (ResnetBlock2D, Attention)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_inductor")]

@@ -34,7 +34,6 @@ import textwrap
 from typing import List, Optional
 
 import pytest
-
 from conftest import REPO
 
 EXECUTED = {"python", "bash"}
@@ -423,7 +422,7 @@ def test_a_failing_block_fails_the_page_and_names_its_line(tmp_path, monkeypatch
 # docs/design.md says where things live; its tables must name files that exist. A row may
 # shorten a path: `src/record.cpp` after `formats/include/...` (the row's top folder),
 # `render_csv.cpp` after `analyze/src/render_text.cpp` (the folder of a path named before it, or a
-# parent of that folder), or a file name found once in the sources (`_checker.py`). `{a,b}`
+# parent of that folder), or a file name found once in the sources (`checker.py`). `{a,b}`
 # expands; `*` must match something.
 _SOURCE_FOLDERS = ("formats", "analyze", "capture", "tests", "bench", "examples", "scripts", "docs")
 _FILE_SUFFIXES = (".h", ".cpp", ".py", ".pyi", ".cmake", ".html", ".txt", ".md", ".sh", ".toml")
@@ -511,7 +510,7 @@ def test_design_table_check_finds_a_missing_file_and_resolves_short_forms():
         | --- | --- |
         | `formats/include/dynaprobe/formats/record.h`, `src/record.cpp` | records |
         | `analyze/src/render_text.cpp`, `render_csv.cpp`, `analyze/cli/{compare,ls}.cpp` | ok |
-        | `capture/bindings/*.cpp` | globs; `_checker.py`, by its unique name; `/index` is HDF5's |
+        | `capture/bindings/*.cpp` | globs; `checker.py`, by its unique name; `/index` is HDF5's |
         | `analyze/src/render_<name>.cpp`, `formats/src/no_such_file.cpp` | the second is missing |
         """)
     assert [m.split(" ")[0] for m in _named_paths_missing(page)] == ["formats/src/no_such_file.cpp"]

@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 import dynaprobe
-
-from conftest import REPO
 
 EXAMPLES = os.path.join(REPO, "examples")
 CSV_HEADER = "module_name,check_type,tensor_index,status,max_abs_diff,mean_abs_diff,max_rel_diff,shape,note"

@@ -10,11 +10,10 @@ import h5py
 import hdf5plugin
 import numpy as np
 import pytest
+from dump_checksum import group_checksum, index_checksum, rewrite_index, set_text_attribute, widened
 
 import dynaprobe
 from dynaprobe import _C
-
-from dump_checksum import group_checksum, index_checksum, rewrite_index, set_text_attribute, widened
 
 FORMAT_1_4 = os.path.join(os.path.dirname(__file__), "..", "data", "format_1.4", "step_00000000.h5")
 

@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from models import Block, TinyTransformer, perturbed_gelu_backend
 from torch.distributed.fsdp import fully_shard
 
-from dynaprobe import PrecisionChecker, _C
-
-from models import Block, TinyTransformer, perturbed_gelu_backend
+from dynaprobe import _C, PrecisionChecker
 
 WORLD = 2
 VOCAB, WIDTH, HEADS, BATCH, SEQ = 32, 16, 2, 2, 8

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn as nn
-
-from dynaprobe import PrecisionChecker
 from models import Block, ConvBN, TinyTransformer, rsqrt_too_large
 from test_examples import run_example
+
+from dynaprobe import PrecisionChecker
 
 DEVICE = os.environ.get("DYNAPROBE_TEST_DEVICE", "cuda")
 DEVICE_TYPE = torch.device(DEVICE).type

@@ -19,11 +19,21 @@ import torch.utils.checkpoint
 from models import rsqrt_fault_backend
 from test_replay import checked_step, replayed_rows, run_elsewhere
 
-from dynaprobe import PrecisionChecker, _C
-from dynaprobe._graph_data import (UntrustedGraph, graph_from_data, graph_to_data,
-                                   python_source)
-from dynaprobe._replay import (GraphReplay, ReplayError, judge, load_call, replay_of,
-                               tensor_from_bytes)
+from dynaprobe import _C, PrecisionChecker
+from dynaprobe._mechanics.graph_data import (
+    UntrustedGraph,
+    graph_from_data,
+    graph_to_data,
+    python_source,
+)
+from dynaprobe._offline.replay import (
+    GraphReplay,
+    ReplayError,
+    judge,
+    load_call,
+    replay_of,
+    tensor_from_bytes,
+)
 from dynaprobe.bisect import STAGES, bisect_call, recorded_stage
 from dynaprobe.repro import write_repro
 
@@ -430,7 +440,7 @@ def test_outputs_kept_after_the_step_keep_none_of_the_calls_tensors_alive(tmp_pa
     replay data is decided, what they point to holds no tensor of the call."""
     import gc
 
-    from dynaprobe._graphs import LiveGraphCall
+    from dynaprobe._mechanics.graphs import LiveGraphCall
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU())

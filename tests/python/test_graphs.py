@@ -3,7 +3,7 @@ produce for every compiled function, named as the spec names them, in graph_dir 
 for every backend and both entry points, without changing what is compiled.
 
 If a PyTorch upgrade stops delivering graphs to dynaprobe's hooks (capture/python/dynaprobe/
-_graphs.py), test_aot_eager_training_step_delivers_every_graph fails: it is the guard that keeps
+graphs.py), test_aot_eager_training_step_delivers_every_graph fails: it is the guard that keeps
 graph dumps from silently going empty.
 """
 
@@ -118,16 +118,16 @@ def test_aot_eager_training_step_delivers_every_graph():
     files = graph_files("graphs")
     torch_version = torch.__version__
     assert files, (f"PyTorch {torch_version} delivered no graph to dynaprobe's backend wrapper: "
-                   "update capture/python/dynaprobe/_graphs.py")
+                   "update capture/python/dynaprobe/_mechanics/graphs.py")
     for n, kinds in files.items():
         assert kinds.get("Captured"), (f"__compiled_fn_{n}: no Dynamo captured graph (PyTorch "
                                        f"{torch_version}); gm.meta['backend_id'] may have changed")
         assert kinds.get("Forward"), (f"__compiled_fn_{n}: no AOTAutograd forward graph (PyTorch "
                                       f"{torch_version}): the structured-trace artifact "
-                                      "'aot_forward_graph' no longer reaches _graphs.py")
+                                      "'aot_forward_graph' no longer reaches graphs.py")
         assert kinds.get("Backward"), (f"__compiled_fn_{n}: no AOTAutograd backward graph (PyTorch "
                                        f"{torch_version}): the structured-trace artifact "
-                                       "'aot_backward_graph' no longer reaches _graphs.py")
+                                       "'aot_backward_graph' no longer reaches graphs.py")
         assert {k: len(v) for k, v in kinds.items()} == {"Captured": 1, "Forward": 1, "Backward": 1}
 
     # <n> is Dynamo's own number, the same for the three graphs of one function.

@@ -24,8 +24,9 @@ import pytest
 import torch
 from browser import Browser, chromium_path
 from dump_checksum import xxh3
-from dynaprobe import _C, PrecisionChecker
 from models import FORWARD_FAULT, Chain
+
+from dynaprobe import _C, PrecisionChecker
 
 
 def capture(dump_dir: pathlib.Path, steps: int = 1, seed: int = 0):

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn as nn
-
-from dynaprobe import PrecisionChecker, _C
-from dynaprobe._replay import load_call
 from models import compiled_copy
 from test_replay import _routes
+
+from dynaprobe import _C, PrecisionChecker
+from dynaprobe._offline.replay import load_call
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dynaprobe import PrecisionChecker, _C
+from dynaprobe import _C, PrecisionChecker
 
 
 class FusedAddNorm(nn.Module):

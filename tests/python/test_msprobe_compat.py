@@ -16,8 +16,9 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from dynaprobe import _C, CompareResult, ModuleDiff, PrecisionChecker, TensorDiff
 from models import MLP, TiedTwice, perturbed_gelu_backend
+
+from dynaprobe import _C, CompareResult, ModuleDiff, PrecisionChecker, TensorDiff
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Inside a module: the first op, and the generated kernel, where the numbers change
-(``bisect --ops``, dynaprobe._ops). Faults that change exactly one op, forward or backward, under
+(``bisect --ops``, dynaprobe._offline.ops). Faults that change exactly one op, forward or backward, under
 an aot_autograd backend and as an inductor post-grad pass (inside a fused kernel), are found at
 that op and its source line; a clean bf16 run names no op."""
 
@@ -14,13 +14,12 @@ import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
 from models import BACKWARD_FAULT, RMSNormMLP, rsqrt_fault_backend
+from test_replay import replayed_rows, run_elsewhere
 from torch._dynamo.backends.common import aot_autograd
 
-from test_replay import replayed_rows, run_elsewhere
-
 from dynaprobe import PrecisionChecker
-from dynaprobe._ops import localise
-from dynaprobe._replay import load_call
+from dynaprobe._offline.ops import localise
+from dynaprobe._offline.replay import load_call
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

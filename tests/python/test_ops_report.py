@@ -16,8 +16,8 @@ from models import RMSNormMLP, rsqrt_fault_backend
 from test_ops import _dump
 
 from dynaprobe import _C
-from dynaprobe._ops import localise
-from dynaprobe._result import CompareResult
+from dynaprobe._offline.ops import localise
+from dynaprobe._results.result import CompareResult
 
 # Where the faulted rsqrt stands in tests/python/models.py, as the ops report cites it.
 _SOURCE, _FIRST = inspect.getsourcelines(RMSNormMLP.forward)

@@ -53,7 +53,7 @@ def test_plugin_loads_through_its_entry_point(pytester):
     result.assert_outcomes(passed=1, failed=1)
     output = result.stdout.str()
     assert "test_faulty_backend" in output
-    assert "_assertions.py" not in output  # __tracebackhide__: the test's own line is shown
+    assert "_results/assertions.py" not in output  # __tracebackhide__: the test's own line is shown
     assert "RESULT: FAILED" in output
     assert "ROOT CAUSE" in output and "forward   Sequential fwd_output[0]" in output
     assert re.search(r"FAIL  Sequential call=0 fwd_output\[0\] max_abs=\d\.\d{3}e-0\d", output)

@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-
 from hf_models import families
 
 from dynaprobe import PrecisionChecker

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from models import FORWARD_FAULT, Chain
 
-from dynaprobe import PrecisionChecker, _C
+from dynaprobe import _C, PrecisionChecker
 
 
 def _step(x):
@@ -395,7 +395,7 @@ def test_failing_asks_the_engine_so_the_bf16_floor_applies(dtype_aware, tmp_path
 
 
 def test_the_failing_judge_is_the_engines_row_judging():
-    from dynaprobe._reference import Judging
+    from dynaprobe._mechanics.reference import Judging
 
     torch.manual_seed(0)
     eager = torch.randn(64).bfloat16()

@@ -14,15 +14,14 @@ import pytest
 import torch
 import torch.nn as nn
 from functorch.compile import default_partition
+from models import BACKWARD_FAULT, TiedTwice, _perturb_gelu, perturbed_gelu_backend, plain_compiler
 from models import Stage as TanhStage
-from models import (BACKWARD_FAULT, TiedTwice, _perturb_gelu, perturbed_gelu_backend,
-                    plain_compiler)
+from test_storage import Chain  # norm -> mlp (GELU, perturbed by the backend) -> proj
 from torch._dynamo.backends.common import aot_autograd
 
-from dynaprobe import PrecisionChecker, _C
-from dynaprobe._replay import ClassReplay, GraphReplay, load_call, tensor_from_bytes
+from dynaprobe import _C, PrecisionChecker
+from dynaprobe._offline.replay import ClassReplay, GraphReplay, load_call, tensor_from_bytes
 from dynaprobe.bisect import STAGES, Stage, bisect_call
-from test_storage import Chain  # norm -> mlp (GELU, perturbed by the backend) -> proj
 
 
 def checked_step(tmp_path, backend=perturbed_gelu_backend, **kwargs):

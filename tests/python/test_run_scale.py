@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from analyze_dumps import Rec, loss_recs, run_cli, single_pass, write_dump
 
 from dynaprobe import analyze_run
-from analyze_dumps import Rec, loss_recs, run_cli, single_pass, write_dump
 
 FORMATS = ["merged-csv", "json", "html", "junit", "markdown"]
 

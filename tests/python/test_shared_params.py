@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn as nn
-
-from dynaprobe import PrecisionChecker, _C
 from models import compiled_copy
+
+from dynaprobe import _C, PrecisionChecker
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")
 WIDTH = 16

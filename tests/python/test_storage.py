@@ -10,10 +10,10 @@ import h5py
 import pytest
 import torch
 import torch.nn as nn
-
-from dynaprobe import PrecisionChecker, _C
-from models import MLP, perturbed_gelu_backend
 from analyze_dumps import run_cli
+from models import MLP, perturbed_gelu_backend
+
+from dynaprobe import _C, PrecisionChecker
 
 
 class Chain(nn.Module):
@@ -264,7 +264,7 @@ def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):
 def test_the_disk_budget_removes_only_committed_step_files(tmp_path):
     """Step files are told by the name the writer gives them (the extension's
     step_of_file_name): a step in progress, a file named by hand and other files stay."""
-    from dynaprobe import _storage
+    from dynaprobe._mechanics import storage as _storage
 
     folder = tmp_path / "dump"
     folder.mkdir()
@@ -311,8 +311,8 @@ def test_a_one_sided_capture_keeps_full_tensors(tmp_path):
 def _rewrite_metrics(step_file, change):
     """Rewrites /metrics as another writer version would: `change` maps the structured array read
     by h5py to the new one; the checksum (XXH3, format 2.0) covers the new bytes as stored."""
-    from dump_checksum import xxh3
     import numpy as np
+    from dump_checksum import xxh3
 
     with h5py.File(step_file, "r+") as f:
         old = f["metrics"][()]

@@ -80,7 +80,7 @@ def test_a_replay_reads_the_dumps_tolerances_with_the_engines_parser(tmp_path):
     them: the dump's own, and a damaged value is an error naming the dump and the command that
     judges it anyway, not a silent default."""
     from dynaprobe import FormatError
-    from dynaprobe._replay import load_call
+    from dynaprobe._offline.replay import load_call
 
     result = _run(tmp_path, rtol=2e-3)[0]
     call = load_call(result.dump_file, result.root_cause["forward"]["module"])

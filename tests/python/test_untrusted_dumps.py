@@ -24,10 +24,9 @@ import subprocess
 import h5py
 import numpy as np
 import pytest
+from dump_checksum import index_checksum, set_text_attribute, widened, xxh3, xxh64
 
 from dynaprobe import _C
-
-from dump_checksum import index_checksum, set_text_attribute, widened, xxh3, xxh64
 
 MUTANTS = 300  # about 30 s on 2 cores
 RNG = np.random.default_rng(17)

@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
+from models import plain_compiler
 from torch._dynamo.backends.common import aot_autograd
 
 from dynaprobe import PrecisionChecker
-
-from models import plain_compiler
 
 WIDTH = 8
 
@@ -315,9 +314,8 @@ def test_whole_model_checks_every_block_of_a_transformers_model(tmp_path):
 # --------------------------------------------------------------------------- FSDP2
 def _fsdp_worker(rank: int, summary: dict) -> None:
     import torch.nn.functional as F
-    from torch.distributed.fsdp import fully_shard
-
     from models import Block, TinyTransformer
+    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = TinyTransformer(vocab=32, width=16, heads=2, layers=2)

@@ -12,10 +12,10 @@ import os
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from dynaprobe._C import DumpIOError, FormatError, format_version
-from dynaprobe._assertions import assert_precision
-from dynaprobe._checker import PrecisionChecker
-from dynaprobe._result import CompareResult, ModuleDiff, Row, TensorDiff
-from dynaprobe._run import RunReport, analyze_run
+from dynaprobe._checking.checker import PrecisionChecker
+from dynaprobe._results.assertions import assert_precision
+from dynaprobe._results.result import CompareResult, ModuleDiff, Row, TensorDiff
+from dynaprobe._results.run import RunReport, analyze_run
 
 # Keep in sync with pyproject.toml's version and CMakeLists.txt's project(VERSION), which
 # `dynaprobe --version` prints (tests/python/test_cli.py checks all three).

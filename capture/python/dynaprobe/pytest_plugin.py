@@ -6,7 +6,7 @@ Fixtures:
         ``dump_dir`` is a fresh folder under the test's ``tmp_path`` (``dynaprobe/0``,
         ``dynaprobe/1``, ...) unless ``dump_dir=`` is given; the other keywords go to the
         constructor unchanged.
-    assert_precision: ``dynaprobe.assert_precision`` (see ``dynaprobe._assertions``).
+    assert_precision: ``dynaprobe.assert_precision`` (see ``dynaprobe._results.assertions``).
 
 dynaprobe itself (and torch) is imported when a fixture is first used, not at start-up.
 """

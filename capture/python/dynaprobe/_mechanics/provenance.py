@@ -11,9 +11,9 @@ from typing import Dict
 import torch
 
 from dynaprobe._C import vocabulary
-from dynaprobe._distributed import rank_and_world
-from dynaprobe._environment import environment
-from dynaprobe._reference import Judging
+from dynaprobe._mechanics.distributed import rank_and_world
+from dynaprobe._mechanics.environment import environment
+from dynaprobe._mechanics.reference import Judging
 
 
 def backend_name(backend) -> str:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe import _C, _storage
+from dynaprobe._mechanics import storage as _storage
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Single-pass: the wrapped modules compiled in place; every call runs compiled (the training
-path) and again eagerly on copies of its arguments (_isolation.py), and the eager re-run's backward
+path) and again eagerly on copies of its arguments (isolation.py), and the eager re-run's backward
 runs inside the real backward, seeded with the grad_output its compiled twin received, through
 ``torch.autograd.grad``, which never touches ``.grad``."""
 
@@ -12,7 +12,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from dynaprobe._C import vocabulary
-from dynaprobe._capture import (
+from dynaprobe._mechanics import replay_store as _replay_store
+from dynaprobe._mechanics.capture import (
     ProbedInputs,
     RngState,
     autocast_context,
@@ -23,7 +24,7 @@ from dynaprobe._capture import (
     probe_outputs,
     tensor_leaves,
 )
-from dynaprobe._isolation import (
+from dynaprobe._mechanics.isolation import (
     InputWrites,
     LeftInArguments,
     ModuleGlobals,
@@ -32,19 +33,18 @@ from dynaprobe._isolation import (
     counterparts,
     rerun_input,
 )
-from dynaprobe import _replay_store
-from dynaprobe._planning import Plan, warn_nested_fully_shard
-from dynaprobe._reference import (
+from dynaprobe._mechanics.reference import (
+    Judging,
     ReferencePolicy,
     ReferenceRun,
     call_precision,
     copy_reference_arguments,
-    Judging,
     outputs_differ,
     run_reference,
     shapes_differ,
 )
-from dynaprobe._step import (
+from dynaprobe._steps.planning import Plan, warn_nested_fully_shard
+from dynaprobe._steps.step import (
     CallShares,
     PendingBackward,
     Step,
@@ -53,8 +53,15 @@ from dynaprobe._step import (
     record_shared_param_grads,
     run_pending,
 )
-from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
-                                    GRAD_OUTPUT, REFERENCE)
+from dynaprobe._vocabulary import (
+    COMPILED,
+    EAGER,
+    FWD_INPUT,
+    FWD_OUTPUT,
+    GRAD_INPUT,
+    GRAD_OUTPUT,
+    REFERENCE,
+)
 
 
 def install(model: torch.nn.Module, plan: Plan, session, compiler, **options) -> "SinglePass":

@@ -16,7 +16,7 @@ import builtins
 import math
 import operator
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import fx

@@ -40,21 +40,21 @@ import torch.fx as fx
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe._capture import RngState, _in_eager_backward
-from dynaprobe._graphs import GraphRecorder
-from dynaprobe._planning import Plan
-from dynaprobe._reference import (
+from dynaprobe._mechanics.capture import RngState, _in_eager_backward
+from dynaprobe._mechanics.graphs import GraphRecorder
+from dynaprobe._mechanics.reference import (
     LOW_PRECISION,
+    Judging,
     ReferencePolicy,
     ReferenceRun,
     call_precision,
     no_autocast,
-    Judging,
     outputs_differ,
     shapes_differ,
     upcast,
 )
-from dynaprobe._step import (
+from dynaprobe._steps.planning import Plan
+from dynaprobe._steps.step import (
     PendingBackward,
     Step,
     Target,
@@ -62,8 +62,15 @@ from dynaprobe._step import (
     record_shared_param_grads,
     run_pending,
 )
-from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
-                                    GRAD_OUTPUT, REFERENCE)
+from dynaprobe._vocabulary import (
+    COMPILED,
+    EAGER,
+    FWD_INPUT,
+    FWD_OUTPUT,
+    GRAD_INPUT,
+    GRAD_OUTPUT,
+    REFERENCE,
+)
 
 # torch._dynamo's comptime, imported by the first whole-model install (_load_comptime):
 # `import dynaprobe` imports no Dynamo, which doubles its import time, for offline analysis.

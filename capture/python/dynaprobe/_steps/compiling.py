@@ -11,8 +11,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from dynaprobe._C import vocabulary
-from dynaprobe._graphs import GraphRecorder
-from dynaprobe._step import Step, Target
+from dynaprobe._mechanics.graphs import GraphRecorder
+from dynaprobe._steps.step import Step, Target
 
 
 def own_entry(forward: Callable, name: str) -> Callable:

@@ -1,7 +1,7 @@
 """Capture mechanics shared by every mode: intercepting a wrapped module's calls (its ``forward``
 replaced by an instance attribute; names, state_dict, parameters and other tools' hooks untouched),
 the tensors in nested arguments and outputs, probing gradients at the module boundary, RNG state,
-autocast and FSDP2 shards. The modes themselves live in _single_pass.py and _two_pass.py.
+autocast and FSDP2 shards. The modes themselves live in single_pass.py and two_pass.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from dynaprobe._graph_runner import own_tensor
+from dynaprobe._mechanics.graph_runner import own_tensor
 
 # Set while dynaprobe runs the eager backward, so that the parameter hooks which sum the training
 # (compiled) gradients ignore the eager ones.

@@ -11,16 +11,20 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _options, _planning, _reporting, _single_pass, _whole_model
-from dynaprobe._compiling import Compiler
-from dynaprobe._distributed import is_deepcopy_forbidden
-from dynaprobe._provenance import judging, provenance
-from dynaprobe._reference import ReferencePolicy
-from dynaprobe._result import CompareResult
-from dynaprobe._session import CAPTURE_MODES, Dumps, Setup, StepSession
-from dynaprobe._single_pass import SinglePass
-from dynaprobe._two_pass import run_step
-from dynaprobe._whole_model import WholeModel
+from dynaprobe._checking import options as _options
+from dynaprobe._mechanics.distributed import is_deepcopy_forbidden
+from dynaprobe._mechanics.provenance import judging, provenance
+from dynaprobe._mechanics.reference import ReferencePolicy
+from dynaprobe._modes import single_pass as _single_pass
+from dynaprobe._modes import whole_model as _whole_model
+from dynaprobe._modes.single_pass import SinglePass
+from dynaprobe._modes.two_pass import run_step
+from dynaprobe._modes.whole_model import WholeModel
+from dynaprobe._results import reporting as _reporting
+from dynaprobe._results.result import CompareResult
+from dynaprobe._steps import planning as _planning
+from dynaprobe._steps.compiling import Compiler
+from dynaprobe._steps.session import CAPTURE_MODES, Dumps, Setup, StepSession
 from dynaprobe._vocabulary import COMPILED, EAGER, STORE_FULL
 
 
@@ -355,8 +359,8 @@ class PrecisionChecker(_options.CheckerOptions):
                 when its class needs constructor arguments; runs code the dump carries: only
                 for dumps you trust.
         """
-        from dynaprobe import bisect as stage_bisect  # noqa: PLC0415 - its own module
-        from dynaprobe._replay import load_call  # noqa: PLC0415
+        from dynaprobe._offline import bisect as stage_bisect  # noqa: PLC0415 - its own module
+        from dynaprobe._offline.replay import load_call  # noqa: PLC0415
 
         if not isinstance(module, str):
             raise TypeError(f"module must be the module's path as the report names it (a str), "

@@ -1,5 +1,5 @@
 """Replaying one stored call (``PrecisionChecker(replay=...)`` keeps what it needs,
-_replay_store.py): rebuild the module from the dump, run the call's inputs through a forward
+replay_store.py): rebuild the module from the dump, run the call's inputs through a forward
 (eager, or compiled with some backend) and, when the call ran in grad mode, its backward seeded
 with the stored grad_output; then judge two runs with the engine, as the report does.
 
@@ -25,17 +25,27 @@ from torch.utils import _pytree as pytree
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._capture import tensor_leaves
-from dynaprobe._compiling import own_entry
-from dynaprobe._graph_data import UntrustedGraph, graph_from_data
-from dynaprobe._graph_runner import GraphCall, own_tensor, replay_graphs
-from dynaprobe._replay_store import (BUFFER, GRAD_OUTPUT, GRAPH_ARG, GRAPH_GRAD, GRAPH_RNG,
-                                     GRAPH_TENSOR, INPUT, KIND, PARAM, RNG, STRUCTURE,
-                                     split_label)
-from dynaprobe._result import CompareResult
-from dynaprobe._storage import committed_steps
-from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_OUTPUT, GRAD_INPUT, PARAM_GRAD,
-                                    REFERENCE)
+from dynaprobe._mechanics.capture import tensor_leaves
+from dynaprobe._mechanics.graph_data import UntrustedGraph, graph_from_data
+from dynaprobe._mechanics.graph_runner import GraphCall, own_tensor, replay_graphs
+from dynaprobe._mechanics.replay_store import (
+    BUFFER,
+    GRAD_OUTPUT,
+    GRAPH_ARG,
+    GRAPH_GRAD,
+    GRAPH_RNG,
+    GRAPH_TENSOR,
+    INPUT,
+    KIND,
+    PARAM,
+    RNG,
+    STRUCTURE,
+    split_label,
+)
+from dynaprobe._mechanics.storage import committed_steps
+from dynaprobe._results.result import CompareResult
+from dynaprobe._steps.compiling import own_entry
+from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, GRAD_INPUT, PARAM_GRAD, REFERENCE
 
 # The provenance a replay's judging keeps from the original dump: the tolerances and how rows
 # are judged, so that the metrics and verdicts are the report's.
@@ -155,7 +165,7 @@ class StoredCall:
 
     # ------------------------------------------------------------------ the captured graphs
     def graph_calls(self) -> List[GraphCall]:
-        """The call as the runs of the graphs Dynamo captured for it (_graph_runner.py);
+        """The call as the runs of the graphs Dynamo captured for it (graph_runner.py);
         ReplayError saying why when the dump keeps none."""
         graphs = self.description.get("graphs")
         if not graphs:
@@ -193,7 +203,7 @@ class StoredCall:
         return calls
 
     def graph_modules(self) -> Dict[str, torch.fx.GraphModule]:
-        """The captured graphs the call ran, rebuilt from the dump's data (_graph_data.py:
+        """The captured graphs the call ran, rebuilt from the dump's data (graph_data.py:
         nothing the dump carries runs but torch's operators)."""
         modules = {}
         for stored in self.description["graphs"]["calls"]:

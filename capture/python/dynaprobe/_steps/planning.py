@@ -12,9 +12,8 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
-from dynaprobe import _options
-from dynaprobe._capture import autocast_device_type, devices_of
-from dynaprobe._distributed import nested_fully_shard
+from dynaprobe._mechanics.capture import autocast_device_type, devices_of
+from dynaprobe._mechanics.distributed import nested_fully_shard
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -110,8 +109,23 @@ def plan_check(model: nn.Module, wrapped_modules: List[nn.Module],
     targets, modules = plan(model, wrapped_modules, ignored_modules)
     devices = describe_model(model)
     model_devices = devices_of([], model)
-    _options.expect_autocast(cast_dtype, autocast_device_type(model_devices))
+    expect_autocast(cast_dtype, autocast_device_type(model_devices))
     return Plan(targets, modules, devices, model_devices)
+
+
+def expect_autocast(cast_dtype: Optional[torch.dtype], device_type: str) -> None:
+    """torch.autocast silently disables itself (with a warning) for a dtype the device does not
+    support: the run would not be checked under the dtype the report names."""
+    if cast_dtype is None:
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        context = torch.autocast(device_type=device_type, dtype=cast_dtype)
+    if not getattr(context, "_enabled", True) or caught:
+        said = "; ".join(str(w.message).splitlines()[0] for w in caught)
+        raise ValueError(f"cast_dtype={cast_dtype} is not supported by torch.autocast on "
+                         f"device type {device_type!r}" + (f" ({said})" if said else "")
+                         + ": pass a dtype it supports there, e.g. torch.bfloat16")
 
 
 def describe_model(model: nn.Module) -> Dict[str, str]:

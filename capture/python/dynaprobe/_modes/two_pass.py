@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from dynaprobe._capture import (
+from dynaprobe._mechanics.capture import (
     ProbedInputs,
     RngState,
     autocast_context,
@@ -20,10 +20,17 @@ from dynaprobe._capture import (
     probe_outputs,
     tensor_leaves,
 )
-from dynaprobe._reference import ReferencePolicy, call_precision, no_autocast, upcast
-from dynaprobe._step import Step, Target
-from dynaprobe._vocabulary import (COMPILED, EAGER, FWD_INPUT, FWD_OUTPUT, GRAD_INPUT,
-                                    GRAD_OUTPUT, REFERENCE)
+from dynaprobe._mechanics.reference import ReferencePolicy, call_precision, no_autocast, upcast
+from dynaprobe._steps.step import Step, Target
+from dynaprobe._vocabulary import (
+    COMPILED,
+    EAGER,
+    FWD_INPUT,
+    FWD_OUTPUT,
+    GRAD_INPUT,
+    GRAD_OUTPUT,
+    REFERENCE,
+)
 
 SIDES = (EAGER, COMPILED, REFERENCE)
 

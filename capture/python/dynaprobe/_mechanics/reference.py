@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._capture import autocast_device_type
-from dynaprobe._isolation import copy_arguments, rerun_input
+from dynaprobe._mechanics.capture import autocast_device_type
+from dynaprobe._mechanics.isolation import copy_arguments, rerun_input
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

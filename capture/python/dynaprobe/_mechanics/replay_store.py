@@ -3,7 +3,7 @@ the call's inputs with their argument structure, the grad_output it received, th
 parameters and buffers, the RNG state before the call, its class and, when it pickles, its
 structure without weights. Tensors are records of kind ``replay`` (stored whole, never compared);
 the rest is the module attribute ``replay`` (JSON). The layout is in docs/dump-format.md
-(Replay records); ``_replay.py`` reads it back.
+(Replay records); ``replay.py`` reads it back.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from dynaprobe._C import vocabulary
-from dynaprobe._graph_data import UnstorableGraph, graph_to_data
+from dynaprobe._mechanics.graph_data import UnstorableGraph, graph_to_data
 
 REPLAY_MODES = ("failing", "all", "none")
 KIND = vocabulary.KIND_REPLAY  # formats::kind_name(Kind::kReplay)
-# Labels of replay records: "<role>:<name>". Keep in sync with _replay.py.
+# Labels of replay records: "<role>:<name>". Keep in sync with replay.py.
 INPUT, GRAD_OUTPUT, PARAM, BUFFER, RNG, STRUCTURE = (
     "input", "grad_output", "param", "buffer", "rng", "structure")
 # The graphs Dynamo ran for the call: "graph_tensor:<function>/<label>" (a tensor the graph holds),
@@ -277,7 +277,7 @@ def _record_graph_calls(record: CallRecord, replay: dict, candidate: Candidate,
                         captured: dict) -> dict:
     """Records the runs of the compiled graphs of the call (a replay from the captured graphs,
     docs/dump-format.md): ``{"calls": [...]}``, or ``{"unavailable": why}``. Each graph is
-    stored once per step, as data (_graph_data.py), under the first call that ran it."""
+    stored once per step, as data (graph_data.py), under the first call that ran it."""
     if not candidate.graph_calls:
         return {"unavailable": "Dynamo ran no compiled graph for this call"}
     names = {id(t): (PARAM, n) for n, t in candidate.module.named_parameters()}

@@ -30,16 +30,23 @@ import re
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import fx
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._replay import (GraphReplay, ReplayError, Run, StoredCall, inductor_patch, judge,
-                               judging_recorder)
-from dynaprobe._result import CompareResult
+from dynaprobe._offline.replay import (
+    GraphReplay,
+    ReplayError,
+    Run,
+    StoredCall,
+    inductor_patch,
+    judge,
+    judging_recorder,
+)
+from dynaprobe._results.result import CompareResult
 from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, REFERENCE
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -637,8 +644,8 @@ def _op_repro(call: StoredCall, graph: AtenGraph, node: fx.Node, values: dict,
               finding: OpFinding) -> str:
     """A repro folder of the op alone: a graph of it with its inputs as placeholders, taking the
     values it took (eager's: the same on both sides when its inputs matched)."""
-    from dynaprobe._graph_runner import GraphCall  # noqa: PLC0415
-    from dynaprobe.repro import write_graph_folder  # noqa: PLC0415
+    from dynaprobe._mechanics.graph_runner import GraphCall  # noqa: PLC0415
+    from dynaprobe._offline.repro import write_graph_folder  # noqa: PLC0415
 
     small = fx.Graph()
     inputs = {inp: small.placeholder(inp.name) for inp in node.all_input_nodes}

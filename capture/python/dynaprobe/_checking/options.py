@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import warnings
 from typing import Optional
 
 import torch
 
-from dynaprobe import _replay_store, _storage
-from dynaprobe._reference import expect_reference
+from dynaprobe._mechanics import replay_store as _replay_store
+from dynaprobe._mechanics import storage as _storage
+from dynaprobe._mechanics.reference import expect_reference
 from dynaprobe._vocabulary import COMPILED, EAGER
 
 
@@ -44,7 +44,7 @@ def expect_path(name: str, value, optional: bool = False):
 
 def expect_cast_dtype(value) -> Optional[torch.dtype]:
     """None, or a floating torch.dtype (whether autocast supports it on the model's device is
-    checked when the model is known: expect_autocast)."""
+    checked when the model is known: _planning.plan_check)."""
     if value is None:
         return None
     if not isinstance(value, torch.dtype):
@@ -54,21 +54,6 @@ def expect_cast_dtype(value) -> Optional[torch.dtype]:
         raise ValueError(f"cast_dtype must be a floating dtype that torch.autocast supports "
                          f"(torch.bfloat16, torch.float16), but received {value}")
     return value
-
-
-def expect_autocast(cast_dtype: Optional[torch.dtype], device_type: str) -> None:
-    """torch.autocast silently disables itself (with a warning) for a dtype the device does not
-    support: the run would not be checked under the dtype the report names."""
-    if cast_dtype is None:
-        return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        context = torch.autocast(device_type=device_type, dtype=cast_dtype)
-    if not getattr(context, "_enabled", True) or caught:
-        said = "; ".join(str(w.message).splitlines()[0] for w in caught)
-        raise ValueError(f"cast_dtype={cast_dtype} is not supported by torch.autocast on "
-                         f"device type {device_type!r}" + (f" ({said})" if said else "")
-                         + ": pass a dtype it supports there, e.g. torch.bfloat16")
 
 
 def expect_positive_int(name: str, value) -> int:

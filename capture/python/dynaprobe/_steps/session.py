@@ -13,13 +13,14 @@ import sys
 import weakref
 from typing import Dict, List, Optional, Tuple
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe import _C, _storage
-from dynaprobe._distributed import rank_and_world, resolve_dump_dir
-from dynaprobe._graphs import GraphRecorder, write_graph_files
-from dynaprobe._reference import Judging, user_autocast
-from dynaprobe._result import CompareResult
-from dynaprobe._step import Step, Target
+from dynaprobe._mechanics import storage as _storage
+from dynaprobe._mechanics.distributed import rank_and_world, resolve_dump_dir
+from dynaprobe._mechanics.graphs import GraphRecorder, write_graph_files
+from dynaprobe._mechanics.reference import Judging, user_autocast
+from dynaprobe._results.result import CompareResult
+from dynaprobe._steps.step import Step, Target
 from dynaprobe._vocabulary import COMPILED, EAGER
 
 # Sessions with a step whose file may still be being committed (collect() in a run).

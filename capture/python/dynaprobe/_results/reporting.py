@@ -8,8 +8,8 @@ import os
 from typing import Dict, Optional
 
 from dynaprobe import _C
-from dynaprobe._distributed import gather_to_rank0, rank_and_world
-from dynaprobe._result import CompareResult
+from dynaprobe._mechanics.distributed import gather_to_rank0, rank_and_world
+from dynaprobe._results.result import CompareResult
 
 
 def write_text(path: str, text: str) -> None:

@@ -1,0 +1,269 @@
+"""``dynaprobe bundle DUMP -o report.tar.gz`` (``python -m dynaprobe.bundle``): one archive to
+attach to an issue (docs/guide/bug-reports.md).
+
+It holds the reports of the dump's failing steps (text, HTML, JSON), where the dump was captured
+(provenance, environment, the inductor config set away from its defaults), the graphs Dynamo and
+AOTAutograd made of each failing module, and a repro folder for the first few failing modules in
+root-cause order, each replaying the captured graph with torch alone (``dynaprobe repro``). It
+takes only the records those repros need and stays under a size limit (25 MB by default, GitHub's
+attachment limit), leaving out what does not fit and saying so in its README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from dynaprobe import _C
+from dynaprobe._C import vocabulary
+from dynaprobe._mechanics.environment import environment
+from dynaprobe._mechanics.storage import committed_steps
+from dynaprobe._offline.replay import ReplayError, one_process, replay_attributes, step_file
+from dynaprobe._offline.repro import write_repro
+from dynaprobe._results.result import CompareResult
+
+LIMIT_MB = 25.0  # GitHub's limit for a file attached to an issue
+REPROS = 3
+
+
+@dataclass
+class Bundle:
+    """What a bundle holds: its path, the modules with a repro, and what was left out (why)."""
+
+    path: str
+    repros: List[str] = field(default_factory=list)
+    left_out: List[str] = field(default_factory=list)
+    size: int = 0
+
+
+def failing_modules(result: CompareResult) -> List[str]:
+    """The step's failing modules, root cause first (forward, then backward), then in report
+    order."""
+    root = result.root_cause or {}
+    order = [root[d]["module"] for d in ("forward", "backward") if root.get(d)]
+    order += [r.module for r in result.rows if r.status == vocabulary.STATUS_FAIL]
+    return list(dict.fromkeys(order))
+
+
+def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float = LIMIT_MB,
+                 step: Optional[int] = None) -> Bundle:
+    """Writes the bundle of a dump folder (or step file) to ``output`` (a .tar.gz).
+
+    Args:
+        dump: the dump folder of one process (or one step file).
+        output: the archive to write.
+        repros: how many failing modules get a repro folder, in root-cause order.
+        limit_mb: the archive's size limit in MB; what does not fit is left out and said.
+        step: the step to report (default: every step with a failing row; the first step when
+            none fails).
+    """
+    results = []
+    for index, path in _step_files(dump, step):
+        folder = os.path.dirname(os.path.abspath(path))
+        comparison = _C.compare(folder, folder, step=index)
+        results.append((index, path, CompareResult.from_report(comparison.steps[0], folder,
+                                                               path, comparison)))
+    chosen = [r for r in results if not r[2].all_pass] or results[:1]
+    with tempfile.TemporaryDirectory(prefix="dynaprobe-bundle-") as staging:
+        parts: List[tuple] = []  # (priority, archive path, file on disk, what it is)
+        failing: List[tuple] = []  # (step, module, step file, its replay attribute or None)
+        provenance: Dict[str, str] = {}
+        for index, path, result in chosen:
+            info = _C.read_step(path)
+            provenance = dict(info["provenance"])
+            name = f"step_{index}"
+            for kind, text in (("txt", result.text()), ("json", result.render("json")),
+                               ("html", result.render("html"))):
+                parts.append((0 if kind != "html" else 2, f"reports/{name}.{kind}",
+                              _staged(staging, f"{name}.{kind}", text), f"{name} {kind} report"))
+            modules = failing_modules(result)
+            replays = replay_attributes(info)
+            failing += [(index, m, path, replays.get(m)) for m in modules]
+            parts += _graph_parts(staging, info, modules, name)
+        environment_text = json.dumps({
+            "captured": provenance,
+            "inductor_config": _inductor_config(failing),
+            "bundled_on": {vocabulary.PROVENANCE_TORCH_VERSION: torch.__version__, **environment()},
+        }, indent=1, sort_keys=True)
+        parts.append((0, "environment.json", _staged(staging, "environment.json",
+                                                     environment_text), "environment"))
+        made, skipped = [], []
+        for index, module, path, replay in failing:
+            if len(made) >= repros:
+                break
+            if replay is None:
+                skipped.append(f"repro of {module} (step {index}): the dump keeps no replay data "
+                               "of it")
+                continue
+            folder = os.path.join(staging, "repros", _safe(f"{module}.step{index}"))
+            try:
+                write_repro(path, module, folder, step=index)
+            except (ReplayError, OSError, ValueError) as error:
+                skipped.append(f"repro of {module} (step {index}): {error}")
+                continue
+            made.append(module)
+            for file in sorted(os.listdir(folder)):
+                parts.append((1 + len(made), f"repros/{os.path.basename(folder)}/{file}",
+                              os.path.join(folder, file), f"repro of {module} (step {index})"))
+        return _archive(output, parts, made, skipped, int(limit_mb * 1e6), provenance)
+
+
+def _step_files(dump: str, step: Optional[int]) -> List[tuple]:
+    """(step, file) of a dump: ``step``'s, else all; a run folder reads its rank 0."""
+    if not os.path.isfile(dump):
+        dump = one_process(dump)
+    if os.path.isfile(dump) or step is not None:
+        path = step_file(dump, step, "")
+        return [(int(_C.read_step(path)["step"]), path)]
+    steps = committed_steps(dump)
+    if not steps:
+        step_file(dump, None, "")  # raises, saying what a dump folder holds
+    return [(index, path) for index, path, _ in steps]
+
+
+def _graph_parts(staging: str, info: dict, modules: List[str], step: str) -> List[tuple]:
+    """The stored graphs of the failing modules' compiled functions, as .py files."""
+    functions = {}
+    for module, attributes in info.get("modules", []):
+        if module in modules:
+            for function in attributes.get("compiled_functions", "").split(","):
+                if function:
+                    functions[function] = module
+    parts = []
+    for name, kind, text, _ in info.get("graphs", []):
+        function = name.split(".")[0]
+        if function in functions:
+            file = f"{_safe(name)}.py"
+            body = f"# {name}: {kind} graph of {functions[function]}\n{text}"
+            parts.append((1, f"graphs/{step}/{file}", _staged(staging, f"{step}.{file}", body),
+                          f"graph {name}"))
+    return parts
+
+
+def _inductor_config(failing: List[tuple]) -> Dict[str, object]:
+    """The inductor config the first failing module with replay data was compiled with."""
+    for *_, replay in failing:
+        if replay and "inductor_config" in replay:
+            return replay["inductor_config"]
+    return {}
+
+
+def _staged(staging: str, name: str, text: str) -> str:
+    path = os.path.join(staging, "files", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.-]", "_", name)[:120]
+
+
+def _archive(output: str, parts: List[tuple], made: List[str], skipped: List[str], limit: int,
+             provenance: Dict[str, str]) -> Bundle:
+    """Writes the archive, leaving out the least important parts (the later repros, then the
+    HTML reports, then the graphs) until it fits ``limit`` bytes."""
+    bundle = Bundle(output, list(made))
+    kept = sorted(parts, key=lambda part: part[0])
+    while True:
+        data = _tar(kept, _readme(kept, bundle, skipped, provenance, limit))
+        if len(data) <= limit or len(kept) <= 1:
+            break
+        worst = max(part[0] for part in kept)
+        dropped = [part for part in kept if part[0] == worst]
+        kept = [part for part in kept if part[0] != worst]
+        whats = sorted({part[3] for part in dropped})
+        bundle.left_out += [f"{what}: the bundle would pass {limit / 1e6:g} MB" for what in whats]
+        bundle.repros = [m for m in bundle.repros if not any(
+            what.startswith(f"repro of {m} ") for what in whats)]
+    with open(output, "wb") as f:
+        f.write(data)
+    bundle.left_out += skipped
+    bundle.size = len(data)
+    return bundle
+
+
+def _tar(parts: List[tuple], readme: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for _, name, path, _ in [(0, "README.md", None, "")] + parts:
+            if path is None:
+                payload = readme.encode()
+                entry = tarfile.TarInfo(f"dynaprobe_bundle/{name}")
+                entry.size = len(payload)
+                entry.mode = 0o644
+                tar.addfile(entry, io.BytesIO(payload))
+            else:
+                tar.add(path, arcname=f"dynaprobe_bundle/{name}", recursive=False)
+    return buffer.getvalue()
+
+
+def _readme(parts: List[tuple], bundle: Bundle, skipped: List[str],
+            provenance: Dict[str, str], limit: int) -> str:
+    repro_folders = sorted({name.split("/")[1] for _, name, _, _ in parts
+                            if name.startswith("repros/")})
+    machine = ", ".join(provenance[key] for key in ("os", "cpu", "gpu") if provenance.get(key))
+    lines = ["# dynaprobe bundle", "",
+             f"Captured with torch {provenance.get('torch_version', '?')}, backend "
+             f"{provenance.get('backend', '?')}" + (f", on {machine}" if machine else "") + ".",
+             "",
+             "- `reports/`: the dump's report of each failing step (`.txt` as printed, `.json` "
+             "every row and metric, `.html` to open in a browser).",
+             "- `environment.json`: where it was captured (the dump's provenance), the inductor "
+             "config set away from its defaults, and where this bundle was made.",
+             "- `graphs/`: the graphs Dynamo captured and AOTAutograd derived for each failing "
+             "module, as PyTorch names them.",
+             "- `repros/`: one folder per failing module, in root-cause order: the call "
+             "replayed from Dynamo's captured graph, eagerly and compiled."]
+    if repro_folders:
+        lines += ["", "## Running a repro", "",
+                  "Each needs only torch, no model code and no dynaprobe:", "", "```bash"]
+        lines += [f"python repros/{folder}/repro.py" for folder in repro_folders]
+        lines += ["```", "",
+                  "It prints the metrics the dump recorded, then the replayed ones, and exits 1 "
+                  "when a replayed tensor differs beyond the dump's tolerances. A custom backend is "
+                  "imported from where it was defined; if it cannot be, pass a registered one "
+                  "(`python repro.py --backend inductor`) or set `BACKEND` in the script."]
+    left = bundle.left_out + skipped
+    if left:
+        lines += ["", f"## Left out (limit {limit / 1e6:g} MB)", ""]
+        lines += [f"- {what}" for what in left]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynaprobe.bundle",
+        description="Writes one archive to attach to a bug report: the reports, the environment, "
+                    "the failing modules' graphs and repros that run with torch alone.")
+    parser.add_argument("dump", help="dump folder of one process (or one step file)")
+    parser.add_argument("-o", "--output", required=True, help="the archive to write (.tar.gz)")
+    parser.add_argument("--step", type=int, default=None, help="the step to report (default: "
+                        "every step with a failing row)")
+    parser.add_argument("--repros", type=int, default=REPROS, help="failing modules given a "
+                        f"repro, in root-cause order (default {REPROS})")
+    parser.add_argument("--max-mb", type=float, default=LIMIT_MB, help="size limit; what does "
+                        f"not fit is left out and said (default {LIMIT_MB:g}, GitHub's limit)")
+    args = parser.parse_args(argv)
+    try:
+        bundle = write_bundle(args.dump, args.output, args.repros, args.max_mb, args.step)
+    except (ReplayError, OSError, ValueError, _C.FormatError) as error:
+        print(f"dynaprobe bundle: {error}", file=sys.stderr)
+        return 2
+    print(f"Bundle written to: {bundle.path} ({bundle.size / 1e6:.1f} MB; repros of "
+          f"{', '.join(bundle.repros) or 'no module'})")
+    for what in bundle.left_out:
+        print(f"  left out: {what}")
+    return 0
+

@@ -1,0 +1,99 @@
+"""The Python package's rooms import downward only, and training never loads offline diagnosis.
+
+``capture/python/dynaprobe/``, top to bottom (docs/design.md draws it):
+
+- the public modules: ``__init__`` (the API), ``pytest_plugin``, and the commands ``repro``,
+  ``bisect``, ``bundle`` (thin, over ``_offline``);
+- ``_checking``: the façade (``PrecisionChecker``) and its options;
+- ``_offline``: replays, op localisation, repro folders, bisection, bundles;
+- ``_modes``: single-pass, whole-model, two-pass;
+- ``_steps``: the session, the step, planning, compiling;
+- ``_results``: compared rows, runs, reports, assertions;
+- ``_mechanics``: probes, isolation, the reference, graphs, replay data, the dump folder's
+  committed steps, distributed facts;
+- the base: ``_vocabulary`` and the extension ``_C``.
+
+A module may import its own room and the rooms below it, at module level or inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "capture" / "python" / "dynaprobe"
+ROOMS = ["", "_checking", "_offline", "_modes", "_steps", "_results", "_mechanics", "_base"]
+BASE = {"_vocabulary", "_C"}
+TRAINING = ["_modes", "_steps", "_results", "_mechanics"]
+
+
+def _room(module: str) -> str:
+    """The room of ``dynaprobe.<module>`` (dotted, without the package name)."""
+    first = module.split(".")[0]
+    if first in BASE:
+        return "_base"
+    return first if first in ROOMS else ""
+
+
+def _imports(path: pathlib.Path):
+    """The dynaprobe modules ``path`` imports (relative to the package), with their lines."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module == "dynaprobe" or node.module.startswith("dynaprobe.")):
+            base = node.module[len("dynaprobe."):] if node.module != "dynaprobe" else ""
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}" if base else alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("dynaprobe."):
+                    yield node.lineno, alias.name[len("dynaprobe."):]
+
+
+def test_the_rooms_import_downward_only():
+    upward = []
+    modules = sorted(PACKAGE.rglob("*.py"))
+    assert len(modules) > 30
+    for path in modules:
+        relative = path.relative_to(PACKAGE).with_suffix("")
+        own = _room(".".join(relative.parts))
+        for line, imported in _imports(path):
+            room = _room(imported)
+            if ROOMS.index(room) < ROOMS.index(own):
+                upward.append(f"{path.relative_to(PACKAGE)}:{line} ({own or 'public'}) imports "
+                              f"dynaprobe.{imported} ({room or 'public'})")
+    assert not upward, "\n".join(upward)
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(ROOMS) - {"", "_base"}, rooms
+
+
+def test_a_checked_training_step_loads_nothing_of_offline_diagnosis():
+    """The rooms used while training stay below ``_offline``, and at run time a checked step
+    (single-pass, replay data kept for failing calls) imports none of it."""
+    for room in TRAINING:
+        assert ROOMS.index(room) > ROOMS.index("_offline")
+    script = textwrap.dedent("""
+        import sys, tempfile
+        import torch, torch.nn as nn
+        from dynaprobe import PrecisionChecker
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        checker = PrecisionChecker(backend="aot_eager", dump_dir=tempfile.mkdtemp(),
+                                   replay="failing")
+        checker.wrap_all_children(model, depth=0)
+        checker.install(model)
+        loss = model(torch.randn(2, 4)).square().mean()
+        loss.backward()
+        assert checker.collect(loss).all_pass
+        checker.uninstall()
+        print(sorted(m for m in sys.modules if m.startswith("dynaprobe.")))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    loaded = done.stdout.strip().splitlines()[-1]
+    assert "dynaprobe._modes.single_pass" in loaded, loaded
+    for offline in ("dynaprobe._offline", "dynaprobe.repro", "dynaprobe.bisect",
+                    "dynaprobe.bundle"):
+        assert f"'{offline}" not in loaded, loaded
