@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bindings.h"
 #include "dynaprobe/analyze/judging.h"
@@ -45,20 +48,20 @@ fmt::Side side_arg(const std::string& side) {
 
 namespace {
 
-// Whether a pair of tensors passes as the engine judges their row (analyze/judging.h): the
-// tolerances raised to the dtype-aware floor, then the last matching rule, then allclose over the
-// metrics compare_in_memory computes. reference="failing" asks this, so that it decides with the
-// report's rules, never with a judge of its own.
-bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std::string& module,
-                  const std::string& kind, const dynaprobe::analyze::Judging& judging) {
-  if (eager.numel() != compiled.numel()) {
-    throw dynaprobe::UsageError(
-        "tensors_pass: the tensors must have as many elements, but "
-        "received " +
-        std::to_string(eager.numel()) + " and " + std::to_string(compiled.numel()));
-  }
-  const at::Tensor e = eager.detach().cpu().contiguous();
-  const at::Tensor c = compiled.detach().cpu().contiguous();
+// Whether every row of one module in one pass passes as the engine judges them
+// (analyze/judging.h): each pair's tolerances raised to the dtype-aware floor, then the last
+// matching rule, then allclose over the metrics compare_in_memory computes; and a float32 pair
+// the tolerances pass must be within fp32 noise (the screen) unless it is at the rounding level
+// of the rows given, as the engine judges a module's rows of one pass. reference="failing" asks
+// this, so that it decides with the report's rules, never with a judge of its own.
+bool rows_pass(const std::string& module,
+               const std::vector<std::tuple<std::string, at::Tensor, at::Tensor>>& rows,
+               const dynaprobe::analyze::Judging& judging) {
+  struct Judged {
+    fmt::Kind kind;
+    fmt::DType eager, compiled;
+    fmt::TensorMetrics metrics;
+  };
   const auto view = [](const at::Tensor& t) {
     fmt::TensorView v;
     v.dtype = dynaprobe::capture::dtype_of(t);
@@ -66,15 +69,34 @@ bool tensors_pass(const at::Tensor& eager, const at::Tensor& compiled, const std
     v.data = t.const_data_ptr();
     return v;
   };
-  const fmt::TensorView eager_view = view(e), compiled_view = view(c);
-  const auto tolerances =
-      judging.row_tolerances(module, kind_arg(kind), eager_view.dtype, compiled_view.dtype);
-  py::gil_scoped_release release;
-  const fmt::TensorMetrics metrics = dynaprobe::analyze::compare_in_memory(
-      eager_view, compiled_view, tolerances, fmt::WriterOptions{}.chunk_bytes);
-  // A float32 pair the tolerances pass but beyond fp32 noise fails too (analyze/judging.h).
-  return metrics.allclose && !judging.beyond_screen(module, kind_arg(kind), eager_view.dtype,
-                                                    compiled_view.dtype, metrics);
+  std::vector<Judged> judged;
+  double magnitude = 0.0;
+  for (const auto& [kind_word, eager, compiled] : rows) {
+    if (eager.numel() != compiled.numel()) {
+      throw dynaprobe::UsageError("rows_pass: the tensors of a " + kind_word +
+                                  " row must have as many elements, but received " +
+                                  std::to_string(eager.numel()) + " and " +
+                                  std::to_string(compiled.numel()));
+    }
+    const at::Tensor e = eager.detach().cpu().contiguous();
+    const at::Tensor c = compiled.detach().cpu().contiguous();
+    const fmt::TensorView eager_view = view(e), compiled_view = view(c);
+    const fmt::Kind kind = kind_arg(kind_word);
+    const auto tolerances =
+        judging.row_tolerances(module, kind, eager_view.dtype, compiled_view.dtype);
+    fmt::TensorMetrics metrics;
+    {
+      py::gil_scoped_release release;
+      metrics = dynaprobe::analyze::compare_in_memory(eager_view, compiled_view, tolerances,
+                                                      fmt::WriterOptions{}.chunk_bytes);
+    }
+    if (!metrics.allclose) return false;
+    if (std::isfinite(metrics.rms_eager)) magnitude = std::max(magnitude, metrics.rms_eager);
+    judged.push_back({kind, eager_view.dtype, compiled_view.dtype, metrics});
+  }
+  return std::none_of(judged.begin(), judged.end(), [&](const Judged& row) {
+    return judging.beyond_screen(module, row.kind, row.eager, row.compiled, row.metrics, magnitude);
+  });
 }
 
 // A Recorder as Python opens it: `store` named by its word (PrecisionChecker(dump=...)).
@@ -221,12 +243,12 @@ hold them); without it, with the tolerances the provenance names, as a dump's re
 }  // namespace
 
 void bind_capture(py::module_& m) {
-  m.def("tensors_pass", &tensors_pass, py::arg("eager"), py::arg("compiled"), py::arg("module"),
-        py::arg("kind"), py::arg("judging"),
-        "Whether the pair passes as the engine judges its row with `judging` (a Judging): its "
-        "atol/rtol raised to the dtype-aware floor of either side's dtype, then the last rule "
-        "matching module or kind, then allclose; and, for a float32 pair without a reference, "
-        "within fp32 noise relative to eager's magnitude (the screen).");
+  m.def("rows_pass", &rows_pass, py::arg("module"), py::arg("rows"), py::arg("judging"),
+        "Whether every row of `module` in one pass, `rows` as (kind, eager, compiled), passes as "
+        "the engine judges it with `judging` (a Judging): its atol/rtol raised to the "
+        "dtype-aware floor of either side's dtype, then the last rule matching module or kind, "
+        "then allclose; and, for a float32 pair without a reference, within fp32 noise relative "
+        "to eager's magnitude (the screen), unless at the rounding level of the rows given.");
   bind_recorder(m);
   // The words of PrecisionChecker(dump=...), as the Recorder's `store` takes them: STORE_MODES,
   // and STORE_FULL = "full", STORE_FAILING, STORE_STATS.

@@ -156,7 +156,7 @@ def copy_reference_arguments(args: tuple, kwargs: dict, dtype: torch.dtype):
 @dataclass(frozen=True)
 class Judging:
     """What "failing" means for reference="failing": the checker's tolerances, tolerance rules
-    and dtype-aware floor, which the engine applies (``_C.tensors_pass``, analyze/judging.h) as it
+    and dtype-aware floor, which the engine applies (``_C.rows_pass``, analyze/judging.h) as it
     judges the report's rows. Python judges no number itself."""
 
     atol: float = 1e-4
@@ -166,15 +166,16 @@ class Judging:
     reference_decides: bool = True  # verdict="reference"
 
     def engine(self) -> _C.Judging:
-        """These tolerances as the engine takes them: ``_C.tensors_pass`` judges with them, and
+        """These tolerances as the engine takes them: ``_C.rows_pass`` judges with them, and
         ``_C.Recorder`` judges its pairs with them and writes them into the dump's provenance."""
         return _C.Judging(self.atol, self.rtol,
                           [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
                           self.dtype_aware, self.reference_decides)
 
-    def output_passes(self, module: str, eager: torch.Tensor, compiled: torch.Tensor) -> bool:
-        """Whether the module's output pair passes as its fwd_output row will be judged."""
-        return _C.tensors_pass(eager, compiled, module, vocabulary.KIND_FWD_OUTPUT, self.engine())
+    def rows_pass(self, module: str, rows: List[Tuple[str, torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether the module's rows of one pass, ``(kind, eager, compiled)``, all pass as the
+        report will judge them (a row at the rounding level of the others is not screened)."""
+        return _C.rows_pass(module, rows, self.engine())
 
 
 def outputs_differ(eager_out, compiled_out, leaves: Callable, module: str,
@@ -185,12 +186,11 @@ def outputs_differ(eager_out, compiled_out, leaves: Callable, module: str,
     eager, compiled = leaves(eager_out), leaves(compiled_out)
     if len(eager) != len(compiled):
         return True
-    for (_, a), (_, b) in zip(eager, compiled):
-        if a.shape != b.shape:
-            return True
-        if (a.is_floating_point() or a.is_complex()) and not judging.output_passes(module, a, b):
-            return True
-    return False
+    if any(a.shape != b.shape for (_, a), (_, b) in zip(eager, compiled)):
+        return True
+    return not judging.rows_pass(module, [(vocabulary.KIND_FWD_OUTPUT, a, b)
+                                          for (_, a), (_, b) in zip(eager, compiled)
+                                          if a.is_floating_point() or a.is_complex()])
 
 
 class ReferenceRun:

@@ -6,6 +6,7 @@ runs inside the real backward, seeded with the grad_output its compiled twin rec
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -118,6 +119,17 @@ class _Call:
         self.candidate = None  # its replay data, until decided
         self.reference: Optional[ReferenceRun] = None
         self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
+
+    def for_reference(self) -> "_Call":
+        """What running its reference later (SinglePass._late_reference) needs of this call:
+        without the training call's arguments and outputs, the eager re-run's copies and replay
+        data, which it does not."""
+        kept = copy.copy(self)
+        kept.args, kept.kwargs, kept.eager_args, kept.eager_kwargs = (), {}, (), {}
+        kept.compiled_leaves, kept.eager_leaves, kept.leaves, kept.params = [], [], [], []
+        kept.graph_calls = []
+        kept.candidate = kept.left_watch = kept.watched = kept.shares = kept.writes = None
+        return kept
 
 
 class SinglePass:
@@ -297,13 +309,16 @@ class SinglePass:
                     f"which a {call.wanted} reference draws for other elements: judged by the "
                     "tolerances")
                 call.reference_args = None
-            if call.reference_args is not None and (
-                    call.reference_dtype is not None or outputs_differ(
-                        call.eager_out, compiled_out, tensor_leaves, call.name,
-                        self.tolerances)):
+            referred = call.reference_args is not None and (
+                call.reference_dtype is not None or outputs_differ(
+                    call.eager_out, compiled_out, tensor_leaves, call.name, self.tolerances))
+            if referred:
                 call.rng_before.restore()
                 call.reference = self._reference_call(call)
-            if call.reference is None:  # no reference for this call: its upcast copies go
+            # No reference for this call: its upcast copies go, unless its gradients may still
+            # ask for one (_late_reference; not for FSDP2's full parameters, freed after the
+            # backward)
+            if call.reference is None and (referred or not call.grad_mode or call.target.shards):
                 call.reference_args = None
         except Exception as error:
             call.step.note(call.name, vocabulary.NOTE_HOOK_ERROR,
@@ -364,6 +379,11 @@ class SinglePass:
             if call.candidate is not None:
                 call.candidate.pending = pending
         self._split_param_grads(call, left)
+        if call.reference is None and call.reference_args is not None:
+            if eager_left:  # its reference would need the twins of what it left: none late
+                call.reference_args = None
+            else:
+                pending.late_reference = self._late_reference(call.for_reference())
         probed = probe_outputs(compiled_out,
                                lambda index: self._grad_output_hook(step, pending, index))
         self._hook_outputs_themselves(step, pending, call.compiled_leaves, call.args,
@@ -413,6 +433,33 @@ class SinglePass:
                             f"their arguments are not followed ({type(error).__name__}: {error})",
                             stacklevel=_IN_CALL)
             return [], []
+
+    def _late_reference(self, call: _Call) -> Callable[[list], Optional[ReferenceRun]]:
+        """For a call whose forward got no reference (its outputs passed) but that may want one:
+        given the pairs of its gradients known when its eager backward has run, the reference
+        of the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
+        weight gradient: both sides' rounding is large against the result), run now from the
+        module's state, RNG state and upcast inputs before the training call."""
+        def late(pairs: list) -> Optional[ReferenceRun]:
+            try:
+                if self.tolerances.rows_pass(call.name, pairs):
+                    return None
+                module = call.target.module
+                state_now, rng_now = ModuleState(module), RngState(call.devices)
+                try:
+                    call.state_before.apply()
+                    call.rng_before.restore()
+                    return self._reference_call(call)
+                finally:
+                    state_now.apply()
+                    rng_now.restore()
+            except Exception as error:  # never break the training backward because of the checker
+                call.step.reference_missing(call.name, f"{type(error).__name__}: {error}")
+                return None
+            finally:
+                call.reference_args = None
+
+        return late
 
     def _reference_call(self, call: _Call) -> Optional[ReferenceRun]:
         """Runs and records the reference of this call in the dtype it wants; what its backward
@@ -603,6 +650,8 @@ class SinglePass:
             # The compiled backward of this call is done: every grad_output has arrived.
             for pending in step.pending:
                 if pending.target is target and pending.call == call:
+                    if grad is not None and pending.late_reference is not None:
+                        pending.compiled_grad_inputs[index] = grad.detach()
                     pending.run()
             self._after_backward(step)
 

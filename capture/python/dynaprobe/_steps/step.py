@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.capture import Shard, _eager_backward, _in_eager_backward, local_tensor
-from dynaprobe._vocabulary import COMPILED, EAGER, GRAD_INPUT, PARAM_GRAD, REFERENCE
+from dynaprobe._vocabulary import (COMPILED, EAGER, GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD,
+                                    REFERENCE)
 
 LOSS_MODULE = vocabulary.LOSS_MODULE  # formats::kLossModule
 
@@ -49,6 +50,9 @@ class Step:
         # share of each checked call (CallShares found every call's), not all the training
         # backward gave it, which includes its uses outside the calls.
         self.by_call: Dict[int, bool] = {}
+        # Single-pass, by module: [eager backwards run, reference backwards run]. A parameter's
+        # reference sum stands for the module only when every call's backward had a reference.
+        self.backwards: Dict[str, List[int]] = {}
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
@@ -108,7 +112,11 @@ class Step:
                 label = param_name if shard is None else (
                     f"{param_name} ({shard.describe()}, this rank's batch, before "
                     f"reduce-scatter)")
+                counts = self.backwards.get(name)
+                partial = counts is not None and counts[1] != counts[0]
                 for side, param in zip((EAGER, COMPILED, REFERENCE), by_side):
+                    if side == REFERENCE and partial:
+                        continue
                     grad = None if param is None else self.param_grads[side].get(id(param))
                     if grad is not None:  # the step's own sum (add_param_grad)
                         self.record(name, 0, PARAM_GRAD, index, side, grad, label,
@@ -144,6 +152,11 @@ class PendingBackward:
         self.hooks: list = []  # on the compiled twins of eager_left, removed once run
         self.leaves = leaves  # (input index, eager input leaf)
         self.grads: Dict[int, torch.Tensor] = {}
+        # The compiled call's gradients of its inputs that have arrived, by input index
+        self.compiled_grad_inputs: Dict[int, torch.Tensor] = {}
+        # A call without a reference: given the pairs of gradients known when its eager backward
+        # has run ((kind, eager, compiled)), its reference if they fail (SinglePass)
+        self.late_reference: Optional[Callable[[list], object]] = None
         self.done = False
 
     def on_output_grad(self, index: int, grad: torch.Tensor) -> None:
@@ -183,25 +196,46 @@ class PendingBackward:
                 if grad is not None:
                     self.step.add_param_grad(EAGER, param, grad,
                                              owned=not shares_storage(grad, grad_outputs))
-        if self.reference is not None:
-            self._run_reference()
+            if self.reference is None and self.late_reference is not None:
+                self.reference = self.late_reference(self._gradient_pairs(grads, params))
+        self.late_reference = None
+        counts = self.step.backwards.setdefault(self.target.name, [0, 0])
+        counts[0] += 1
+        if self.reference is not None and self._run_reference():
+            counts[1] += 1
         self.eager_outputs = self.eager_left = self.leaves = self.params = []
         self.reference = None
 
-    def _run_reference(self) -> None:
-        """The reference's backward, seeded with the same grad_output (upcast)."""
+    def _gradient_pairs(self, grads, params: list) -> list:
+        """(kind, eager, compiled) of this call's gradients known now: its grad_outputs (both
+        sides' own), the inputs' gradients the compiled call has delivered, and the parameters'
+        sums of the calls whose backward has run (the backward reaches calls last to first),
+        where both sides are this call's own."""
+        pairs = [(GRAD_OUTPUT, grad, grad) for grad in self.grads.values()]  # the magnitude
+        pairs += [(GRAD_INPUT, grad, self.compiled_grad_inputs[index])
+                  for (index, _), grad in zip(self.leaves, grads)
+                  if grad is not None and index in self.compiled_grad_inputs]
+        sums = self.step.param_grads
+        for param in params:
+            key = id(param)
+            if self.step.by_call.get(key) and key in sums[EAGER] and key in sums[COMPILED]:
+                pairs.append((PARAM_GRAD, sums[EAGER][key], sums[COMPILED][key]))
+        return pairs
+
+    def _run_reference(self) -> bool:
+        """The reference's backward, seeded with the same grad_output (upcast); whether it ran."""
         reference = self.reference
         outputs, grad_outputs = seeds(reference.outputs, reference.left, self.grads)
         inputs = [leaf for _, leaf in reference.leaves] + [p for _, p in reference.params]
         if not outputs or not inputs:
-            return
+            return False
         try:
             with _eager_backward(), torch.enable_grad():
                 grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
         except Exception as error:  # never break the training backward because of the checker
             self.step.reference_missing(self.target.name,
                                         f"backward: {type(error).__name__}: {error}")
-            return
+            return False
         for (index, _), grad in zip(reference.leaves, grads):
             if grad is not None:
                 self.step.record(self.target.name, self.call, GRAD_INPUT, index, REFERENCE,
@@ -210,6 +244,7 @@ class PendingBackward:
             if grad is not None:
                 self.step.add_param_grad(REFERENCE, param, grad,
                                          owned=not shares_storage(grad, grad_outputs))
+        return True
 
     def params_freed(self) -> bool:
         """FSDP2 frees the full parameters' storage when it reshards after the backward: the
