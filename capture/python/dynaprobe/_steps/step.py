@@ -11,8 +11,7 @@ import torch.nn as nn
 
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.capture import Shard, _eager_backward, _in_eager_backward, local_tensor
-from dynaprobe._vocabulary import (COMPILED, EAGER, GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD,
-                                    REFERENCE)
+from dynaprobe._vocabulary import COMPILED, EAGER, GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD, REFERENCE
 
 LOSS_MODULE = vocabulary.LOSS_MODULE  # formats::kLossModule
 
