@@ -4,7 +4,8 @@ decides: a clean step passes although bf16 rounding exceeds the fixed tolerances
 and a backend that makes one op 5% too large (an inductor post-grad pass scaling every
 ``aten.rsqrt``: RMSNorm, and LayerNorm as inductor decomposes it) FAILs, with the root cause at the
 first block. The same with fp32 weights under the user's own ``torch.autocast``, in two-pass and
-in whole-model mode. bench/low_precision_sweep.py runs every family in bf16 and fp16.
+in whole-model mode. The clean single-pass step is the unchecked compiled step bit for bit.
+bench/low_precision_sweep.py runs every family in bf16 and fp16.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 from hf_models import families
+from models import compiled_copy
 
 from dynaprobe import PrecisionChecker
 
@@ -34,7 +36,8 @@ def _rsqrt_too_large(graph):
 
 
 def _check(family_name, tmp_path, mode="single_pass", dtype=torch.bfloat16, autocast=False):
-    """The clean step's result, then the faulted one's."""
+    """The clean step's result, then the faulted one's. In single-pass the clean checked step is
+    also the step the user trains without the checker, bit for bit (loss and every gradient)."""
     family = FAMILIES[family_name]
     results = []
     for fault in (False, True):
@@ -45,14 +48,21 @@ def _check(family_name, tmp_path, mode="single_pass", dtype=torch.bfloat16, auto
         if not autocast:
             model = model.to(dtype)
         batch = family.train_batch(model)
+        losses = []
 
         def step(m):
             m.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype, enabled=autocast):
                 loss = m(**batch).loss
             loss.backward()
+            losses.append(loss.detach())
             return loss
 
+        unchecked = None
+        if mode == "single_pass" and not fault:
+            unchecked = compiled_copy(model, family.blocks, "inductor")
+            step(unchecked)
+            torch._dynamo.reset()
         checker = PrecisionChecker(backend="inductor", single_pass=mode != "two_pass",
                                    dump_dir=str(tmp_path / f"{mode}-{fault}"))
         checker.wrap_by_policy(model, family.blocks)
@@ -62,6 +72,10 @@ def _check(family_name, tmp_path, mode="single_pass", dtype=torch.bfloat16, auto
             checker.uninstall()
         else:
             result = checker.compare(step, model)
+        if unchecked is not None:
+            assert torch.equal(losses[-1], losses[0]), "the checked loss differs"
+            for (name, param), twin in zip(model.named_parameters(), unchecked.parameters()):
+                assert torch.equal(param.grad, twin.grad), f"{name}: the checked gradient differs"
         results.append(result)
     return results
 
