@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cli.h"
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
 

@@ -6,6 +6,7 @@
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::cli {

@@ -5,6 +5,7 @@
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report_model.h"
+#include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::cli {

@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/report.h"
+#include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"

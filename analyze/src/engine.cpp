@@ -1,7 +1,6 @@
 #include "dynaprobe/analyze/engine.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -12,12 +11,12 @@
 #include <vector>
 
 #include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
 #include "metric_tasks.h"
 #include "ops_dumps.h"
-#include "report_common.h"
 #include "step_builder.h"
 
 namespace dynaprobe::analyze {
@@ -221,96 +220,6 @@ void require_committed_steps(const fs::path& path, const formats::DumpFiles& fil
                     (files.unfinished.size() > 1 ? ", ..." : "") +
                     "): the writer stopped before committing any step, so there is nothing to "
                     "read");
-}
-
-Status note_status(std::string_view note) {
-  // The spec's skip markers (常见标记说明); all other notes warn.
-  static constexpr std::pair<std::string_view, Status> kNoteStatus[] = {
-      {notes::kIgnored, Status::kSkip},
-      {notes::kCompiledWrapper, Status::kSkip},
-      {notes::kInsideCompiled, Status::kSkip},
-  };
-  for (const auto& [name, status] : kNoteStatus) {
-    if (name == note) return status;
-  }
-  return Status::kWarn;
-}
-
-std::string_view status_name(Status status) {
-  switch (status) {
-    case Status::kPass:
-      return "PASS";
-    case Status::kFail:
-      return "FAIL";
-    case Status::kSkip:
-      return "SKIP";
-    case Status::kWarn:
-      return "WARN";
-  }
-  return "?";
-}
-
-bool StepReport::all_pass() const { return counts().all_pass(); }
-
-StepCounts StepReport::counts() const {
-  StepCounts counts;
-  for (const Row& row : rows) {
-    switch (row.status) {
-      case Status::kPass:
-        ++counts.pass;
-        break;
-      case Status::kFail:
-        ++counts.fail;
-        break;
-      case Status::kWarn:
-        ++counts.warn;
-        break;
-      case Status::kSkip:
-        ++counts.skip;
-        break;
-    }
-    if (row.kind && row.eager && row.compiled) ++counts.compared;
-    if (row.status == Status::kPass && row.tolerance_status == Status::kFail) ++counts.noise_pass;
-    if (!row.kind || !row.metrics || !row.eager || !row.compiled) continue;
-    if (recorded_once(*row.kind, single_pass)) {
-      ++counts.shared;
-    } else if (!row.reference_verdict.empty()) {
-      if (reference_decides) ++counts.referenced;
-    } else if (row.beyond_screen) {
-      ++counts.screened;
-    } else if (judged_by_tolerances_only(row)) {
-      ++counts.low_precision_unreferenced;
-    }
-  }
-  counts.loss_failed = loss_status() == Status::kFail;
-  counts.no_reference_calls = no_reference_calls;
-  return counts;
-}
-
-bool StepReport::judged_by_tolerances_only(const Row& row) const {
-  if (!row.kind || !row.metrics || !row.eager || !row.compiled) return false;
-  if (recorded_once(*row.kind, single_pass) || !row.reference_verdict.empty()) return false;
-  if (row.beyond_screen) return false;
-  const double float32 = unit_roundoff(formats::DType::kFloat32);
-  return unit_roundoff(row.eager->dtype) > float32 || unit_roundoff(row.compiled->dtype) > float32;
-}
-
-Status StepReport::loss_status() const {
-  if (!loss_compiled) return Status::kPass;  // no loss recorded: nothing to check
-  const double compiled = *loss_compiled;
-  if (single_pass || !loss_eager) return std::isfinite(compiled) ? Status::kPass : Status::kFail;
-  const double eager = *loss_eager;
-  // torch.isclose on the two scalars (eager = a, compiled = b).
-  const bool close =
-      eager == compiled ||
-      (std::isfinite(std::fabs(eager - compiled)) &&
-       std::fabs(eager - compiled) <= tolerances.atol + tolerances.rtol * std::fabs(compiled));
-  return close ? Status::kPass : Status::kFail;
-}
-
-bool Comparison::all_pass() const {
-  return !steps.empty() &&
-         std::all_of(steps.begin(), steps.end(), [](const StepReport& s) { return s.all_pass(); });
 }
 
 namespace {
@@ -552,85 +461,6 @@ void check_module_glob(const fs::path& eager_dump, const fs::path& compiled_dump
   check_module_glob(
       glob, eager,
       same ? eager : open_dump(compiled_dump, formats::list_dump(compiled_dump), std::nullopt));
-}
-
-std::vector<RankDump> find_rank_dumps(const fs::path& path) {
-  std::error_code error;
-  if (!fs::exists(path, error)) {
-    throw IoError(path.string() +
-                  ": no such file or folder (expected a run folder, a dump folder or a step file)");
-  }
-  std::vector<RankDump> ranks;
-  if (fs::is_directory(path, error)) {
-    const std::string prefix(formats::schema::kRankDirPrefix);
-    for (const auto& entry : fs::directory_iterator(path, error)) {
-      const std::string name = entry.path().filename().string();
-      int rank = 0;
-      if (entry.is_directory() && name.starts_with(prefix) &&
-          std::from_chars(name.data() + prefix.size(), name.data() + name.size(), rank).ec ==
-              std::errc()) {
-        ranks.push_back({rank, entry.path()});
-      }
-    }
-  }
-  if (ranks.empty()) {
-    // A dump itself: its rank comes from the provenance of its files.
-    int rank = 0;
-    const auto files = formats::list_dump(path);
-    if (!files.steps.empty()) {
-      StepReader reader(files.steps.front());
-      auto value = reader.provenance().find(std::string(vocabulary::provenance::kRank));
-      if (value != reader.provenance().end()) rank = std::atoi(value->second.c_str());
-    }
-    ranks.push_back({rank, path});
-  }
-  std::sort(ranks.begin(), ranks.end(),
-            [](const RankDump& a, const RankDump& b) { return a.rank < b.rank; });
-  return ranks;
-}
-
-namespace {
-
-// Whether `folder` holds a run or a dump: rank<R>/ folders or step files.
-bool holds_dump(const fs::path& folder) {
-  std::error_code error;
-  const std::string prefix(formats::schema::kRankDirPrefix);
-  for (const auto& entry : fs::directory_iterator(folder, error)) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_directory(error) && name.starts_with(prefix)) return true;
-  }
-  const auto files = formats::list_dump(folder);
-  return !files.steps.empty() || !files.unfinished.empty();
-}
-
-}  // namespace
-
-fs::file_time_type last_written(const fs::path& run) {
-  std::error_code error;
-  fs::file_time_type newest = fs::last_write_time(run, error);
-  for (const auto& entry : fs::recursive_directory_iterator(run, error)) {
-    const auto time = entry.last_write_time(error);
-    if (!error && time > newest) newest = time;
-  }
-  return newest;
-}
-
-NewestRun newest_run(const fs::path& path) {
-  std::error_code error;
-  if (!fs::is_directory(path, error) || holds_dump(path)) return {path, {}};
-  std::vector<std::pair<fs::file_time_type, fs::path>> runs;
-  for (const auto& entry : fs::directory_iterator(path, error)) {
-    if (entry.is_directory(error) && holds_dump(entry.path())) {
-      runs.emplace_back(last_written(entry.path()), entry.path());
-    }
-  }
-  if (runs.empty()) return {path, {}};
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second > b.second;
-  });
-  NewestRun result{runs.front().second, {}};
-  for (const auto& [time, run] : runs) result.runs.push_back(run);
-  return result;
 }
 
 }  // namespace dynaprobe::analyze

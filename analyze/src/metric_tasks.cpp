@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/formats/error.h"
-#include "report_common.h"
 #include "tensor_pair.h"
 
 namespace dynaprobe::analyze {

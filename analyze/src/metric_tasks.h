@@ -6,7 +6,8 @@
 #include <cstddef>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/compare_options.h"
+#include "dynaprobe/analyze/comparison.h"
 #include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::analyze {

@@ -12,6 +12,7 @@
 #include <set>
 #include <string_view>
 
+#include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
 

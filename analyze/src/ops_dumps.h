@@ -5,7 +5,8 @@
 #include <filesystem>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/compare_options.h"
+#include "dynaprobe/analyze/comparison.h"
 
 namespace dynaprobe::analyze::detail {
 

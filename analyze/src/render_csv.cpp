@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "dynaprobe/analyze/report.h"
-#include "report_common.h"
+#include "report_text.h"
 
 namespace dynaprobe::analyze {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/root_cause.h"
-#include "report_common.h"
+#include "report_text.h"
 
 namespace dynaprobe::analyze {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/analyze/run.h"
-#include "report_common.h"
+#include "report_text.h"
 
 namespace dynaprobe::analyze {
 namespace {

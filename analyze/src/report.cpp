@@ -13,15 +13,8 @@
 
 #include "dynaprobe/analyze/run.h"
 #include "dynaprobe/formats/error.h"
-#include "report_common.h"
 
 namespace dynaprobe::analyze {
-
-std::string format_float(double value, const char* printf_format) {
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  return detail::printf_string(printf_format, value);
-}
 
 const std::vector<ReportFormat>& report_formats() {
   static const std::vector<ReportFormat> kFormats = {

@@ -6,7 +6,7 @@
 #include <map>
 
 #include "dynaprobe/analyze/report.h"
-#include "report_common.h"
+#include "report_text.h"
 
 namespace dynaprobe::analyze {
 namespace {

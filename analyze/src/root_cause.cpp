@@ -6,7 +6,7 @@
 #include <map>
 #include <set>
 
-#include "dynaprobe/analyze/report.h"
+#include "dynaprobe/analyze/number_text.h"
 
 namespace dynaprobe::analyze {
 using formats::Kind;

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/vocabulary.h"

@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/compare_options.h"
+#include "dynaprobe/analyze/comparison.h"
 #include "dynaprobe/analyze/judging.h"
 #include "dynaprobe/formats/reader.h"
 #include "metric_tasks.h"

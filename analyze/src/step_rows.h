@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/comparison.h"
 #include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::analyze {

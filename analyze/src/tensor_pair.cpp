@@ -123,7 +123,7 @@ class PairPlan {
     MetricsAccumulator metrics;
     const float* eager_values = eager_drives_ ? driver_values : follower_values;
     const float* compiled_values = eager_drives_ ? follower_values : driver_values;
-    // Complex tensors are compared as their real and imaginary parts (engine.h: shape_mismatch
+    // Complex tensors are compared as their real and imaginary parts (comparison.h: shape_mismatch
     // pairs complex with complex only).
     const std::uint64_t values = formats::value_count(driver_.dtype());
     metrics.accumulate(eager_values, compiled_values, extent.element_count * values,

@@ -22,7 +22,7 @@ namespace fmt = dynaprobe::formats;
 
 namespace {
 
-// The report's words (report.h, engine.h), beside the dump's names bind_formats exported:
+// The report's words (report.h, comparison.h), beside the dump's names bind_formats exported:
 // verdicts and statuses, a tensor row's details, shapes, the status a note gives.
 void bind_report_words(py::module_& m) {
   auto vocabulary = m.attr("vocabulary").cast<py::module_>();

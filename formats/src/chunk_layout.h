@@ -9,7 +9,7 @@
 #include <optional>
 #include <vector>
 
-#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/stored_tensor.h"
 
 namespace dynaprobe::formats {
 

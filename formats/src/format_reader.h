@@ -17,7 +17,8 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
-#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/metrics.h"
+#include "dynaprobe/formats/stored_tensor.h"
 #include "h5.h"
 #include "hdf5_types.h"
 #include "step_index.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/stored_tensor.h"
 #include "hdf5_types.h"
 
 namespace dynaprobe::formats {

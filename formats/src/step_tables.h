@@ -7,7 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/metrics.h"
+#include "dynaprobe/formats/stored_tensor.h"
 #include "h5.h"
 
 namespace dynaprobe::formats {

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "dynaprobe/formats/filters.h"
+#include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/schema.h"
 #include "hdf5_types.h"
 

@@ -3,13 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "chunk_layout.h"
-#include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/stored_tensor.h"
 #include "format_reader.h"
 #include "h5.h"
 

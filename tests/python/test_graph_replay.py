@@ -26,14 +26,9 @@ from dynaprobe._mechanics.graph_data import (
     graph_to_data,
     python_source,
 )
-from dynaprobe._offline.replay import (
-    GraphReplay,
-    ReplayError,
-    judge,
-    load_call,
-    replay_of,
-    tensor_from_bytes,
-)
+from dynaprobe._offline.judging import judge
+from dynaprobe._offline.replay import GraphReplay, load_call, replay_of, tensor_from_bytes
+from dynaprobe._offline.stored_call import ReplayError
 from dynaprobe.bisect import STAGES, bisect_call, recorded_stage
 from dynaprobe.repro import write_repro
 

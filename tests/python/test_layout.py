@@ -97,3 +97,39 @@ def test_a_checked_training_step_loads_nothing_of_offline_diagnosis():
     for offline in ("dynaprobe._offline", "dynaprobe.repro", "dynaprobe.bisect",
                     "dynaprobe.bundle"):
         assert f"'{offline}" not in loaded, loaded
+
+
+def test_no_module_is_over_500_lines():
+    """A module that grows past 500 lines holds more than one thing: split it by what its parts
+    are for."""
+    long = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
+            if (lines := len(path.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+def test_each_installed_mode_is_an_installation(tmp_path):
+    """What PrecisionChecker and StepSession.collect ask of an installed mode is one contract
+    (``Installation``), which single-pass and whole-model mode both fulfil, member for member."""
+    import inspect
+
+    import torch
+    import torch.nn as nn
+
+    from dynaprobe import PrecisionChecker
+    from dynaprobe._steps.session import Installation
+
+    kinds = set()
+    for whole in (False, True):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        checker = PrecisionChecker(dump_dir=str(tmp_path / f"whole_{whole}"))
+        checker.wrap(model[0])
+        checker.install(torch.compile(model, backend="aot_eager") if whole else model)
+        installation = checker._installation
+        kinds.add(type(installation).__name__)
+        assert isinstance(installation, Installation)
+        for name in ("finish", "conclude", "remove"):
+            assert (inspect.signature(getattr(type(installation), name))
+                    == inspect.signature(getattr(Installation, name))), name
+        assert installation.session is not None and len(installation.targets) == 1
+        checker.uninstall()
+    assert kinds == {"SinglePass", "WholeModel"}

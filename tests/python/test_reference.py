@@ -397,29 +397,29 @@ def test_failing_asks_the_engine_so_the_bf16_floor_applies(dtype_aware, tmp_path
 
 
 def test_the_failing_judge_is_the_engines_row_judging():
-    from dynaprobe._mechanics.reference import Judging
+    def passes(rows, **options) -> bool:  # as a checker made with these options judges them
+        return _C.rows_pass("mlp", rows, PrecisionChecker(**options)._judging)
 
     torch.manual_seed(0)
     eager = torch.randn(64).bfloat16()
     compiled = eager + eager.abs() * 2**-7  # about one bf16 step: beyond 1e-4/1e-3
     assert not torch.allclose(eager.float(), compiled.float(), atol=1e-4, rtol=1e-3)
     rows = [("fwd_output", eager, compiled)]
-    assert Judging().rows_pass("mlp", rows)  # the bf16 floor
-    assert not Judging(dtype_aware=False).rows_pass("mlp", rows)
+    assert passes(rows)  # the bf16 floor
+    assert not passes(rows, dtype_aware_tolerances=False)
     # The last matching tolerance rule wins over the floor, as for the report's row.
-    assert not Judging(rules={"ml*": (1e-5, 1e-5)}).rows_pass("mlp", rows)
-    assert Judging(rules={"other": (1e-5, 1e-5)}).rows_pass("mlp", rows)
-    assert Judging(dtype_aware=False, rules={"fwd_output": (0.1, 0.1)}).rows_pass("mlp", rows)
+    assert not passes(rows, tolerances={"ml*": (1e-5, 1e-5)})
+    assert passes(rows, tolerances={"other": (1e-5, 1e-5)})
+    assert passes(rows, dtype_aware_tolerances=False, tolerances={"fwd_output": (0.1, 0.1)})
 
     # float32: within the tolerances but 1% off, beyond the fp32 screen, unless the row is at the
     # rounding level of the module's other rows of the pass (a gradient that is mathematically
     # zero, such as attention's key bias, is rounding noise: 100% of itself)
     tiny = torch.randn(64) * 1e-9
     noisy = tiny * 1.01
-    assert not Judging().rows_pass("mlp", [("param_grad", tiny, noisy)])
+    assert not passes([("param_grad", tiny, noisy)])
     large = torch.randn(64)
-    assert Judging().rows_pass("mlp", [("param_grad", tiny, noisy),
-                                        ("grad_input", large, large)])
+    assert passes([("param_grad", tiny, noisy), ("grad_input", large, large)])
 
 
 def test_the_failing_only_view_in_python_and_the_cli(tmp_path, dynaprobe_cli, capsys):

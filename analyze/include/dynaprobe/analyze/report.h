@@ -15,7 +15,8 @@
 #include <string_view>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/comparison.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::analyze {
@@ -161,9 +162,5 @@ std::vector<formats::Graph> read_graphs(const std::filesystem::path& dump);
 // When the sides come from two dumps: where each side was captured (host, torch version, device,
 // backend, dtypes, mode) and what differs between them. Empty for a single dump.
 std::string render_provenance(const Comparison& comparison);
-
-// Python's formatting of floats in the spec's reports: "%.3e"/"%.6e"/"%.6f", with "nan", "inf"
-// and "-inf" spelled as Python spells them.
-std::string format_float(double value, const char* printf_format);
 
 }  // namespace dynaprobe::analyze

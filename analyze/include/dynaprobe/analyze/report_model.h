@@ -12,7 +12,7 @@
 #include <variant>
 #include <vector>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/comparison.h"
 
 namespace dynaprobe::analyze {
 

@@ -5,7 +5,7 @@
 // line on what to do next.
 #pragma once
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/comparison.h"
 
 namespace dynaprobe::analyze {
 

@@ -13,18 +13,16 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._checking import options as _options
 from dynaprobe._mechanics.distributed import is_deepcopy_forbidden
-from dynaprobe._mechanics.provenance import judging, provenance
+from dynaprobe._mechanics.provenance import provenance
 from dynaprobe._mechanics.reference import ReferencePolicy
 from dynaprobe._modes import single_pass as _single_pass
 from dynaprobe._modes import whole_model as _whole_model
-from dynaprobe._modes.single_pass import SinglePass
 from dynaprobe._modes.two_pass import run_step
-from dynaprobe._modes.whole_model import WholeModel
 from dynaprobe._results import reporting as _reporting
 from dynaprobe._results.result import CompareResult
 from dynaprobe._steps import planning as _planning
 from dynaprobe._steps.compiling import Compiler
-from dynaprobe._steps.session import CAPTURE_MODES, Dumps, Setup, StepSession
+from dynaprobe._steps.session import CAPTURE_MODES, Dumps, Installation, Setup, StepSession
 from dynaprobe._vocabulary import COMPILED, EAGER, STORE_FULL
 
 
@@ -114,7 +112,7 @@ class PrecisionChecker(_options.CheckerOptions):
         self._wrapped: List[nn.Module] = []
         self._ignored: List[nn.Module] = []
         # install(): the installation, per module or on a model compiled whole
-        self._installation: Optional[Union[SinglePass, WholeModel]] = None
+        self._installation: Optional[Installation] = None
         self._compiler = Compiler(backend)
         self._per_module_compiler = self._compiler  # while a model compiled whole is installed
         self._recorded_loss = None  # record_loss(): the loss of the step being checked
@@ -199,7 +197,7 @@ class PrecisionChecker(_options.CheckerOptions):
         """Sets ``session`` up for the steps of a verb checking ``plan`` in ``mode``: a capture
         stores full tensors; single-pass names the user's autocast (without cast_dtype)."""
         session.prepare(Setup(
-            provenance(self, plan.devices, mode, backend, compile_scope), judging(self),
+            provenance(self, plan.devices, mode, backend, compile_scope), self._judging,
             STORE_FULL if mode in CAPTURE_MODES.values() else self.dump, plan.modules,
             self._compiler.graphs, self.graph_dir if self.dump_graphs else None,
             plan.model_devices if mode == vocabulary.MODE_SINGLE_PASS and self.cast_dtype is None
@@ -226,8 +224,7 @@ class PrecisionChecker(_options.CheckerOptions):
         plan = _planning.plan_check(model._orig_mod if whole else model, self._wrapped,
                                     self._ignored, self.cast_dtype)
         session = self._dumps.session()  # every rank agrees on the run folder, together
-        options = dict(capture_input=self.capture_input,
-                       tolerances=judging(self),
+        options = dict(capture_input=self.capture_input, tolerances=self._judging,
                        reference=ReferencePolicy(self.reference))
         if whole:
             backend = torch._dynamo.eval_frame.innermost_backend(model.dynamo_ctx.callback)

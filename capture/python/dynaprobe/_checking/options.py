@@ -12,6 +12,7 @@ import torch
 
 from dynaprobe._mechanics import replay_store as _replay_store
 from dynaprobe._mechanics import storage as _storage
+from dynaprobe._mechanics.provenance import judging
 from dynaprobe._mechanics.reference import expect_reference
 from dynaprobe._vocabulary import COMPILED, EAGER
 
@@ -243,3 +244,5 @@ class CheckerOptions:
             expect_positive_int("disk_budget_bytes", disk_budget_bytes)
         self.replay = _replay_store.expect_replay(replay, self.single_pass, self.dump)
         self.strict_io = expect_flag("strict_io", strict_io)
+        # The tolerances as the engine takes them, built once and passed to each verb's steps.
+        self._judging = judging(self)

@@ -10,10 +10,10 @@ from typing import Dict
 
 import torch
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.distributed import rank_and_world
 from dynaprobe._mechanics.environment import environment
-from dynaprobe._mechanics.reference import Judging
 
 
 def backend_name(backend) -> str:
@@ -22,12 +22,16 @@ def backend_name(backend) -> str:
         backend, "compiler_name", getattr(backend, "__name__", type(backend).__name__))
 
 
-def judging(checker) -> Judging:
-    """The tolerances ``checker`` (a PrecisionChecker) judges with. The recorder writes them into
-    the provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances) from these typed values,
-    so that their text is formatted in one place (analyze/judging.h)."""
-    return Judging(checker.threshold, checker.rtol, checker.tolerances,
-                   checker.dtype_aware_tolerances, checker.verdict == "reference")
+def judging(checker) -> _C.Judging:
+    """The tolerances ``checker`` (a PrecisionChecker) judges with, as the engine takes them:
+    built once per install() or verb and passed on. ``_C.rows_pass`` judges with them (what
+    "failing" means for the reference), and ``_C.Recorder`` judges its pairs with them and writes
+    them into the provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances), so that their
+    text is formatted in one place (analyze/judging.h)."""
+    return _C.Judging(checker.threshold, checker.rtol,
+                      [(pattern, atol, rtol)
+                       for pattern, (atol, rtol) in (checker.tolerances or {}).items()],
+                      checker.dtype_aware_tolerances, checker.verdict == "reference")
 
 
 def provenance(checker, devices: Dict[str, str], mode: str, backend=None,

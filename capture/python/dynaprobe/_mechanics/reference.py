@@ -13,7 +13,7 @@ float64; float64 judges float32 calls. ``ReferencePolicy`` decides per call.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
@@ -103,11 +103,40 @@ def _module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.buffers()
 
 
+@dataclass(frozen=True)
+class CallReference:
+    """The reference decision of one call (``ReferencePolicy.for_call``): the dtype of a
+    reference run up front, and of one run only if the call's output fails."""
+
+    up_front: Optional[torch.dtype]
+    if_failing: Optional[torch.dtype]
+
+    @property
+    def wanted(self) -> Optional[torch.dtype]:
+        """The dtype the call's reference arguments are copied in: it may get one."""
+        return self.up_front or self.if_failing
+
+    def dtype(self, failing: Callable[[], bool]) -> Optional[torch.dtype]:
+        """The dtype of the reference this call runs, once its outputs are known; ``failing``
+        judges them, asked only when that decides."""
+        if self.up_front is not None:
+            return self.up_front
+        return self.if_failing if self.if_failing is not None and failing() else None
+
+
 class ReferencePolicy:
     """``reference=`` of a checker: which calls get a reference, in which dtype."""
 
     def __init__(self, mode: Optional[str]):
         self.mode = mode
+
+    def for_call(self, step, name: str, tensors: List[torch.Tensor],
+                 module: Optional[nn.Module], cast_dtype: Optional[torch.dtype],
+                 devices: set) -> CallReference:
+        """The decision for a call of ``name`` in single-pass and whole-model mode, from the
+        precision it computes in (``call_precision``, which records the user's autocast)."""
+        low = call_precision(step, name, tensors, module, cast_dtype, devices)
+        return CallReference(self.dtype(low), self.dtype_if_failing(low))
 
     def dtype(self, low: Optional[torch.dtype]) -> Optional[torch.dtype]:
         """The reference dtype of a call computing in ``low`` (None: full precision); None when
@@ -143,54 +172,36 @@ def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def upcast_copy(tensor: torch.Tensor, dtype: torch.dtype, leaf: bool = False) -> torch.Tensor:
+    """A copy of ``tensor`` for a reference: upcast (``upcast``), detached, in memory of its
+    own; with ``leaf``, a floating copy is a leaf requiring grad (the reference's backward)."""
+    wide = upcast(tensor.detach(), dtype).clone()
+    if leaf and (wide.is_floating_point() or wide.is_complex()):
+        wide.requires_grad_(True)
+    return wide
+
+
 def copy_reference_arguments(args: tuple, kwargs: dict, dtype: torch.dtype):
     """The call's arguments for the reference, upcast (taken before the training call, which may
     change them)."""
-    def convert(tensor: torch.Tensor) -> torch.Tensor:
-        return upcast(tensor, dtype)
-
-    return copy_arguments(args, kwargs, lambda _, t: convert(t.detach()).clone(),
-                          convert=convert)
-
-
-@dataclass(frozen=True)
-class Judging:
-    """What "failing" means for reference="failing": the checker's tolerances, tolerance rules
-    and dtype-aware floor, which the engine applies (``_C.rows_pass``, analyze/judging.h) as it
-    judges the report's rows. Python judges no number itself."""
-
-    atol: float = 1e-4
-    rtol: float = 1e-3
-    rules: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # {pattern: (atol, rtol)}
-    dtype_aware: bool = True
-    reference_decides: bool = True  # verdict="reference"
-
-    def engine(self) -> _C.Judging:
-        """These tolerances as the engine takes them: ``_C.rows_pass`` judges with them, and
-        ``_C.Recorder`` judges its pairs with them and writes them into the dump's provenance."""
-        return _C.Judging(self.atol, self.rtol,
-                          [(pattern, atol, rtol) for pattern, (atol, rtol) in self.rules.items()],
-                          self.dtype_aware, self.reference_decides)
-
-    def rows_pass(self, module: str, rows: List[Tuple[str, torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the module's rows of one pass, ``(kind, eager, compiled)``, all pass as the
-        report will judge them (a row at the rounding level of the others is not screened)."""
-        return _C.rows_pass(module, rows, self.engine())
+    return copy_arguments(args, kwargs, lambda _, t: upcast_copy(t, dtype),
+                          convert=lambda tensor: upcast(tensor, dtype))
 
 
 def outputs_differ(eager_out, compiled_out, leaves: Callable, module: str,
-                   judging: Judging) -> bool:
+                   judging: _C.Judging) -> bool:
     """Whether any output tensor of ``module`` fails as the report's row will (decided in the
     process, for reference="failing"): a different structure or shape, or the engine's verdict
-    on the pair with the row's tolerances."""
+    on the pair with the checker's tolerances (``_C.rows_pass``, analyze/judging.h: Python
+    judges no number itself)."""
     eager, compiled = leaves(eager_out), leaves(compiled_out)
     if len(eager) != len(compiled):
         return True
     if any(a.shape != b.shape for (_, a), (_, b) in zip(eager, compiled)):
         return True
-    return not judging.rows_pass(module, [(vocabulary.KIND_FWD_OUTPUT, a, b)
-                                          for (_, a), (_, b) in zip(eager, compiled)
-                                          if a.is_floating_point() or a.is_complex()])
+    return not _C.rows_pass(module, [(vocabulary.KIND_FWD_OUTPUT, a, b)
+                                     for (_, a), (_, b) in zip(eager, compiled)
+                                     if a.is_floating_point() or a.is_complex()], judging)
 
 
 class ReferenceRun:

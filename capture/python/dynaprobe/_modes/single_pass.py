@@ -6,19 +6,17 @@ runs inside the real backward, seeded with the grad_output its compiled twin rec
 from __future__ import annotations
 
 import contextlib
-import copy
-import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._mechanics import replay_store as _replay_store
+from dynaprobe._mechanics import replay_store
 from dynaprobe._mechanics.capture import (
     ProbedInputs,
     RngState,
     autocast_context,
-    devices_of,
     input_leaves,
     map_tensors,
     patch_forward,
@@ -31,20 +29,22 @@ from dynaprobe._mechanics.isolation import (
     ModuleGlobals,
     ModuleState,
     copy_arguments,
-    counterparts,
     rerun_input,
 )
 from dynaprobe._mechanics.reference import (
-    Judging,
     ReferencePolicy,
     ReferenceRun,
-    call_precision,
     copy_reference_arguments,
     outputs_differ,
     run_reference,
     shapes_differ,
 )
+from dynaprobe._modes.checked_call import CheckedCall
+from dynaprobe._modes.once import OnceWarnings
+from dynaprobe._modes.replays import ReplayKeeping
+from dynaprobe._steps.compiling import Compiler
 from dynaprobe._steps.planning import Plan, warn_nested_fully_shard
+from dynaprobe._steps.session import StepSession
 from dynaprobe._steps.step import (
     CallShares,
     PendingBackward,
@@ -65,7 +65,8 @@ from dynaprobe._vocabulary import (
 )
 
 
-def install(model: torch.nn.Module, plan: Plan, session, compiler, **options) -> "SinglePass":
+def install(model: torch.nn.Module, plan: Plan, session: StepSession, compiler: Compiler,
+            **options) -> "SinglePass":
     """install() per module: each target of ``plan`` compiled in place through ``compiler`` and
     re-run eagerly through its own forward; ``options``: SinglePass's."""
     modules = dict(model.named_modules())
@@ -85,67 +86,17 @@ def install(model: torch.nn.Module, plan: Plan, session, compiler, **options) ->
 _IN_CALL = 6
 
 
-class _Call:
-    """One checked call of a target, handed from phase to phase of ``SinglePass._checked_call``:
-    the training call's arguments (probed once grad mode is on), the eager re-run's copies of
-    them, and what each phase found."""
-
-    def __init__(self, step: Step, target: Target, args: tuple, kwargs: dict):
-        self.step = step
-        self.target = target
-        self.name = target.name
-        self.index = target.calls
-        target.calls += 1
-        self.args, self.kwargs = args, kwargs
-        self.inputs = input_leaves(args, kwargs)
-        self.devices = devices_of([t for _, t in self.inputs], target.module)
-        self.grad_mode = torch.is_grad_enabled()
-        self.eager_args, self.eager_kwargs = (), {}
-        self.reference_dtype: Optional[torch.dtype] = None  # a reference up front
-        self.wanted: Optional[torch.dtype] = None  # a reference up front or if failing
-        self.reference_args = None
-        self.writes: Optional[InputWrites] = None  # the inputs the training call writes
-        self.written: frozenset = frozenset()
-        self.state_before: Optional[ModuleState] = None
-        self.rng_before: Optional[RngState] = None
-        self.watched = None  # replay: the module's parameters and buffers watched
-        self.params: list = []
-        self.left_watch: Optional[LeftInArguments] = None
-        self.graph_calls: list = []
-        self.eager_out = None
-        self.leaves: list = []  # (input index, eager input leaf)
-        self.compiled_leaves: list = []  # (label, tensor) of the outputs, each side's
-        self.eager_leaves: list = []
-        self.candidate = None  # its replay data, until decided
-        self.reference: Optional[ReferenceRun] = None
-        self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
-
-    def for_reference(self) -> "_Call":
-        """What running its reference later (SinglePass._late_reference) needs of this call:
-        without the training call's arguments and outputs, the eager re-run's copies and replay
-        data, which it does not."""
-        kept = copy.copy(self)
-        kept.args, kept.kwargs, kept.eager_args, kept.eager_kwargs = (), {}, (), {}
-        kept.compiled_leaves, kept.eager_leaves, kept.leaves, kept.params = [], [], [], []
-        kept.graph_calls = []
-        kept.candidate = kept.left_watch = kept.watched = kept.shares = kept.writes = None
-        return kept
-
-
 class SinglePass:
     """The installation on one model: its targets, their patched forwards and hooks.
 
-    ``session`` (a ``_session.StepSession``) gives the step being checked (``current``, begun by
-    the first wrapped call), None in a step that is not checked (the compiled modules then run
-    alone), and the step begun if any (``step``: hooks firing outside a step do nothing).
-    ``compiler`` compiled the targets (its graphs, for replays, and what a step learned of
-    them).
-    """
+    ``session`` gives the step being checked (``current``, begun by the first wrapped call),
+    None in a step that is not checked (the compiled modules then run alone), and the step begun
+    if any (``step``: hooks firing outside a step do nothing). ``compiler`` compiled the targets
+    (its graphs, for replays, and what a step learned of them)."""
 
-    def __init__(self, targets: List[Target], session, compiler, capture_input: bool,
-                 cast_dtype, reference: ReferencePolicy = ReferencePolicy(None),
-                 tolerances: Judging = Judging(),
-                 replay: str = "none", backend=None):
+    def __init__(self, targets: List[Target], session: StepSession, compiler: Compiler,
+                 capture_input: bool, cast_dtype, reference: ReferencePolicy,
+                 tolerances: _C.Judging, replay: str = "none", backend=None):
         self.targets = targets
         self.session = session
         self.compiler = compiler
@@ -153,13 +104,12 @@ class SinglePass:
         self.cast_dtype = cast_dtype
         self.reference = reference  # which calls get a reference, in which dtype
         self.tolerances = tolerances  # what "failing" means
-        self.replay = replay  # "none", "failing" or "all": calls whose replay data is kept
         self.backend = backend
         self.graphs = compiler.graphs  # the GraphRecorder: the runs of compiled graphs
-        self._backend_spec = None  # how a replay finds the backend, worked out once
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
-        self.warned: set = set()  # (module, topic): warnings said once
+        self._warn_once = OnceWarnings()
+        self.replays = ReplayKeeping(replay, backend, cast_dtype, self.graphs, self._warn_once)
         for target in targets:
             self.restore.append(patch_forward(target.module, self._forward(target)))
 
@@ -180,7 +130,7 @@ class SinglePass:
         parameter gradients, and the replay data of the calls not yet decided."""
         self.compiler.summarize(step, self.targets)
         record_shared_param_grads(step, self.targets)
-        self.decide_replays(step, final=True)
+        self.replays.decide(step, final=True)
 
     def _forward(self, target: Target) -> Callable:
         def forward(*args, **kwargs):
@@ -196,7 +146,7 @@ class SinglePass:
         """A call of a target in a checked step: the training call runs compiled, then the
         eager re-run on copies of its arguments, and both are recorded; their backwards meet
         in the training backward (PendingBackward)."""
-        call = _Call(step, target, args, kwargs)
+        call = CheckedCall(step, target, args, kwargs)
         try:
             self._prepare_rerun(call)
         except Exception as error:  # never break training because of the checker
@@ -212,7 +162,7 @@ class SinglePass:
             return compiled_out
         return self._await_backward(call, compiled_out, left, eager_left)
 
-    def _prepare_rerun(self, call: _Call) -> None:
+    def _prepare_rerun(self, call: CheckedCall) -> None:
         """Before the training call: its inputs recorded, copies of its arguments for the eager
         re-run (and the reference, in the dtype it needs), the module's state and RNG state,
         what replay watches, and the parameters the call uses."""
@@ -227,22 +177,18 @@ class SinglePass:
             call.args, call.kwargs, lambda i, t: t.detach().clone())
         if shared:
             self._warn_shared_arguments(step, name, shared)
-        low = call_precision(step, name, [t for _, t in call.inputs], module, self.cast_dtype,
-                             call.devices)
-        call.reference_dtype = self.reference.dtype(low)
-        failing_dtype = self.reference.dtype_if_failing(low)
-        call.wanted = call.reference_dtype or failing_dtype
+        call.decision = self.reference.for_call(step, name, [t for _, t in call.inputs], module,
+                                                self.cast_dtype, call.devices)
         call.reference_args = copy_reference_arguments(call.args, call.kwargs, call.wanted) \
             if call.wanted else None
         call.state_before = ModuleState(module, clone_buffers=True)
         call.rng_before = RngState(call.devices)
-        # Replay data is held by reference until the call is judged (decide_replays).
-        call.watched = (_replay_store.watch_parameters(module),
-                        _replay_store.watch_buffers(module)) if self.replay != "none" else None
+        # Replay data is held by reference until the call is judged (ReplayKeeping.decide).
+        call.watched = self.replays.watch(module)
         call.params = self._call_params(step, call.target)
         call.writes = InputWrites([t for _, t in call.inputs])
 
-    def _probe_inputs(self, call: _Call) -> None:
+    def _probe_inputs(self, call: CheckedCall) -> None:
         """Grad mode: the training call's inputs probed for their gradients, and the tensors it
         leaves in its arguments followed (LeftInArguments)."""
         step, target, index = call.step, call.target, call.index
@@ -256,7 +202,7 @@ class SinglePass:
                             f"leave in their arguments are not followed ({type(error).__name__}: "
                             f"{error})", stacklevel=_IN_CALL)
 
-    def _run_compiled(self, call: _Call):
+    def _run_compiled(self, call: CheckedCall):
         """The training call: compiled, under cast_dtype's autocast; with replay, the runs of
         its compiled graphs are kept."""
         listening = self.graphs.listen(call.name) \
@@ -270,7 +216,7 @@ class SinglePass:
         call.graph_calls = graph_calls
         return compiled_out
 
-    def _rerun_eagerly(self, call: _Call, compiled_out) -> bool:
+    def _rerun_eagerly(self, call: CheckedCall, compiled_out) -> bool:
         """The eager re-run on the copies, from the module's state and RNG state before the
         training call, then the reference if the call gets one; what the training call left is
         put back afterwards. False when it failed (the module's HOOK_ERROR row says why)."""
@@ -280,10 +226,10 @@ class SinglePass:
         names_after = ModuleGlobals(target.module)
         try:
             if call.watched is not None:
-                call.candidate = _replay_store.Candidate(
+                call.candidate = replay_store.Candidate(
                     target.module, call.eager_args, call.eager_kwargs,
                     [t.requires_grad for _, t in inputs], call.watched[0],
-                    _replay_store.buffers_before(
+                    replay_store.buffers_before(
                         call.watched[1], call.state_before.saved_buffers(target.module)),
                     call.rng_before, grad_mode, bool(target.shards), call.graph_calls,
                     [t for _, t in input_leaves(call.args, call.kwargs)])
@@ -299,7 +245,7 @@ class SinglePass:
                 call.eager_out = target.eager(*call.eager_args, **call.eager_kwargs)
             if call.candidate is not None:
                 call.step.replay_candidates[(call.name, call.index)] = call.candidate
-            self._note_random_draws(call, rng_after)
+            call.note_random_draws(rng_after, self.backend)
             if call.reference_args is not None and call.rng_before.accelerator_drawn():
                 # CUDA's random kernels (dropout) map their random numbers to elements by the
                 # dtype's vector width: a reference in another dtype drops other elements than
@@ -309,9 +255,9 @@ class SinglePass:
                     f"which a {call.wanted} reference draws for other elements: judged by the "
                     "tolerances")
                 call.reference_args = None
-            referred = call.reference_args is not None and (
-                call.reference_dtype is not None or outputs_differ(
-                    call.eager_out, compiled_out, tensor_leaves, call.name, self.tolerances))
+            referred = call.reference_args is not None and call.decision.dtype(
+                lambda: outputs_differ(call.eager_out, compiled_out, tensor_leaves, call.name,
+                                       self.tolerances)) is not None
             if referred:
                 call.rng_before.restore()
                 call.reference = self._reference_call(call)
@@ -337,35 +283,20 @@ class SinglePass:
                     stacklevel=_IN_CALL)
         return True
 
-    def _note_random_draws(self, call: _Call, rng_after: RngState) -> None:
-        """A training call that drew random numbers (dropout, torch.rand) under inductor, which
-        draws its own unless ``fallback_random`` is set: its eager re-run drew other ones, and
-        the report's next line says so."""
-        if self.backend != "inductor":
-            return
-        import torch._inductor.config as inductor_config
-
-        drawn = call.rng_before.drawn_until(rng_after)
-        if drawn and not inductor_config.fallback_random:
-            call.step.attributes.setdefault(call.name, {})[
-                vocabulary.ATTRIBUTE_RANDOM_DRAWS] = ", ".join(drawn)
-
-    def _record_outputs(self, call: _Call, compiled_out) -> Tuple[list, list]:
+    def _record_outputs(self, call: CheckedCall, compiled_out) -> Tuple[list, list]:
         """Both sides' outputs recorded; returns what the compiled call and the eager re-run
-        left in their arguments (see _left_in_arguments)."""
+        left in their arguments (CheckedCall.left_in_arguments)."""
         step, name = call.step, call.name
         compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
-        left, eager_left = self._left_in_arguments(
-            name, call.left_watch, call.args, call.kwargs, call.eager_args, call.eager_kwargs,
-            compiled_leaves, call.reference, call.reference_args)
+        left, eager_left = self._left_in_arguments(call)
         for index, (label, tensor) in enumerate(compiled_leaves):
             step.record(name, call.index, FWD_OUTPUT, index, COMPILED, tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
             step.record(name, call.index, FWD_OUTPUT, index, EAGER, tensor, label)
         return left, eager_left
 
-    def _await_backward(self, call: _Call, compiled_out, left: list, eager_left: list):
+    def _await_backward(self, call: CheckedCall, compiled_out, left: list, eager_left: list):
         """Grad mode: the eager backward waits (PendingBackward) for the grad_output the
         compiled outputs receive, through probes on them; returns the probed outputs."""
         step = call.step
@@ -390,7 +321,7 @@ class SinglePass:
                                       call.kwargs, call.inputs)
         return probed
 
-    def _split_param_grads(self, call: _Call, left: list) -> None:
+    def _split_param_grads(self, call: CheckedCall, left: list) -> None:
         """The compiled side of each parameter's gradient is its share from this call
         (CallShares), the twin of the eager re-run's, where it can be found."""
         params = [p for _, p in call.params]
@@ -406,35 +337,17 @@ class SinglePass:
                             f"outside the module included ({type(error).__name__}: {error})",
                             stacklevel=_IN_CALL)
 
-    def _left_in_arguments(self, name: str, watch: Optional[LeftInArguments], args, kwargs,
-                           eager_args, eager_kwargs, compiled_leaves, reference,
-                           reference_args) -> Tuple[list, list]:
-        """What the compiled call left in its arguments (LeftInArguments) that requires grad, and
-        its twins left by the eager re-run (and the reference) in their copies: ``(compiled,
-        eager)`` lists of (index, tensor), indexed after the call's returned tensors. A later call
-        reading them sends gradient back into this call: it seeds the eager backward too."""
-        if watch is None:
-            return [], []
+    def _left_in_arguments(self, call: CheckedCall) -> Tuple[list, list]:
+        """CheckedCall.left_in_arguments, or nothing followed when that fails (said once)."""
         try:
-            found = watch.find(args, kwargs, [t for _, t in compiled_leaves],
-                               [t for _, t in input_leaves(args, kwargs)])
-            if not found:
-                return [], []
-            first = len(compiled_leaves)
-            eager = [(first + position, twin)
-                     for position, twin in counterparts(found, eager_args, eager_kwargs)]
-            if reference is not None:
-                reference.left = [(first + position, twin) for position, twin in
-                                  counterparts(found, reference_args[0], reference_args[1])]
-            paired = {index for index, _ in eager}
-            return [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired], eager
+            return call.left_in_arguments()
         except Exception as error:  # never break training because of the checker
-            self._warn_once(name, "left", f"dynaprobe: {name}: the tensors its calls leave in "
-                            f"their arguments are not followed ({type(error).__name__}: {error})",
-                            stacklevel=_IN_CALL)
+            self._warn_once(call.name, "left", f"dynaprobe: {call.name}: the tensors its calls "
+                            f"leave in their arguments are not followed ({type(error).__name__}: "
+                            f"{error})", stacklevel=_IN_CALL)
             return [], []
 
-    def _late_reference(self, call: _Call) -> Callable[[list], Optional[ReferenceRun]]:
+    def _late_reference(self, call: CheckedCall) -> Callable[[list], Optional[ReferenceRun]]:
         """For a call whose forward got no reference (its outputs passed) but that may want one:
         given the pairs of its gradients known when its eager backward has run, the reference
         of the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
@@ -442,7 +355,7 @@ class SinglePass:
         module's state, RNG state and upcast inputs before the training call."""
         def late(pairs: list) -> Optional[ReferenceRun]:
             try:
-                if self.tolerances.rows_pass(call.name, pairs):
+                if _C.rows_pass(call.name, pairs, self.tolerances):
                     return None
                 module = call.target.module
                 state_now, rng_now = ModuleState(module), RngState(call.devices)
@@ -461,7 +374,7 @@ class SinglePass:
 
         return late
 
-    def _reference_call(self, call: _Call) -> Optional[ReferenceRun]:
+    def _reference_call(self, call: CheckedCall) -> Optional[ReferenceRun]:
         """Runs and records the reference of this call in the dtype it wants; what its backward
         needs. A reference that cannot run (an op without a kernel for the dtype, ...) is a
         NO_REFERENCE row of the report and a warning."""
@@ -489,75 +402,6 @@ class SinglePass:
             step.record(target.name, call.index, FWD_OUTPUT, index, REFERENCE, tensor, label)
         return run
 
-    def decide_replays(self, step: Step, final: bool = False) -> None:
-        """Keeps the replay data of the calls ready to be decided (their backward done, or
-        ``final``: at collect()) that ``replay`` asks for: every call, or the calls with a row
-        that fails, as the report judges it (the recorder's verdicts, judged in memory on its
-        background thread: ``Recorder.failing_calls``). A passing call whose backward shows only
-        in parameter gradients (no input needs a gradient) waits for collect(), which judges
-        them. A call that cannot be kept is said in a warning and checks nothing less."""
-        ready = [(key, candidate) for key, candidate in step.replay_candidates.items()
-                 if final or candidate.ready()]
-        if not ready:
-            return
-        try:
-            failing = None if self.replay == "all" else {
-                tuple(key) for key in step.recorder.failing_calls()}
-        except Exception as error:  # the step is lost: collect() says why
-            for candidate in step.replay_candidates.values():
-                candidate.release()
-            step.replay_candidates.clear()
-            if step.error is None:
-                step.error = error
-            return
-        for key, candidate in ready:
-            keep = failing is None or key in failing
-            if not keep and not final and candidate.backward_checks_parameters_only():
-                continue
-            del step.replay_candidates[key]
-            if keep:
-                self._replay_call(step, key, candidate)
-            candidate.release()
-
-    def _replay_call(self, step: Step, key: Tuple[str, int], candidate) -> None:
-        name, call = key
-        changed = [] if candidate.sharded else candidate.changed()
-        if changed:
-            self._warn_once(name, "replay", f"dynaprobe: {name}: the replay data of call {call} "
-                            f"was not kept: {', '.join(changed[:3])} changed before its rows "
-                            "were judged (an optimizer step before collect()?). Call collect() "
-                            "before optimizer.step() to keep it")
-            return
-        try:
-            if self._backend_spec is None:
-                self._backend_spec = _replay_store.backend_spec(self.backend)
-            _replay_store.record_call(step, name, call, candidate, self.cast_dtype,
-                                      self._backend_spec,
-                                      self.graphs.captured if self.graphs else None)
-        except Exception as error:
-            self._warn_once(name, "replay", f"dynaprobe: {name}: its replay data could not be "
-                            f"kept ({type(error).__name__}: {error})")
-
-    def _after_backward(self, step: Step) -> None:
-        """A call's eager backward has run: decide its replay data when this backward pass ends
-        (one wait for the recorder's verdicts per pass), or now outside a backward."""
-        if not step.replay_candidates or step.decision_queued:
-            return
-
-        def decide() -> None:
-            step.decision_queued = False
-            try:
-                self.decide_replays(step)
-            except Exception as error:  # never break the training backward
-                self._warn_once("", "replay", f"dynaprobe: replay data not kept "
-                                f"({type(error).__name__}: {error})")
-
-        step.decision_queued = True
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(decide)
-        except RuntimeError:  # not inside a backward pass
-            decide()
-
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training
         sees. Said once per module and kind of argument, and kept in the dump."""
@@ -569,11 +413,6 @@ class SinglePass:
                 "deep-copied, so the eager re-run shares it with the training call: changes the "
                 "re-run makes to it are visible to training. Make it copyable (copy.deepcopy) to "
                 "isolate it.", stacklevel=_IN_CALL)
-
-    def _warn_once(self, module: str, topic: str, message: str, stacklevel: int = 5) -> None:
-        if (module, topic) not in self.warned:
-            self.warned.add((module, topic))
-            warnings.warn(message, stacklevel=stacklevel)
 
     def _call_params(self, step: Step, target: Target) -> list:
         """The parameters a call of ``target`` uses, with the hooks that sum their training
@@ -603,7 +442,7 @@ class SinglePass:
                 for pending in step.pending:
                     if pending.target is target:
                         pending.run()
-                self._after_backward(step)
+                self.replays.after_backward(step)
 
         return hook
 
@@ -653,6 +492,6 @@ class SinglePass:
                     if grad is not None and pending.late_reference is not None:
                         pending.compiled_grad_inputs[index] = grad.detach()
                     pending.run()
-            self._after_backward(step)
+            self.replays.after_backward(step)
 
         return hook

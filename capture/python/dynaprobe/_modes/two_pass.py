@@ -21,6 +21,8 @@ from dynaprobe._mechanics.capture import (
     tensor_leaves,
 )
 from dynaprobe._mechanics.reference import ReferencePolicy, call_precision, no_autocast, upcast
+from dynaprobe._steps.compiling import Compiler
+from dynaprobe._steps.session import StepSession
 from dynaprobe._steps.step import Step, Target
 from dynaprobe._vocabulary import (
     COMPILED,
@@ -35,12 +37,13 @@ from dynaprobe._vocabulary import (
 SIDES = (EAGER, COMPILED, REFERENCE)
 
 
-def run_step(session, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
-             targets: List[Tuple[str, str]], compiler, capture_input: bool, cast_dtype,
+def run_step(session: StepSession, fn: Callable, model: nn.Module,
+             sides: List[Tuple[str, nn.Module]], targets: List[Tuple[str, str]],
+             compiler: Compiler, capture_input: bool, cast_dtype,
              reference: ReferencePolicy = ReferencePolicy(None), compare: bool = True):
-    """A two-pass (or captured) step of ``session`` (a ``_session.StepSession``): begun, run by
-    ``run_sides`` with the targets compiled by ``compiler``, what it learned of the compiled
-    side's targets, and finished (``StepSession.finish``: its result, or its file)."""
+    """A two-pass (or captured) step of ``session``: begun, run by ``run_sides`` with the
+    targets compiled by ``compiler``, what it learned of the compiled side's targets, and
+    finished (``StepSession.finish``: its result, or its file)."""
     step = session.begin([])
     try:
         by_side = run_sides(step, fn, model, sides, targets, compiler.compile, capture_input,

@@ -29,16 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from dynaprobe._C import vocabulary
-from dynaprobe._offline.replay import (
-    UNPICKLE_RISK,
-    ReplayError,
-    StoredCall,
-    inductor_patch,
-    judge,
-    load_call,
-    metrics_lines,
-    replay_of,
-)
+from dynaprobe._offline.judging import judge, metrics_lines
+from dynaprobe._offline.replay import inductor_patch, load_call, replay_of
+from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
 from dynaprobe._vocabulary import FWD_OUTPUT
 
@@ -106,7 +99,7 @@ class BisectResult:
     recorded: str = ""  # the backend and inductor config captured, in words
     route: str = ""  # what was replayed: the captured graph, or the module rebuilt from its class
     graph_unavailable: str = ""  # why the captured graph was not replayed, when it was not
-    ops: Optional[Any] = None  # op localisation (``ops=True``): a dynaprobe._offline.ops.OpsResult
+    ops: Optional[Any] = None  # op localisation (``ops=True``): an ops_result.OpsResult
     ops_error: str = ""  # why the ops could not be compared, when asked for
 
     def first_changed(self, forward: bool = True) -> Optional[str]:

@@ -28,8 +28,9 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.environment import environment
 from dynaprobe._mechanics.storage import committed_steps
-from dynaprobe._offline.replay import ReplayError, one_process, replay_attributes, step_file
+from dynaprobe._offline.replay import one_process, replay_attributes, step_file
 from dynaprobe._offline.repro import write_repro
+from dynaprobe._offline.stored_call import ReplayError
 from dynaprobe._results.result import CompareResult
 
 LIMIT_MB = 25.0  # GitHub's limit for a file attached to an issue

@@ -1,7 +1,7 @@
 """Inside a module: the first op, and the generated kernel, where the numbers change
 (``dynaprobe bisect DUMP --module M --ops``, ``checker.bisect(module, ops=True)``).
 
-The stored call is replayed from its captured graph (``_replay.GraphReplay``) compiled with the
+The stored call is replayed from its captured graph (``GraphReplay``, replay.py) compiled with the
 recorded backend, whose own compilers of aten graphs are watched: inductor's ``compile_fx_inner``
 (its post-grad passes, fusion and code generation), or the ``fw_compiler`` / ``bw_compiler`` of
 an ``aot_autograd`` backend. That yields the aten graphs the backend compiled, forward and
@@ -20,395 +20,45 @@ changes its verdict, the finding says it was seen with a changed fusion. Where n
 graph's outputs are judged as the backend compiled it (a fault of one fusion, gone with every op
 exposed), and the masks and clamps the backward takes that the two sides decided differently are
 listed: split by rounding, they are a kink's, not a divergence (docs/guide/diagnosis.md).
+
+Here: ``localise`` and how it reads the judged ops. The watching and the three evaluations
+are aten_graphs.py's; the result types and their text, ops_result.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import fx
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._offline.replay import (
-    GraphReplay,
-    ReplayError,
-    Run,
-    StoredCall,
-    inductor_patch,
-    judge,
-    judging_recorder,
+from dynaprobe._offline.aten_graphs import (
+    AtenGraph,
+    Watcher,
+    compiled_afresh,
+    compiled_values,
+    evaluate,
+    run_compiled,
 )
+from dynaprobe._offline.judging import judge, judging_recorder
+from dynaprobe._offline.ops_result import (
+    FusedOutput,
+    GraphOps,
+    Kernel,
+    OpFinding,
+    OpsResult,
+    SplitDecision,
+)
+from dynaprobe._offline.replay import GraphReplay, inductor_patch
+from dynaprobe._offline.stored_call import ReplayError, Run, StoredCall
 from dynaprobe._results.result import CompareResult
 from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, REFERENCE
-
-_LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass
-class AtenGraph:
-    """An aten graph the backend compiled: ``kind`` (forward, backward, inference), the graph as
-    the backend received it (before its own passes), what it took in the replay, and the
-    backend's compiler of such a graph: (the compiled callable, inductor's kernels by name with
-    the graph nodes each computes; empty for other backends)."""
-
-    kind: str
-    gm: fx.GraphModule
-    inputs: list
-    compile: Callable[[fx.GraphModule, list], tuple]
-    code: tuple = (None, {})  # the backend's own compilation of it: (callable, kernels)
-
-
-@dataclass
-class Kernel:
-    """The generated kernel that computes a node (inductor): its name, the graph nodes it fuses
-    and the file of the generated code."""
-
-    name: str
-    fuses: List[str]
-    path: str
-
-
-@dataclass
-class OpFinding:
-    """The first node of an aten graph whose compiled value fails against eager."""
-
-    graph: str  # forward, backward, inference
-    node: str
-    op: str
-    source: str  # file:line and code, from the stack trace Dynamo recorded
-    row: object  # the engine's row (metrics, status, reference verdict)
-    inputs_matched: bool
-    inputs_max_abs: float
-    fidelity: str
-    kernel: Optional[Kernel] = None
-    repro: str = ""  # the op alone on its real inputs: a repro.py that runs with torch alone
-
-
-@dataclass
-class SplitDecision:
-    """A value the backward graph takes from the forward one that the two sides decided
-    differently at some elements: a mask (a comparison's booleans) or a clamp (relu's zeros),
-    True or zero on one side only. ``within_noise``: at every such element the value decided on
-    (the comparison's input, the clamp's output) differs between the sides by no more than its
-    op's rounding noise: rounding that fell on the two sides of a kink, not a divergence, though
-    every gradient through those elements differs by a whole term."""
-
-    node: str
-    op: str
-    elements: int  # how many were decided differently
-    index: tuple  # the first of them
-    decided_on: str  # the value decided on: the node itself, or the comparison's input
-    eager: float  # that value at ``index``, each side's and fp64's
-    compiled: float
-    reference: float
-    noise: float  # its op's own: eager's rmse against fp64
-    within_noise: bool
-
-
-@dataclass
-class FusedOutput:
-    """An output of an aten graph that fails as the backend compiled the graph (its own
-    fusion) while every op passes with each exposed: the kernel that computes it, fused as it
-    was, is where the numbers change."""
-
-    graph: str
-    index: int  # the graph's output position
-    node: str
-    op: str
-    row: object  # the engine's row of it, the backend's own compilation against eager
-    kernel: Optional[Kernel] = None
-
-
-@dataclass
-class GraphOps:
-    """One aten graph's nodes, judged: the engine's row of each, in graph order; where none
-    fails, the first of its outputs that fails at the backend's own fusion."""
-
-    kind: str
-    rows: list
-    finding: Optional[OpFinding] = None
-    fused_output: Optional[FusedOutput] = None
-
-
-@dataclass
-class OpsResult:
-    """The op localisation of a call: each aten graph's ops judged, and where its dump went
-    (``dynaprobe compare DUMP`` reports it: one row per op)."""
-
-    module: str
-    call: int
-    step: int
-    backend: str
-    dump: str
-    graphs: List[GraphOps] = field(default_factory=list)
-    split_decisions: List[SplitDecision] = field(default_factory=list)
-
-    @property
-    def split_by_rounding(self) -> set:
-        """The forward nodes whose split decisions are rounding at a kink: not findings."""
-        return {d.node for d in self.split_decisions if d.within_noise}
-
-    @property
-    def findings(self) -> List[OpFinding]:
-        return [g.finding for g in self.graphs if g.finding is not None]
-
-    def text(self) -> str:
-        lines = [f"Op localisation of {self.module} call {self.call} (step {self.step}), "
-                 f"{self.backend} against eager, fp64 as the noise bound:"]
-        rounding = self.split_by_rounding
-        for graph in self.graphs:
-            failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
-            kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module.split(".", 1)[1] in
-                         rounding for r in graph.rows) if graph.kind == "forward" else 0
-            lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing - kinked} fail"
-                         + (f", {kinked} decided otherwise within rounding" if kinked else ""))
-        for finding in self.findings:
-            row = finding.row
-            lines += ["", f"  first op that fails in the {finding.graph} graph: {finding.node} "
-                          f"({finding.op})",
-                      f"    source   {finding.source or '(no stack trace)'}",
-                      f"    error    max_abs={row.max_abs:.3e} mean_abs={row.mean_abs:.3e} "
-                      f"max_rel={row.max_rel:.3e}",
-                      f"    noise    {_noise_text(row)}",
-                      "    inputs   " + ("matched" if finding.inputs_matched and
-                                         finding.inputs_max_abs == 0 else
-                                         f"within noise (max_abs={finding.inputs_max_abs:.3e})"
-                                         if finding.inputs_matched else
-                                         f"differ (max_abs={finding.inputs_max_abs:.3e})"),
-                      f"    fidelity {finding.fidelity}"]
-            if finding.kernel is not None:
-                kernel = finding.kernel
-                lines += [f"    kernel   {kernel.name}, fusing {', '.join(kernel.fuses)}",
-                          f"             {kernel.path}"]
-            if finding.repro:
-                lines.append(f"    repro    python {finding.repro}  (the op alone, on its real "
-                             "inputs; torch only)")
-        for fused in (g.fused_output for g in self.graphs if g.fused_output is not None):
-            row = fused.row
-            lines += ["", f"  the {fused.graph} graph's output {fused.index} ({fused.node}, "
-                          f"{fused.op}) fails as the backend compiled the graph,",
-                      "  though every op passes with each exposed: the fusion that computes it "
-                      "changes the numbers",
-                      f"    error    max_abs={row.max_abs:.3e} mean_abs={row.mean_abs:.3e} "
-                      f"max_rel={row.max_rel:.3e}",
-                      f"    noise    {_noise_text(row)}"]
-            if fused.kernel is not None:
-                lines += [f"    kernel   {fused.kernel.name}, fusing "
-                          f"{', '.join(fused.kernel.fuses)}",
-                          f"             {fused.kernel.path}"]
-        if not self.findings:
-            no_op = "no op fails" + ("" if any(g.fused_output for g in self.graphs) else
-                                     ": every difference is within the fp64 noise bound")
-            lines += ["", "  " + no_op]
-            lines += _split_text(self.split_decisions)
-        lines += ["", f"  every op's row: dynaprobe compare {self.dump} (--html PATH draws the "
-                      "error along the graph)"]
-        return "\n".join(lines) + "\n"
-
-
-def _noise_text(row) -> str:
-    """The reference's verdict on a row: what its fp64 evaluation says of eager and compiled."""
-    reference = getattr(row, "reference", None)
-    if not isinstance(reference, dict) or "verdict" not in reference:
-        return "no fp64 reference (not a floating value)"
-    return (f"fp64: {reference['verdict']} (rmse against fp64: compiled="
-            f"{reference.get('compiled_rmse', float('nan')):.3e}, eager="
-            f"{reference.get('eager_rmse', float('nan')):.3e}; noise is compiled <= "
-            f"{reference.get('factor', 2.0):g} x eager)")
-
-
-def _split_text(decisions: List[SplitDecision]) -> List[str]:
-    """What the backward takes that the two sides decided differently: why a module's gradient
-    can fail where no op does."""
-    if not decisions:
-        return []
-    lines = ["", "  the backward takes values the two sides decided differently:"]
-    for d in decisions:
-        index = ", ".join(str(i) for i in d.index)
-        lines.append(f"    {d.node} ({d.op}): {d.elements} element(s), first [{index}]: "
-                     f"{d.decided_on} eager={d.eager:.3e} compiled={d.compiled:.3e} "
-                     f"fp64={d.reference:.3e} (its op's noise {d.noise:.1e})")
-    if all(d.within_noise for d in decisions):
-        lines += ["    each within its op's rounding noise: rounding that fell on the two sides "
-                  "of a kink, not a",
-                  "    compiler divergence; every gradient through those elements differs by a "
-                  "whole term, so the",
-                  "    module's gradient rows can fail by it (docs/guide/diagnosis.md, "
-                  "\"Rounding at a kink\")"]
-    return lines
-
-
-# ---------------------------------------------------------------------- watching the backend
-class _Watcher:
-    """Wraps a backend so that its compilers of aten graphs are watched (AtenGraph each)."""
-
-    def __init__(self):
-        self.graphs: List[AtenGraph] = []
-
-    def backend(self, backend):
-        """The watched backend, or ReplayError for one whose aten compilers cannot be seen."""
-        from torch._dynamo.backends.common import AotAutograd  # noqa: PLC0415
-
-        if isinstance(backend, str) and backend == "inductor":
-            return self._inductor()
-        if isinstance(backend, str):
-            backend = torch._dynamo.lookup_backend(backend)
-        if isinstance(backend, AotAutograd):
-            from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
-
-            kwargs = dict(backend.kwargs)
-            for key, kind in (("fw_compiler", "forward"), ("bw_compiler", "backward"),
-                              ("inference_compiler", "inference")):
-                if kwargs.get(key) is not None:
-                    kwargs[key] = self._aot(kwargs[key], kind)
-            if "inference_compiler" not in backend.kwargs and "fw_compiler" in backend.kwargs:
-                kwargs["inference_compiler"] = self._aot(backend.kwargs["fw_compiler"],
-                                                         "inference")
-            return aot_autograd(**kwargs)
-        raise ReplayError(f"the backend {backend!r} is neither inductor nor an aot_autograd "
-                          "backend: its aten graphs cannot be watched, so ops cannot be compared")
-
-    def _inductor(self):
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
-
-        def tracked(gm, example_inputs, **kwargs):
-            """compile_fx_inner, with inductor's provenance tracking: each kernel's nodes."""
-            from torch._inductor import config, debug  # noqa: PLC0415
-
-            with debug.reset_provenance_globals(), config.patch({
-                    "trace.provenance_tracking_level": 1}):
-                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-                return compiled, dict(debug._inductor_triton_kernel_to_post_grad_node_info)
-
-        def inner(gm, example_inputs, **kwargs):
-            kind = "backward" if kwargs.get("is_backward") else (
-                "inference" if kwargs.get("is_inference") else "forward")
-            before = _copy(gm)
-            compiled, kernels = tracked(gm, example_inputs, **kwargs)
-            own = dict(kwargs)
-            return self._keep(kind, before, (compiled, kernels),
-                              lambda g, inputs: tracked(g, inputs, **own))
-
-        return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
-
-    def _aot(self, compiler, kind: str):
-        def watched(gm, example_inputs, **kwargs):
-            before = _copy(gm)
-            compiled = compiler(gm, example_inputs, **kwargs)
-            return self._keep(kind, before, (compiled, {}),
-                              lambda g, inputs: (compiler(g, inputs, **kwargs), {}))
-
-        return watched
-
-    def _keep(self, kind: str, gm: fx.GraphModule, code: tuple, compile_again):
-        graph = AtenGraph(kind, gm, [], compile_again, code)
-        self.graphs.append(graph)
-        compiled = code[0]
-        if getattr(compiled, "_boxed_call", False):
-            def run(args):
-                graph.inputs = list(args)
-                return compiled(args)
-
-            run._boxed_call = True  # type: ignore[attr-defined]
-            return run
-
-        def run_unboxed(*args):
-            graph.inputs = list(args)
-            return compiled(*args)
-
-        return run_unboxed
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A graph of its own on the same module (node metadata copied shallowly: its fake tensors
-    do not deep-copy)."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
-
-
-def _call(compiled, inputs: list):
-    return compiled(list(inputs)) if getattr(compiled, "_boxed_call", False) else \
-        compiled(*inputs)
-
-
-# ---------------------------------------------------------------------- evaluating a graph
-def _computed(gm: fx.GraphModule) -> List[fx.Node]:
-    """The nodes whose values are compared: ops that compute a tensor (not views of one)."""
-    nodes = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and any(r.alias_info is not None for r in schema.returns):
-            continue  # a view: its values are its base's
-        nodes.append(node)
-    return nodes
-
-
-class _Evaluation(fx.Interpreter):
-    """Runs a graph node by node, keeping each value; ``fp64`` raises every floating input and
-    dtype argument to float64 (the reference evaluation)."""
-
-    def __init__(self, gm: fx.GraphModule, fp64: bool):
-        super().__init__(gm)
-        self.fp64 = fp64
-        self.values: Dict[str, object] = {}
-
-    def run_node(self, node: fx.Node):
-        if self.fp64 and node.op == "call_function":
-            args, kwargs = self.fetch_args_kwargs_from_env(node)
-            args, kwargs = _raise_dtypes((args, kwargs))
-            value = getattr(self, node.op)(node.target, args, kwargs)
-        else:
-            value = super().run_node(node)
-        self.values[node.name] = value
-        return value
-
-
-def _raise_dtypes(value):
-    if isinstance(value, torch.dtype):
-        return torch.float64 if value in _LOW_FLOATS else value
-    if isinstance(value, torch.Tensor):
-        return value.to(torch.float64) if value.dtype in _LOW_FLOATS else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_raise_dtypes(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _raise_dtypes(v) for k, v in value.items()}
-    return value
-
-
-def _exposed(gm: fx.GraphModule, nodes: List[str], keep_outputs: bool = True) -> fx.GraphModule:
-    """A copy of the graph with ``nodes`` as its outputs (after its own, with ``keep_outputs``;
-    else the graph is cut after the last of them)."""
-    copied = _copy(gm)
-    by_name = {n.name: n for n in copied.graph.nodes}
-    output = next(n for n in copied.graph.nodes if n.op == "output")
-    own = list(output.args[0]) if keep_outputs else []
-    copied.graph.erase_node(output)
-    copied.graph.output(tuple(own + [by_name[n] for n in nodes]))
-    if not keep_outputs:
-        copied.graph.eliminate_dead_code()
-    copied.recompile()
-    return copied
-
-
-def _compiled_values(graph: AtenGraph, nodes: List[str], keep_outputs: bool = True) -> tuple:
-    """The compiled values of ``nodes`` and the compiled graph's (callable, kernels)."""
-    gm = _exposed(graph.gm, nodes, keep_outputs)
-    compiled, kernels = graph.compile(gm, list(graph.inputs))
-    out = _call(compiled, graph.inputs)
-    kept = len(next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]) \
-        if keep_outputs else 0
-    return list(out)[kept:], (compiled, kernels)
 
 
 def localise(call: StoredCall, backend, config: Optional[dict] = None, label: str = "",
@@ -418,10 +68,10 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
     (default: ``ops/<module>.call<C>.step<S>`` beside the call's step file): one row per op,
     module ``<graph>.<node>``, which ``dynaprobe compare`` reports as it reports modules."""
     replay = GraphReplay(call)
-    watcher = _Watcher()
+    watcher = Watcher()
     folder = folder or ops_folder(call)
     result = OpsResult(call.module, call.call, call.step, label or _backend_name(backend), folder)
-    with inductor_patch(config or {}), _compiled_afresh():
+    with inductor_patch(config or {}), compiled_afresh():
         replay.run(watcher.backend(backend), "ops")
         graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
         if not graphs:
@@ -435,7 +85,7 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
             graph.inputs = [a.detach() if isinstance(a, torch.Tensor) else a
                             for a in graph.inputs]
             with torch.no_grad():
-                evaluated.append(_evaluate(graph))
+                evaluated.append(evaluate(graph))
         rows = _judged(call, graphs, evaluated, folder, result.backend)
         for graph, (nodes, eager, reference, compiled, code) in zip(graphs, evaluated):
             ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
@@ -466,7 +116,7 @@ def _fused_output(call: StoredCall, graph: AtenGraph, eager: dict,
     compiled, kernels = graph.code
     if compiled is None:
         return None
-    own = list(_call(compiled, list(graph.inputs)))
+    own = list(run_compiled(compiled, list(graph.inputs)))
     output = next(n for n in graph.gm.graph.nodes if n.op == "output")
     judged = [(i, node, own[i]) for i, node in enumerate(output.args[0])
               if isinstance(node, fx.Node) and i < len(own) and isinstance(own[i], torch.Tensor)
@@ -543,18 +193,6 @@ def _eager_noise(row) -> float:
         else float("nan")
 
 
-def _compiled_afresh():
-    """No compile cache: a graph AOTAutograd's or inductor's cache already holds is returned
-    without its compilers being called, so the watcher would see no graph."""
-    import torch._functorch.config as functorch_config  # noqa: PLC0415
-    import torch._inductor.config as inductor_config  # noqa: PLC0415
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
-    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
-    return stack
-
-
 def _backend_name(backend) -> str:
     """A backend in words: its name, or its compiler's."""
     if isinstance(backend, str):
@@ -571,17 +209,6 @@ def ops_folder(call: StoredCall) -> str:
     name = re.sub(r"[^\w.-]", "_", call.module)
     return os.path.join(os.path.dirname(os.path.abspath(call.path)), "ops",
                         f"{name}.call{call.call}.step{call.step}")
-
-
-def _evaluate(graph: AtenGraph) -> tuple:
-    """(nodes, eager values, fp64 values, compiled values, compiled code) of a graph."""
-    nodes = _computed(graph.gm)
-    eager = _Evaluation(graph.gm, fp64=False)
-    eager.run(*graph.inputs)
-    reference = _Evaluation(graph.gm, fp64=True)
-    reference.run(*_raise_dtypes(list(graph.inputs)))
-    compiled, code = _compiled_values(graph, [n.name for n in nodes])
-    return nodes, eager.values, reference.values, compiled, code
 
 
 def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: str,
@@ -621,7 +248,7 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
     inputs_max = max((by_name[n].max_abs for n in inputs), default=0.0)
     row = by_name[node.name]
     # Cut after the node, only it exposed: the fusion closest to the backend's own.
-    alone, alone_code = _compiled_values(graph, [node.name], keep_outputs=False)
+    alone, alone_code = compiled_values(graph, [node.name], keep_outputs=False)
     single = judge(call, [(Run([eager[node.name]]), Run(alone))],
                    references=[Run([reference[node.name]])])[0].rows
     single = next(r for r in single if r.check_type == FWD_OUTPUT)

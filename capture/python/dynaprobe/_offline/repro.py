@@ -28,16 +28,9 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
-from dynaprobe._offline.replay import (
-    UNPICKLE_RISK,
-    GraphReplay,
-    ReplayError,
-    StoredCall,
-    inductor_patch,
-    judge,
-    load_call,
-    metrics_lines,
-)
+from dynaprobe._offline.judging import judge, metrics_lines
+from dynaprobe._offline.replay import GraphReplay, inductor_patch, load_call
+from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
 from dynaprobe._vocabulary import PARAM_GRAD
 

@@ -11,14 +11,14 @@ import dataclasses
 import os
 import sys
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics import storage as _storage
 from dynaprobe._mechanics.distributed import rank_and_world, resolve_dump_dir
 from dynaprobe._mechanics.graphs import GraphRecorder, write_graph_files
-from dynaprobe._mechanics.reference import Judging, user_autocast
+from dynaprobe._mechanics.reference import user_autocast
 from dynaprobe._results.result import CompareResult
 from dynaprobe._steps.step import Step, Target
 from dynaprobe._vocabulary import COMPILED, EAGER
@@ -52,12 +52,32 @@ class Setup:
     written to ``graph_dir`` too when given (``dump_graphs``)."""
 
     provenance: Dict[str, str]
-    judging: Judging
+    judging: _C.Judging
     store: str
     modules: List[Tuple[str, Dict[str, str]]]
     graphs: GraphRecorder
     graph_dir: Optional[str] = None
     autocast_devices: Optional[set] = None
+
+
+@runtime_checkable
+class Installation(Protocol):
+    """A mode installed on a model (single-pass's ``SinglePass``, whole-model's ``WholeModel``):
+    what ``PrecisionChecker`` and ``StepSession.collect`` ask of it. Two-pass and capture() are
+    one verb each (``two_pass.run_step``) and install nothing."""
+
+    targets: List[Target]  # the wrapped modules it checks; their calls count from 0 per step
+    session: "StepSession"  # the checked steps it records into
+
+    def finish(self, step: Step) -> None:
+        """collect(), before the loss is recorded: the eager backwards still pending run."""
+
+    def conclude(self, step: Step) -> None:
+        """collect(), once the step has run: what it learned of each target, the parameter
+        gradients summed, the replay data decided."""
+
+    def remove(self) -> None:
+        """uninstall(): the model's forwards as they were, every hook removed."""
 
 
 class StepSession:
@@ -126,7 +146,7 @@ class StepSession:
             if setup.autocast_devices is not None else None
         if autocast is not None:
             provenance[vocabulary.PROVENANCE_AUTOCAST] = str(autocast)
-        self.recorder = _C.Recorder(self.dump_dir, provenance, judging=setup.judging.engine(),
+        self.recorder = _C.Recorder(self.dump_dir, provenance, judging=setup.judging,
                                     memory_budget_bytes=self.memory_budget_bytes,
                                     store=setup.store, strict_io=self.strict_io)
         self.mode = provenance.get(vocabulary.PROVENANCE_MODE)
@@ -147,9 +167,9 @@ class StepSession:
             self.mode = None
 
     # ------------------------------------------------------------------ finish
-    def collect(self, installation, loss) -> Optional[CompareResult]:
-        """collect(): finishes the step ``installation`` (the single-pass or whole-model mode)
-        checked, ``loss`` (if not None) its compiled loss; None for a step not checked."""
+    def collect(self, installation: Installation, loss) -> Optional[CompareResult]:
+        """collect(): finishes the step ``installation`` checked, ``loss`` (if not None) its
+        compiled loss; None for a step not checked."""
         step = self.current(installation.targets)
         if step is None:
             self.skip()

@@ -4,7 +4,7 @@ eager backwards waiting for their grad_output (single-pass)."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,9 @@ import torch.nn as nn
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.capture import Shard, _eager_backward, _in_eager_backward, local_tensor
 from dynaprobe._vocabulary import COMPILED, EAGER, GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD, REFERENCE
+
+if TYPE_CHECKING:  # session.py builds on this module
+    from dynaprobe._steps.session import StepSession
 
 LOSS_MODULE = vocabulary.LOSS_MODULE  # formats::kLossModule
 
@@ -297,9 +300,9 @@ def record_shared_param_grads(step: Step, targets: List[Target]) -> None:
     step.record_param_grads([(t.name, [(n, p, p, p) for n, p in t.params]) for t in targets])
 
 
-def compiled_param_grad_hook(session, param: torch.Tensor):
+def compiled_param_grad_hook(session: StepSession, param: torch.Tensor):
     """A hook for ``param.register_hook``: adds the training backward's gradient of ``param`` to
-    the compiled-side sum of the step ``session`` (a ``_session.StepSession``) has begun, if any
+    the compiled-side sum of the step ``session`` has begun, if any
     (the checker's own eager backward is left out)."""
     def hook(grad: Optional[torch.Tensor]) -> None:
         # Autograd hands hooks None for a gradient it left undefined (AXK2): zero, nothing to add.

@@ -1,22 +1,17 @@
-// What the text and CSV renderers share (private to analyze/src): number and tolerance
-// formatting, a row's shape, metrics and note as the spec's reports spell them, and the verdict.
+// What the renderers share (private to analyze/src): a row's shape, metrics, reference verdict
+// and note, and a step's verdict, as the spec's reports spell them, and markup's entities. How a
+// number is written is number_text.h's.
 #pragma once
 
 #include <string>
 
-#include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/comparison.h"
+#include "dynaprobe/analyze/number_text.h"
 
 namespace dynaprobe::analyze::detail {
 
-// printf of one number.
-std::string printf_string(const char* format, double value);
-// "%g" of a number, as warnings and notes name tolerances: "0.0001", "1e-05".
-std::string format_double(double value);
-
 // The entity XML and HTML write for one of & < > " ', or nullptr for any other character.
 const char* markup_entity(char c);
-// "1e-4", "0.001"... as a person writes a tolerance.
-std::string format_tolerance(double value);
 // The shape column: "(2, 3)", or "((2, 3), (3, 2))" for a shape mismatch.
 std::string shape_text(const Row& row);
 // The three metrics of a row; infinite for a shape mismatch, as the spec's tool reports them.

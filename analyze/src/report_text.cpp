@@ -1,35 +1,10 @@
-#include "report_common.h"
+#include "report_text.h"
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 
 #include "dynaprobe/analyze/report.h"
 
 namespace dynaprobe::analyze::detail {
-
-std::string printf_string(const char* format, double value) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), format, value);
-  return buffer;
-}
-
-std::string format_double(double value) { return printf_string("%g", value); }
-
-std::string format_tolerance(double value) {
-  for (int precision = 0; precision < 17; ++precision) {
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), "%.*e", precision, value);
-    if (std::strtod(buffer, nullptr) != value) continue;
-    std::string text = buffer;
-    const auto e = text.find('e');
-    std::string mantissa = text.substr(0, e);
-    const int exponent = std::atoi(text.c_str() + e + 1);
-    if (exponent >= -2 && exponent <= 3) return printf_string("%.15g", value);
-    return mantissa + "e" + std::to_string(exponent);
-  }
-  return printf_string("%.17g", value);
-}
 
 std::string shape_text(const Row& row) {
   if (row.shape_mismatch()) {
