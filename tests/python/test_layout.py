@@ -11,7 +11,7 @@
 - ``_results``: compared rows, runs, reports, assertions;
 - ``_mechanics``: probes, isolation, the reference, graphs, replay data, the dump folder's
   committed steps, distributed facts;
-- the base: ``_vocabulary`` and the extension ``_C``.
+- the base: the extension ``_C`` (and its ``vocabulary``, the names from C++).
 
 A module may import its own room and the rooms below it, at module level or inside a function.
 """
@@ -26,7 +26,7 @@ import textwrap
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "capture" / "python" / "dynaprobe"
 ROOMS = ["", "_checking", "_offline", "_modes", "_steps", "_results", "_mechanics", "_base"]
-BASE = {"_vocabulary", "_C"}
+BASE = {"_C"}
 TRAINING = ["_modes", "_steps", "_results", "_mechanics"]
 
 

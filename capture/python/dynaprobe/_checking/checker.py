@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import SIDE_COMPILED, SIDE_EAGER, STORE_FULL
 from dynaprobe._checking import options as _options
 from dynaprobe._mechanics.distributed import is_deepcopy_forbidden
 from dynaprobe._mechanics.provenance import provenance
@@ -23,7 +24,6 @@ from dynaprobe._results.result import CompareResult
 from dynaprobe._steps import planning as _planning
 from dynaprobe._steps.compiling import Compiler
 from dynaprobe._steps.session import CAPTURE_MODES, Dumps, Installation, Setup, StepSession
-from dynaprobe._vocabulary import COMPILED, EAGER, STORE_FULL
 
 
 class PrecisionChecker(_options.CheckerOptions):
@@ -292,8 +292,8 @@ class PrecisionChecker(_options.CheckerOptions):
                 return self.collect(fn(model))
             finally:
                 self.uninstall()
-        return self._run_sides(fn, model, [(EAGER, copy.deepcopy(model)),
-                                           (COMPILED, copy.deepcopy(model))])
+        return self._run_sides(fn, model, [(SIDE_EAGER, copy.deepcopy(model)),
+                                           (SIDE_COMPILED, copy.deepcopy(model))])
 
     def capture(self, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module,
                 side: str) -> str:

@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
+from dynaprobe._C.vocabulary import SIDE_COMPILED, SIDE_EAGER
 from dynaprobe._mechanics import replay_store as _replay_store
 from dynaprobe._mechanics import storage as _storage
 from dynaprobe._mechanics.provenance import judging
 from dynaprobe._mechanics.reference import expect_reference
-from dynaprobe._vocabulary import COMPILED, EAGER
 
 
 def expect_tolerance(name: str, value) -> float:
@@ -181,7 +181,7 @@ def expect_comparable(model, single_pass: bool, installed, deepcopy_forbidden) -
 
 def expect_side(side) -> None:
     """capture(): one side."""
-    if side not in (EAGER, COMPILED):
+    if side not in (SIDE_EAGER, SIDE_COMPILED):
         raise ValueError(f"side must be 'eager' or 'compiled', not {side!r}")
 
 

@@ -11,7 +11,7 @@ import warnings
 from typing import Iterable, List, Optional
 
 from dynaprobe import _C
-from dynaprobe._vocabulary import STORE_MODES
+from dynaprobe._C.vocabulary import STORE_MODES
 
 
 def expect_dump_mode(value) -> str:

@@ -12,6 +12,15 @@ import torch
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import (
+    KIND_FWD_INPUT,
+    KIND_FWD_OUTPUT,
+    KIND_GRAD_INPUT,
+    KIND_GRAD_OUTPUT,
+    SIDE_COMPILED,
+    SIDE_EAGER,
+    SIDE_REFERENCE,
+)
 from dynaprobe._mechanics import replay_store
 from dynaprobe._mechanics.capture import (
     ProbedInputs,
@@ -53,15 +62,6 @@ from dynaprobe._steps.step import (
     compiled_param_grad_hook,
     record_shared_param_grads,
     run_pending,
-)
-from dynaprobe._vocabulary import (
-    COMPILED,
-    EAGER,
-    FWD_INPUT,
-    FWD_OUTPUT,
-    GRAD_INPUT,
-    GRAD_OUTPUT,
-    REFERENCE,
 )
 
 
@@ -170,7 +170,7 @@ class SinglePass:
         if self.capture_input:
             # Single-pass feeds both sides the same inputs: recorded once, for both.
             for index, (label, tensor) in enumerate(call.inputs):
-                step.record(name, call.index, FWD_INPUT, index, COMPILED, tensor, label)
+                step.record(name, call.index, KIND_FWD_INPUT, index, SIDE_COMPILED, tensor, label)
         # Copies taken before the training call, which may change its inputs (a cache it
         # appends to, a tensor modified in place) and its module's state.
         call.eager_args, call.eager_kwargs, shared = copy_arguments(
@@ -291,9 +291,9 @@ class SinglePass:
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
         left, eager_left = self._left_in_arguments(call)
         for index, (label, tensor) in enumerate(compiled_leaves):
-            step.record(name, call.index, FWD_OUTPUT, index, COMPILED, tensor, label)
+            step.record(name, call.index, KIND_FWD_OUTPUT, index, SIDE_COMPILED, tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
-            step.record(name, call.index, FWD_OUTPUT, index, EAGER, tensor, label)
+            step.record(name, call.index, KIND_FWD_OUTPUT, index, SIDE_EAGER, tensor, label)
         return left, eager_left
 
     def _await_backward(self, call: CheckedCall, compiled_out, left: list, eager_left: list):
@@ -399,7 +399,7 @@ class SinglePass:
             step.reference_missing(target.name, differ)
             return None
         for index, (label, tensor) in enumerate(leaves):
-            step.record(target.name, call.index, FWD_OUTPUT, index, REFERENCE, tensor, label)
+            step.record(target.name, call.index, KIND_FWD_OUTPUT, index, SIDE_REFERENCE, tensor, label)
         return run
 
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
@@ -478,14 +478,14 @@ class SinglePass:
                 return
             pending.on_output_grad(index, grad)
             # Seeds both sides' backward: recorded once, for both.
-            step.record(pending.target.name, pending.call, GRAD_OUTPUT, index, COMPILED, grad)
+            step.record(pending.target.name, pending.call, KIND_GRAD_OUTPUT, index, SIDE_COMPILED, grad)
 
         return hook
 
     def _compiled_grad_input_hook(self, step: Step, target: Target, call: int, index: int):
         def hook(grad: Optional[torch.Tensor]) -> None:
             if grad is not None:
-                step.record(target.name, call, GRAD_INPUT, index, COMPILED, grad)
+                step.record(target.name, call, KIND_GRAD_INPUT, index, SIDE_COMPILED, grad)
             # The compiled backward of this call is done: every grad_output has arrived.
             for pending in step.pending:
                 if pending.target is target and pending.call == call:

@@ -9,6 +9,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dynaprobe._C.vocabulary import (
+    KIND_FWD_INPUT,
+    KIND_FWD_OUTPUT,
+    KIND_GRAD_INPUT,
+    KIND_GRAD_OUTPUT,
+    SIDE_COMPILED,
+    SIDE_EAGER,
+    SIDE_REFERENCE,
+)
 from dynaprobe._mechanics.capture import (
     ProbedInputs,
     RngState,
@@ -24,17 +33,8 @@ from dynaprobe._mechanics.reference import ReferencePolicy, call_precision, no_a
 from dynaprobe._steps.compiling import Compiler
 from dynaprobe._steps.session import StepSession
 from dynaprobe._steps.step import Step, Target
-from dynaprobe._vocabulary import (
-    COMPILED,
-    EAGER,
-    FWD_INPUT,
-    FWD_OUTPUT,
-    GRAD_INPUT,
-    GRAD_OUTPUT,
-    REFERENCE,
-)
 
-SIDES = (EAGER, COMPILED, REFERENCE)
+SIDES = (SIDE_EAGER, SIDE_COMPILED, SIDE_REFERENCE)
 
 
 def run_step(session: StepSession, fn: Callable, model: nn.Module,
@@ -48,8 +48,8 @@ def run_step(session: StepSession, fn: Callable, model: nn.Module,
     try:
         by_side = run_sides(step, fn, model, sides, targets, compiler.compile, capture_input,
                             cast_dtype, reference)
-        if COMPILED in by_side:
-            compiler.summarize(step, by_side[COMPILED])
+        if SIDE_COMPILED in by_side:
+            compiler.summarize(step, by_side[SIDE_COMPILED])
         return session.finish(compare=compare)
     finally:
         session.abandon()
@@ -83,10 +83,10 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
     try:
         for side, side_model in sides:
             patch(side, side_model,
-                  (lambda _, forward: forward) if side == EAGER else compile_forward,
+                  (lambda _, forward: forward) if side == SIDE_EAGER else compile_forward,
                   lambda target, side=side: _one_side_forward(
                       step, target, side, capture_input, cast_dtype,
-                      seen_low if side == EAGER else None))
+                      seen_low if side == SIDE_EAGER else None))
         rng = RngState(devices_of([], model))
         for i, (side, side_model) in enumerate(sides):
             if i:
@@ -95,7 +95,7 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
             if loss is not None:
                 step.record_loss(side, loss)
         dtype = reference.dtype(seen_low[0] if seen_low else None)
-        if dtype is not None and COMPILED in by_side:
+        if dtype is not None and SIDE_COMPILED in by_side:
             _run_reference_side(step, fn, model, rng, dtype, patch,
                                 [display for display, _ in targets], capture_input)
         first = next(iter(by_side.values()))
@@ -119,7 +119,7 @@ def _run_reference_side(step: Step, fn: Callable, model: nn.Module, rng: RngStat
     a NO_REFERENCE row saying why."""
     try:
         reference_model = copy.deepcopy(model).to(dtype)
-        patch(REFERENCE, reference_model, lambda _, forward: forward,
+        patch(SIDE_REFERENCE, reference_model, lambda _, forward: forward,
               lambda target: _reference_forward(step, target, dtype, capture_input))
         rng.restore()
         fn(reference_model)
@@ -138,7 +138,7 @@ def _reference_forward(step: Step, target: Target, dtype: torch.dtype,
         inputs = input_leaves(args, kwargs)
         devices = devices_of([t for _, t in inputs], target.module)
         with no_autocast(devices):
-            return _recorded_call(step, target, REFERENCE, args, kwargs, capture_input,
+            return _recorded_call(step, target, SIDE_REFERENCE, args, kwargs, capture_input,
                                   target.run)
 
     return forward
@@ -169,23 +169,23 @@ def _recorded_call(step: Step, target: Target, side: str, args: tuple, kwargs: d
     inputs = input_leaves(args, kwargs)
     if capture_input:
         for index, (label, tensor) in enumerate(inputs):
-            step.record(target.name, call, FWD_INPUT, index, side, tensor, label)
+            step.record(target.name, call, KIND_FWD_INPUT, index, side, tensor, label)
     grad_mode = torch.is_grad_enabled()
     if grad_mode:
         # Writable probes: the module, or the code after it, may write them in place
         # (ReLU(inplace=True), x += skip), on either side.
         probed = ProbedInputs(args, kwargs, lambda index: _grad_hook(
-            step, target, call, GRAD_INPUT, index, side), writable=True)
+            step, target, call, KIND_GRAD_INPUT, index, side), writable=True)
         args, kwargs = probed.args, probed.kwargs
     out = run(*args, **kwargs)
     if grad_mode:
         probed.write_back()
     for index, (label, tensor) in enumerate(tensor_leaves(out)):
-        step.record(target.name, call, FWD_OUTPUT, index, side, tensor, label)
+        step.record(target.name, call, KIND_FWD_OUTPUT, index, side, tensor, label)
     if not grad_mode:
         return out
     return probe_outputs(out, lambda index: _grad_hook(
-        step, target, call, GRAD_OUTPUT, index, side), writable=True)
+        step, target, call, KIND_GRAD_OUTPUT, index, side), writable=True)
 
 
 def _grad_hook(step: Step, target: Target, call: int, kind: str, index: int, side: str):

@@ -38,6 +38,15 @@ import torch.nn as nn
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import (
+    KIND_FWD_INPUT,
+    KIND_FWD_OUTPUT,
+    KIND_GRAD_INPUT,
+    KIND_GRAD_OUTPUT,
+    SIDE_COMPILED,
+    SIDE_EAGER,
+    SIDE_REFERENCE,
+)
 from dynaprobe._mechanics.capture import RngState, _in_eager_backward
 from dynaprobe._mechanics.graphs import GraphRecorder
 from dynaprobe._mechanics.reference import (
@@ -66,15 +75,6 @@ from dynaprobe._steps.step import (
     compiled_param_grad_hook,
     record_shared_param_grads,
     run_pending,
-)
-from dynaprobe._vocabulary import (
-    COMPILED,
-    EAGER,
-    FWD_INPUT,
-    FWD_OUTPUT,
-    GRAD_INPUT,
-    GRAD_OUTPUT,
-    REFERENCE,
 )
 
 # grad_tap key -> the function receiving the gradient. Keys are never reused.
@@ -290,7 +290,7 @@ class WholeModel:
             node = values[label]
             if node.meta["example_value"].requires_grad:
                 with gm.graph.inserting_after(node):
-                    tap = self._tap(gm, node, call, GRAD_OUTPUT, index)
+                    tap = self._tap(gm, node, call, KIND_GRAD_OUTPUT, index)
                 node.replace_all_uses_with(tap, lambda user: user is not tap and user not in nodes)
 
     def _tap_inputs(self, gm: fx.GraphModule, call: CallInGraph, nodes: set) -> None:
@@ -304,7 +304,7 @@ class WholeModel:
                 first_use = next(n for n in gm.graph.nodes
                                  if n in nodes and node in n.all_input_nodes)
                 with gm.graph.inserting_before(first_use):
-                    tap = self._tap(gm, node, call, GRAD_INPUT, index)
+                    tap = self._tap(gm, node, call, KIND_GRAD_INPUT, index)
                 node.replace_all_uses_with(tap, lambda user: user in nodes)
 
     def _tap(self, gm: fx.GraphModule, node: fx.Node, call: CallInGraph, kind: str,
@@ -358,7 +358,7 @@ class WholeModel:
         inputs = [value(s) for s in call.inputs]
         if self.capture_input:
             for i, (label, tensor) in enumerate(zip(call.input_labels, inputs)):
-                step.record(target.name, index, FWD_INPUT, i, COMPILED, tensor, label)
+                step.record(target.name, index, KIND_FWD_INPUT, i, SIDE_COMPILED, tensor, label)
         grad_mode = torch.is_grad_enabled()
         leaves = []
         eager_inputs = []
@@ -381,8 +381,8 @@ class WholeModel:
         reference = self._reference(step, call, target, index, inputs, params, eager_out,
                                     compiled_out, grad_mode)
         for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
-            step.record(target.name, index, FWD_OUTPUT, at, COMPILED, compiled_out[i], label)
-            step.record(target.name, index, FWD_OUTPUT, at, EAGER, eager_out[i], label)
+            step.record(target.name, index, KIND_FWD_OUTPUT, at, SIDE_COMPILED, compiled_out[i], label)
+            step.record(target.name, index, KIND_FWD_OUTPUT, at, SIDE_EAGER, eager_out[i], label)
         if not grad_mode:
             return
         eager_outputs = [(at, t) for at, t in zip(call.output_indices, eager_out)
@@ -432,7 +432,7 @@ class WholeModel:
             step.reference_missing(target.name, differ)
             return None
         for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
-            step.record(target.name, index, FWD_OUTPUT, at, REFERENCE, out[i], label)
+            step.record(target.name, index, KIND_FWD_OUTPUT, at, SIDE_REFERENCE, out[i], label)
         if not grad_mode:
             return None
         own = {id(p) for _, p in target.params}
@@ -451,13 +451,13 @@ class WholeModel:
             for pending, inputs_seen in reversed(call.pending):
                 if pending.step is not step:
                     continue
-                if kind == GRAD_OUTPUT and index not in pending.grads:
+                if kind == KIND_GRAD_OUTPUT and index not in pending.grads:
                     pending.on_output_grad(index, grad.clone())
-                    step.record(pending.target.name, pending.call, kind, index, COMPILED, grad)
+                    step.record(pending.target.name, pending.call, kind, index, SIDE_COMPILED, grad)
                     return
-                if kind == GRAD_INPUT and index not in inputs_seen:
+                if kind == KIND_GRAD_INPUT and index not in inputs_seen:
                     inputs_seen.add(index)
-                    step.record(pending.target.name, pending.call, kind, index, COMPILED, grad)
+                    step.record(pending.target.name, pending.call, kind, index, SIDE_COMPILED, grad)
                     if len(inputs_seen) == call.tapped_inputs:
                         # The compiled backward has passed this call: every grad_output has
                         # arrived, and FSDP2 has not yet freed the parameters it gathered.

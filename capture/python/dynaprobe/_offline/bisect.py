@@ -29,11 +29,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT
 from dynaprobe._offline.judging import judge, metrics_lines
 from dynaprobe._offline.replay import inductor_patch, load_call, replay_of
 from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
-from dynaprobe._vocabulary import FWD_OUTPUT
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class StageResult:
         if self.result is None:
             return []
         return [r for r in self.result.rows if r.check_type != "note"
-                and (r.check_type == FWD_OUTPUT) == forward]
+                and (r.check_type == KIND_FWD_OUTPUT) == forward]
 
     def changed(self, forward: bool) -> bool:
         return bool(self.error) or any(r.max_abs != 0 or r.status != vocabulary.STATUS_PASS

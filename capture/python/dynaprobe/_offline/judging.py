@@ -12,9 +12,16 @@ import torch
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import (
+    KIND_FWD_OUTPUT,
+    KIND_GRAD_INPUT,
+    KIND_PARAM_GRAD,
+    SIDE_COMPILED,
+    SIDE_EAGER,
+    SIDE_REFERENCE,
+)
 from dynaprobe._offline.stored_call import Run, StoredCall
 from dynaprobe._results.result import CompareResult
-from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, GRAD_INPUT, PARAM_GRAD, REFERENCE
 
 # The provenance a replay's judging keeps from the original dump: the tolerances and how rows
 # are judged, so that the metrics and verdicts are the report's.
@@ -45,18 +52,18 @@ def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] 
     recorder = judging_recorder(call, folder)
     for index, (eager, other) in enumerate(pairs):
         recorder.begin_step(index)
-        sides = [(EAGER, eager), (COMPILED, other)]
+        sides = [(SIDE_EAGER, eager), (SIDE_COMPILED, other)]
         if references is not None:
-            sides.append((REFERENCE, references[index]))
+            sides.append((SIDE_REFERENCE, references[index]))
         for side, run in sides:
             for position, tensor in enumerate(run.outputs):
-                recorder.record(call.module, call.call, FWD_OUTPUT, position, side, tensor,
-                                run.labels.get((FWD_OUTPUT, position), ""))
+                recorder.record(call.module, call.call, KIND_FWD_OUTPUT, position, side, tensor,
+                                run.labels.get((KIND_FWD_OUTPUT, position), ""))
             for position, grad in sorted(run.grad_input.items()):
-                recorder.record(call.module, call.call, GRAD_INPUT, position, side, grad,
-                                run.labels.get((GRAD_INPUT, position), ""))
+                recorder.record(call.module, call.call, KIND_GRAD_INPUT, position, side, grad,
+                                run.labels.get((KIND_GRAD_INPUT, position), ""))
             for position, (name, grad) in enumerate(run.param_grad):
-                recorder.record(call.module, 0, PARAM_GRAD, position, side, grad, name)
+                recorder.record(call.module, 0, KIND_PARAM_GRAD, position, side, grad, name)
         recorder.end_step()
     comparison = _C.compare(folder, folder)
     return [CompareResult.from_report(report, folder, "", comparison)

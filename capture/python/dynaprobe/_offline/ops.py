@@ -38,6 +38,7 @@ from torch import fx
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT, SIDE_COMPILED, SIDE_EAGER, SIDE_REFERENCE
 from dynaprobe._offline.aten_graphs import (
     AtenGraph,
     Watcher,
@@ -58,7 +59,6 @@ from dynaprobe._offline.ops_result import (
 from dynaprobe._offline.replay import GraphReplay, inductor_patch
 from dynaprobe._offline.stored_call import ReplayError, Run, StoredCall
 from dynaprobe._results.result import CompareResult
-from dynaprobe._vocabulary import COMPILED, EAGER, FWD_OUTPUT, REFERENCE
 
 
 def localise(call: StoredCall, backend, config: Optional[dict] = None, label: str = "",
@@ -128,7 +128,7 @@ def _fused_output(call: StoredCall, graph: AtenGraph, eager: dict,
     pairs = [(Run([eager[n.name]]), Run([value])) for _, n, value in judged]
     results = judge(call, pairs, references=[Run([reference[n.name]]) for _, n, _ in judged])
     for (index, node, _), result in zip(judged, results):
-        row = next(r for r in result.rows if r.check_type == FWD_OUTPUT)
+        row = next(r for r in result.rows if r.check_type == KIND_FWD_OUTPUT)
         if row.status == vocabulary.STATUS_FAIL:
             return FusedOutput(graph.kind, index, node.name, str(node.target), row,
                                _nearest_kernel(graph.code, node))
@@ -228,15 +228,15 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
                 vocabulary.ATTRIBUTE_OP: str(node.target),
                 vocabulary.ATTRIBUTE_GRAPH: graph.kind,
                 vocabulary.ATTRIBUTE_SOURCE: _source(node.meta.get("stack_trace") or "")})
-            for side, tensor in ((EAGER, eager[node.name]), (COMPILED, value),
-                                 (REFERENCE, reference[node.name])):
-                recorder.record(module, 0, FWD_OUTPUT, 0, side, tensor)
+            for side, tensor in ((SIDE_EAGER, eager[node.name]), (SIDE_COMPILED, value),
+                                 (SIDE_REFERENCE, reference[node.name])):
+                recorder.record(module, 0, KIND_FWD_OUTPUT, 0, side, tensor)
         recorder.record_graph(f"{graph.kind}_graph", graph.kind,
                               graph.gm.print_readable(print_output=False))
     recorder.end_step()
     comparison = _C.compare(folder, folder)
     return {row.module: row for row in CompareResult.from_report(
-        comparison.steps[0], folder, "", comparison).rows if row.check_type == FWD_OUTPUT}
+        comparison.steps[0], folder, "", comparison).rows if row.check_type == KIND_FWD_OUTPUT}
 
 
 def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
@@ -251,7 +251,7 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
     alone, alone_code = compiled_values(graph, [node.name], keep_outputs=False)
     single = judge(call, [(Run([eager[node.name]]), Run(alone))],
                    references=[Run([reference[node.name]])])[0].rows
-    single = next(r for r in single if r.check_type == FWD_OUTPUT)
+    single = next(r for r in single if r.check_type == KIND_FWD_OUTPUT)
     if single.status == vocabulary.STATUS_FAIL:
         fidelity = ("confirmed with the graph cut after it and only it exposed "
                     f"(max_abs={single.max_abs:.3e})")

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT, KIND_GRAD_INPUT, SIDE_COMPILED
 from dynaprobe._mechanics.graph_runner import replay_graphs
 from dynaprobe._mechanics.replay_store import (
     GRAPH_TENSOR,
@@ -31,7 +32,6 @@ from dynaprobe._mechanics.replay_store import (
 from dynaprobe._mechanics.storage import committed_steps
 from dynaprobe._offline.stored_call import ReplayError, Run, StoredCall
 from dynaprobe._steps.compiling import own_entry
-from dynaprobe._vocabulary import COMPILED, FWD_OUTPUT, GRAD_INPUT
 
 
 class ClassReplay:
@@ -72,10 +72,10 @@ class GraphReplay:
                                  self.call.autocast_dtype, self.device)
         run = Run([t for _, t in replayed.outputs])
         for index, (name, _) in enumerate(replayed.outputs):
-            run.labels[(FWD_OUTPUT, index)] = name
+            run.labels[(KIND_FWD_OUTPUT, index)] = name
         for index, (name, grad) in enumerate(replayed.grad_inputs):
             run.grad_input[index] = grad
-            run.labels[(GRAD_INPUT, index)] = name
+            run.labels[(KIND_GRAD_INPUT, index)] = name
         order = [split_label(label)[1] for label in self.call.tensors
                  if split_label(label)[0] == PARAM]  # the module's order, as the report's
         run.param_grad = sorted(replayed.param_grads.items(),
@@ -198,12 +198,12 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
             if record["call"] != call and role not in (STRUCTURE, GRAPH_TENSOR):
                 continue
             tensor = tensor_from_bytes(*_C.read_record(path, module, record["call"], KIND,
-                                                       record["tensor_index"], COMPILED))
+                                                       record["tensor_index"], SIDE_COMPILED))
             if role == STRUCTURE:
                 structure = tensor.numpy().tobytes()
             else:
                 tensors[record["label"]] = tensor
-        elif record["call"] == call and record["kind"] == FWD_OUTPUT and record["stored"]:
+        elif record["call"] == call and record["kind"] == KIND_FWD_OUTPUT and record["stored"]:
             outputs[(record["side"], record["kind"], record["tensor_index"])] = tensor_from_bytes(
                 *_C.read_record(path, module, call, record["kind"], record["tensor_index"],
                                 record["side"]))

@@ -26,13 +26,13 @@ import torch
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import KIND_PARAM_GRAD
 from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
 from dynaprobe._offline.judging import judge, metrics_lines
 from dynaprobe._offline.replay import GraphReplay, inductor_patch, load_call
 from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
-from dynaprobe._vocabulary import PARAM_GRAD
 
 DATA_FILE = "repro_data.pt"
 SCRIPT_FILE = "repro.py"
@@ -226,7 +226,7 @@ def recorded_lines(stored: StoredCall) -> List[str]:
     recorded = CompareResult.from_report(comparison.steps[0], dump_dir, stored.path, comparison)
     return metrics_lines([r for r in recorded.rows if r.module == stored.module and
                           r.check_type != "note" and (r.call == stored.call or
-                                                      r.check_type == PARAM_GRAD)])
+                                                      r.check_type == KIND_PARAM_GRAD)])
 
 
 def _write_graph_repro(stored: StoredCall, out_dir: str) -> str:

@@ -15,13 +15,13 @@ from typing import Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import SIDE_COMPILED, SIDE_EAGER
 from dynaprobe._mechanics import storage as _storage
 from dynaprobe._mechanics.distributed import rank_and_world, resolve_dump_dir
 from dynaprobe._mechanics.graphs import GraphRecorder, write_graph_files
 from dynaprobe._mechanics.reference import user_autocast
 from dynaprobe._results.result import CompareResult
 from dynaprobe._steps.step import Step, Target
-from dynaprobe._vocabulary import COMPILED, EAGER
 
 # Sessions with a step whose file may still be being committed (collect() in a run).
 _committing_sessions: "weakref.WeakSet[StepSession]" = weakref.WeakSet()
@@ -37,7 +37,7 @@ def _commit_before_exit() -> None:
             print(f"dynaprobe: {error}", file=sys.stderr)
 
 
-CAPTURE_MODES = {EAGER: vocabulary.MODE_EAGER_ONLY, COMPILED: vocabulary.MODE_COMPILED_ONLY}
+CAPTURE_MODES = {SIDE_EAGER: vocabulary.MODE_EAGER_ONLY, SIDE_COMPILED: vocabulary.MODE_COMPILED_ONLY}
 
 
 @dataclasses.dataclass
@@ -176,7 +176,7 @@ class StepSession:
             return None
         installation.finish(step)
         if loss is not None:
-            step.record_loss(COMPILED, loss)
+            step.record_loss(SIDE_COMPILED, loss)
         installation.conclude(step)
         return self.finish()
 

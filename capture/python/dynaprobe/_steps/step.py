@@ -10,8 +10,15 @@ import torch
 import torch.nn as nn
 
 from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import (
+    KIND_GRAD_INPUT,
+    KIND_GRAD_OUTPUT,
+    KIND_PARAM_GRAD,
+    SIDE_COMPILED,
+    SIDE_EAGER,
+    SIDE_REFERENCE,
+)
 from dynaprobe._mechanics.capture import Shard, _eager_backward, _in_eager_backward, local_tensor
-from dynaprobe._vocabulary import COMPILED, EAGER, GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD, REFERENCE
 
 if TYPE_CHECKING:  # session.py builds on this module
     from dynaprobe._steps.session import StepSession
@@ -47,7 +54,7 @@ class Step:
         # Summed per side, keyed by id(parameter); "reference" (the reference's gradients) is
         # keyed by the real parameter in single-pass, by the reference copy's in two-pass.
         self.param_grads: Dict[str, Dict[int, torch.Tensor]] = {
-            EAGER: {}, COMPILED: {}, REFERENCE: {}}
+            SIDE_EAGER: {}, SIDE_COMPILED: {}, SIDE_REFERENCE: {}}
         # Single-pass, by id(parameter): whether the compiled side's sum is the parameter's
         # share of each checked call (CallShares found every call's), not all the training
         # backward gave it, which includes its uses outside the calls.
@@ -116,12 +123,12 @@ class Step:
                     f"reduce-scatter)")
                 counts = self.backwards.get(name)
                 partial = counts is not None and counts[1] != counts[0]
-                for side, param in zip((EAGER, COMPILED, REFERENCE), by_side):
-                    if side == REFERENCE and partial:
+                for side, param in zip((SIDE_EAGER, SIDE_COMPILED, SIDE_REFERENCE), by_side):
+                    if side == SIDE_REFERENCE and partial:
                         continue
                     grad = None if param is None else self.param_grads[side].get(id(param))
                     if grad is not None:  # the step's own sum (add_param_grad)
-                        self.record(name, 0, PARAM_GRAD, index, side, grad, label,
+                        self.record(name, 0, KIND_PARAM_GRAD, index, side, grad, label,
                                     handed_over=True)
 
     def note(self, module: str, note: str, reason: str) -> None:
@@ -193,10 +200,10 @@ class PendingBackward:
                 grads = ()
             for (index, leaf), grad in zip(self.leaves, grads):
                 if grad is not None:
-                    self.step.record(self.target.name, self.call, GRAD_INPUT, index, EAGER, grad)
+                    self.step.record(self.target.name, self.call, KIND_GRAD_INPUT, index, SIDE_EAGER, grad)
             for param, grad in zip(params, grads[len(self.leaves):]):
                 if grad is not None:
-                    self.step.add_param_grad(EAGER, param, grad,
+                    self.step.add_param_grad(SIDE_EAGER, param, grad,
                                              owned=not shares_storage(grad, grad_outputs))
             if self.reference is None and self.late_reference is not None:
                 self.reference = self.late_reference(self._gradient_pairs(grads, params))
@@ -213,15 +220,15 @@ class PendingBackward:
         sides' own), the inputs' gradients the compiled call has delivered, and the parameters'
         sums of the calls whose backward has run (the backward reaches calls last to first),
         where both sides are this call's own."""
-        pairs = [(GRAD_OUTPUT, grad, grad) for grad in self.grads.values()]  # the magnitude
-        pairs += [(GRAD_INPUT, grad, self.compiled_grad_inputs[index])
+        pairs = [(KIND_GRAD_OUTPUT, grad, grad) for grad in self.grads.values()]  # the magnitude
+        pairs += [(KIND_GRAD_INPUT, grad, self.compiled_grad_inputs[index])
                   for (index, _), grad in zip(self.leaves, grads)
                   if grad is not None and index in self.compiled_grad_inputs]
         sums = self.step.param_grads
         for param in params:
             key = id(param)
-            if self.step.by_call.get(key) and key in sums[EAGER] and key in sums[COMPILED]:
-                pairs.append((PARAM_GRAD, sums[EAGER][key], sums[COMPILED][key]))
+            if self.step.by_call.get(key) and key in sums[SIDE_EAGER] and key in sums[SIDE_COMPILED]:
+                pairs.append((KIND_PARAM_GRAD, sums[SIDE_EAGER][key], sums[SIDE_COMPILED][key]))
         return pairs
 
     def _run_reference(self) -> bool:
@@ -240,11 +247,11 @@ class PendingBackward:
             return False
         for (index, _), grad in zip(reference.leaves, grads):
             if grad is not None:
-                self.step.record(self.target.name, self.call, GRAD_INPUT, index, REFERENCE,
+                self.step.record(self.target.name, self.call, KIND_GRAD_INPUT, index, SIDE_REFERENCE,
                                  grad)
         for (param, _), grad in zip(reference.params, grads[len(reference.leaves):]):
             if grad is not None:
-                self.step.add_param_grad(REFERENCE, param, grad,
+                self.step.add_param_grad(SIDE_REFERENCE, param, grad,
                                          owned=not shares_storage(grad, grad_outputs))
         return True
 
@@ -310,7 +317,7 @@ def compiled_param_grad_hook(session: StepSession, param: torch.Tensor):
         # A parameter split by call (CallShares) gets its compiled sum from its calls' shares.
         if step is not None and grad is not None and not _in_eager_backward() \
                 and not step.by_call.get(id(param), False):
-            step.add_param_grad(COMPILED, param, grad)
+            step.add_param_grad(SIDE_COMPILED, param, grad)
 
     return hook
 
@@ -374,6 +381,6 @@ def _share_hook(step: Step, edges: List[Tuple[int, torch.Tensor]]):
         for edge, param in edges:
             grad = grad_inputs[edge]
             if grad is not None and step.by_call.get(id(param), False):
-                step.add_param_grad(COMPILED, param, grad)
+                step.add_param_grad(SIDE_COMPILED, param, grad)
 
     return hook
