@@ -83,11 +83,8 @@ class OutputFile {
 // call on this thread, so use it once per printf.
 const char* printable(const std::string& name);
 
-// A size for people: "512 B", "3.4 KiB", "1.2 MiB", "2.05 GiB".
-std::string human_bytes(std::uint64_t bytes);
-
 // The dump a command reads: `path`, or for a folder of runs its newest run, said on stderr with
-// the others and how to pick one (analyze::newest_run).
+// the others and how to pick one (analyze::choose_run).
 std::string chosen_dump(const std::string& command, const std::string& path);
 
 // The subcommands. setup_x adds the subcommand to `app`; when it is the one parsed, `selected`

@@ -157,35 +157,9 @@ CLI::Validator non_negative(const std::string& example, bool integer) {
 }
 
 std::string chosen_dump(const std::string& command, const std::string& path) {
-  const analyze::NewestRun newest = analyze::newest_run(path);
-  if (newest.runs.empty()) return path;
-  constexpr std::size_t kShown = 4;
-  std::string said = "dynaprobe: " + path + " holds " + std::to_string(newest.runs.size()) +
-                     " run(s); " + command + " reads the newest, " + newest.path.string();
-  for (std::size_t i = 1; i < newest.runs.size() && i <= kShown; ++i) {
-    said += (i > 1 ? ", " : "; the others: ") + newest.runs[i].filename().string();
-  }
-  if (newest.runs.size() > kShown + 1) said += ", ...";
-  if (newest.runs.size() > 1) {
-    said += " (name one to read it: dynaprobe " + command + " " +
-            (fs::path(path) / newest.runs[1].filename()).string() + ")";
-  }
-  std::fprintf(stderr, "%s\n", formats::printable_name(said).c_str());
-  return newest.path.string();
-}
-
-std::string human_bytes(std::uint64_t bytes) {
-  char buffer[32];
-  if (bytes < 1024) {
-    std::snprintf(buffer, sizeof(buffer), "%llu B", static_cast<unsigned long long>(bytes));
-  } else if (bytes < (1u << 20)) {
-    std::snprintf(buffer, sizeof(buffer), "%.1f KiB", static_cast<double>(bytes) / 1024.0);
-  } else if (bytes < (1u << 30)) {
-    std::snprintf(buffer, sizeof(buffer), "%.1f MiB", static_cast<double>(bytes) / 1048576.0);
-  } else {
-    std::snprintf(buffer, sizeof(buffer), "%.2f GiB", static_cast<double>(bytes) / 1073741824.0);
-  }
-  return buffer;
+  const analyze::ChosenRun chosen = analyze::choose_run(command, path);
+  if (!chosen.said.empty()) std::fprintf(stderr, "%s\n", chosen.said.c_str());
+  return chosen.path.string();
 }
 
 }  // namespace dynaprobe::cli

@@ -4,6 +4,7 @@
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/analyze/report_model.h"
 #include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/reader.h"
@@ -125,14 +126,15 @@ int run_ls(const LsOptions& cmd) {
             std::string(formats::kind_name(record.key.kind)).c_str(), record.key.tensor_index,
             std::string(formats::side_name(record.key.side)).c_str(),
             std::string(formats::dtype_name(record.dtype)).c_str(),
-            formats::shape_string(record.shape).c_str(), human_bytes(record.nbytes()).c_str(),
-            record.stored ? human_bytes(record.stored_bytes).c_str() : "not stored",
+            formats::shape_string(record.shape).c_str(),
+            analyze::format_bytes(record.nbytes()).c_str(),
+            record.stored ? analyze::format_bytes(record.stored_bytes).c_str() : "not stored",
             record.stored_bytes
                 ? static_cast<double>(record.nbytes()) / static_cast<double>(record.stored_bytes)
                 : 0.0);
       }
       std::printf("  %zu records, %s of tensors stored in %s\n", reader.records().size(),
-                  human_bytes(total).c_str(), human_bytes(stored).c_str());
+                  analyze::format_bytes(total).c_str(), analyze::format_bytes(stored).c_str());
       if (!reader.stored_metrics().empty() || not_stored > 0) {
         std::printf(
             "  %zu compared pairs judged at capture (their metrics are in the file); %zu records "

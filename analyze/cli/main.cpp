@@ -198,7 +198,7 @@ int parse_error(const CLI::App& app, const std::string& command, const CLI::Pars
     return usage_error(where +
                        "DUMP is required: give a run folder, a dump folder or a step "
                        "file, e.g. dynaprobe " +
-                       command + " dynaprobe_runs/<run>" +
+                       command + " " + std::string(schema::kRunsDir) + "/<run>" +
                        (command == "graphs" ? " -o graphs" : "") + " ('" + help + "' says more)");
   }
   return usage_error(where + error.what() + " ('" + help + "' lists the options)");

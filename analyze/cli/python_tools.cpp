@@ -66,8 +66,7 @@ int run_python_tool(const std::string& tool, const std::vector<std::string>& arg
   const std::string python = python_interpreter();
   std::vector<std::string> owned = {python, "-c", kLauncher, tool};
   owned.insert(owned.end(), args.begin(), args.end());
-  // The dump, the first argument, may be a folder of runs: the newest is read.
-  if (!args.empty() && !args[0].starts_with("-")) owned[4] = chosen_dump(tool, args[0]);
+  // The tool itself reads the newest run of a folder of runs (analyze::choose_run, bound).
   std::vector<char*> argv;
   for (auto& arg : owned) argv.push_back(arg.data());
   argv.push_back(nullptr);

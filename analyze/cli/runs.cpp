@@ -7,11 +7,13 @@
 
 #include "cli.h"
 #include "dynaprobe/analyze/engine.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/dump_lock.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/vocabulary.h"
 
 namespace dynaprobe::cli {
@@ -110,7 +112,7 @@ void setup_runs(CLI::App& app, Command& selected) {
                   "Remove every run but the newest N (only folders holding dumps are removed)")
       ->type_name("N");
   sub->final_callback([options, &selected] {
-    if (options->folder.empty()) options->folder = "dynaprobe_runs";
+    if (options->folder.empty()) options->folder = formats::schema::kRunsDir;
     selected = {options->folder, [options] { return run_runs(*options); }};
   });
 }
@@ -137,16 +139,16 @@ int run_runs(const RunsOptions& cmd) {
         ++removed;
       }
       std::printf("%-40s %s\n", printable(run.filename().string()),
-                  (kept.empty() ? "removed (" + human_bytes(bytes) + ")" : kept).c_str());
+                  (kept.empty() ? "removed (" + analyze::format_bytes(bytes) + ")" : kept).c_str());
       continue;
     }
     const RunSummary summary = summarize(run);
     std::printf("%-40s %-19s %5zu %6zu %10s  %s\n", printable(run.filename().string()),
                 local_time(analyze::last_written(run)).c_str(), summary.ranks, summary.steps,
-                human_bytes(bytes).c_str(), summary.verdict.c_str());
+                analyze::format_bytes(bytes).c_str(), summary.verdict.c_str());
   }
   if (removed > 0) {
-    std::printf("removed %zu run(s), %s\n", removed, human_bytes(removed_bytes).c_str());
+    std::printf("removed %zu run(s), %s\n", removed, analyze::format_bytes(removed_bytes).c_str());
   }
   return kExitPass;
 }

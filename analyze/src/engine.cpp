@@ -229,7 +229,7 @@ void check_tolerance_options(const CompareOptions& options) {
        {std::pair{"atol", options.atol}, std::pair{"rtol", options.rtol}}) {
     if (value && !valid_tolerance(*value)) {
       throw UsageError(std::string(name) + " must be a finite number >= 0, but received " +
-                       detail::format_double(*value));
+                       format_tolerance(*value));
     }
   }
 }
@@ -359,8 +359,8 @@ void add_tolerance_rules(const std::vector<ToleranceRule>& rules, Judging& judgi
     if (!valid_tolerance(rule.tolerances.atol) || !valid_tolerance(rule.tolerances.rtol)) {
       throw UsageError("the tolerances of rule '" + rule.pattern +
                        "' must be finite numbers >= 0, but received atol=" +
-                       detail::format_double(rule.tolerances.atol) +
-                       " rtol=" + detail::format_double(rule.tolerances.rtol));
+                       format_tolerance(rule.tolerances.atol) +
+                       " rtol=" + format_tolerance(rule.tolerances.rtol));
     }
     judging.rules.push_back(rule);
   }
@@ -447,7 +447,8 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
   detail::attach_ops_dumps(
       result.steps,
       same ? std::vector<fs::path>{eager_dump} : std::vector<fs::path>{eager_dump, compiled_dump},
-      options);
+      options,
+      [](const fs::path& dump, const CompareOptions& own) { return compare(dump, dump, own); });
   return result;
 }
 

@@ -83,17 +83,16 @@ const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
   const formats::StoredMetrics* stored = task.compiled_reader->find_metrics(task.compiled->key);
   std::string judged = "no stored metrics";
   if (stored) {
-    judged = "judged at capture with atol=" + detail::format_double(stored->tolerances.atol) +
-             " rtol=" + detail::format_double(stored->tolerances.rtol);
+    judged = "judged at capture with atol=" + format_tolerance(stored->tolerances.atol) +
+             " rtol=" + format_tolerance(stored->tolerances.rtol);
   }
   throw UsageError(
       task.compiled_reader->path().string() + ": " + std::to_string(count) +
       " compared pair(s) cannot be judged with these tolerances, because the capture did not "
       "store their tensors (PrecisionChecker(dump=\"failing\" or \"stats\")); e.g. " +
       formats::printable_name(row.module) + " " + std::string(formats::kind_name(*row.kind)) + "[" +
-      std::to_string(row.tensor_index) + "], " + judged +
-      ", asked for atol=" + detail::format_double(task.tolerances.atol) +
-      " rtol=" + detail::format_double(task.tolerances.rtol) +
+      std::to_string(row.tensor_index) + "], " + judged + ", asked for atol=" +
+      format_tolerance(task.tolerances.atol) + " rtol=" + format_tolerance(task.tolerances.rtol) +
       ". Compare with the capture's tolerances (leave --atol, --rtol and --tolerance out), or "
       "capture with dump=\"full\" to judge again with others");
 }

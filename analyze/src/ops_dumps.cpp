@@ -12,7 +12,6 @@
 #include <set>
 #include <string_view>
 
-#include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/schema.h"
 
@@ -83,8 +82,8 @@ std::string attribute(const StepReport& report, const std::string& module, std::
 }
 
 // The ops dump in `folder`, compared; its error when it cannot be.
-OpsDump read_ops_dump(const fs::path& folder, const FolderName& name,
-                      const CompareOptions& options) {
+OpsDump read_ops_dump(const fs::path& folder, const FolderName& name, const CompareOptions& options,
+                      const CompareDump& compare_dump) {
   OpsDump dump;
   dump.module = name.module;
   dump.call = name.call;
@@ -94,7 +93,7 @@ OpsDump read_ops_dump(const fs::path& folder, const FolderName& name,
   own.threads = options.threads;
   own.read_ops = false;
   try {
-    const Comparison comparison = compare(folder, folder, own);
+    const Comparison comparison = compare_dump(folder, own);
     if (comparison.steps.empty()) {
       throw FormatError(folder.string() + ": no step " + std::to_string(name.step));
     }
@@ -151,13 +150,13 @@ std::vector<OpsGraph> ops_graphs(const StepReport& report) {
 }
 
 void attach_ops_dumps(std::vector<StepReport>& steps, const std::vector<fs::path>& dumps,
-                      const CompareOptions& options) {
+                      const CompareOptions& options, const CompareDump& compare_dump) {
   if (!options.read_ops || steps.empty()) return;
   const std::map<fs::path, FolderName> folders = list_ops_folders(dumps);
   for (StepReport& report : steps) {
     for (const auto& [folder, name] : folders) {
       if (name.step != report.step) continue;
-      OpsDump dump = read_ops_dump(folder, name, options);
+      OpsDump dump = read_ops_dump(folder, name, options, compare_dump);
       if (!options.module_glob.empty() &&
           fnmatch(options.module_glob.c_str(), dump.module.c_str(), 0) != 0) {
         continue;

@@ -8,6 +8,7 @@
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/reader.h"
+#include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/schema.h"
 #include "dynaprobe/formats/vocabulary.h"
 
@@ -93,6 +94,25 @@ NewestRun newest_run(const fs::path& path) {
   NewestRun result{runs.front().second, {}};
   for (const auto& [time, run] : runs) result.runs.push_back(run);
   return result;
+}
+
+ChosenRun choose_run(std::string_view command, const fs::path& path) {
+  NewestRun newest = newest_run(path);
+  if (newest.runs.empty()) return {path, ""};
+  constexpr std::size_t kShown = 4;
+  const std::string name(command);
+  std::string said = "dynaprobe: " + path.string() + " holds " +
+                     std::to_string(newest.runs.size()) + " run(s); " + name +
+                     " reads the newest, " + newest.path.string();
+  for (std::size_t i = 1; i < newest.runs.size() && i <= kShown; ++i) {
+    said += (i > 1 ? ", " : "; the others: ") + newest.runs[i].filename().string();
+  }
+  if (newest.runs.size() > kShown + 1) said += ", ...";
+  if (newest.runs.size() > 1) {
+    said += " (name one to read it: dynaprobe " + name + " " +
+            (path / newest.runs[1].filename()).string() + ")";
+  }
+  return {std::move(newest.path), formats::printable_name(said)};
 }
 
 }  // namespace dynaprobe::analyze

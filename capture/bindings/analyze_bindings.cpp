@@ -12,9 +12,11 @@
 #include "bindings.h"
 #include "dynaprobe/analyze/engine.h"
 #include "dynaprobe/analyze/judging.h"
+#include "dynaprobe/analyze/number_text.h"
 #include "dynaprobe/analyze/report.h"
 #include "dynaprobe/analyze/report_model.h"
 #include "dynaprobe/analyze/run.h"
+#include "dynaprobe/analyze/run_folders.h"
 
 namespace py = pybind11;
 namespace analyze = dynaprobe::analyze;
@@ -58,7 +60,12 @@ void bind_report_words(py::module_& m) {
         return std::string(analyze::status_name(analyze::note_status(note)));
       },
       py::arg("note"),
-      "The status a note gives its row: \"SKIP\" or \"WARN\" (engine.cpp's table)");
+      "The status a note gives its row: \"SKIP\" or \"WARN\" (comparison.cpp's table)");
+  m.def("format_tolerance", &analyze::format_tolerance, py::arg("value"),
+        "A tolerance as the reports and messages write it: \"1e-4\", \"0.001\", \"0.01\".");
+  m.def("format_bytes", &analyze::format_bytes, py::arg("bytes"),
+        "A size as the CLI and the capture's messages write it: \"512 B\", \"3.4 KiB\", "
+        "\"1.2 MiB\", \"2.05 GiB\".");
 }
 
 // Judging: the tolerances rows are judged with, typed as the engine takes them from Python
@@ -268,6 +275,28 @@ void bind_report_formats(py::module_& m) {
 
 // Runs (folders of ranks' dumps): planning, the JSON report, merging partial reports.
 void bind_runs(py::module_& m) {
+  m.def(
+      "choose_run",
+      [](const std::string& command, const std::filesystem::path& path) {
+        analyze::ChosenRun chosen = analyze::choose_run(command, path);
+        return std::pair{chosen.path.string(), std::move(chosen.said)};
+      },
+      py::arg("command"), py::arg("path"),
+      "(run, said): the run `command` (\"bundle\") reads for `path`, the newest of a folder of "
+      "runs or `path` itself, and what to say on stderr of that choice (\"\" when none was made), "
+      "as the dynaprobe CLI says it");
+  m.def(
+      "find_rank_dumps",
+      [](const std::filesystem::path& path) {
+        std::vector<std::pair<int, std::string>> out;
+        for (const auto& rank : analyze::find_rank_dumps(path)) {
+          out.emplace_back(rank.rank, rank.path.string());
+        }
+        return out;
+      },
+      py::arg("path"),
+      "[(rank, dump)] of a run folder (its rank<R>/ folders, by rank), or [(rank, path)] of one "
+      "dump, its rank read from its provenance. Raises DumpIOError when path does not exist.");
   m.def(
       "plan_run",
       [](const std::filesystem::path& eager_run, const std::filesystem::path& compiled_run,

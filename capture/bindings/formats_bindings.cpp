@@ -242,6 +242,9 @@ void bind_formats(py::module_& m) {
     vocabulary.attr(("SIDE_" + upper(name)).c_str()) = name;
   }
   vocabulary.attr("LOSS_MODULE") = std::string(fmt::kLossModule);
+  // The folder layout (schema.h): rank<R>/ folders of a run, the default folder of runs.
+  vocabulary.attr("RANK_DIR_PREFIX") = std::string(fmt::schema::kRankDirPrefix);
+  vocabulary.attr("RUNS_DIR") = std::string(fmt::schema::kRunsDir);
   m.def("format_version", [] {
     return std::to_string(fmt::schema::kFormatMajor) + "." +
            std::to_string(fmt::schema::kFormatMinor);
@@ -252,6 +255,21 @@ void bind_formats(py::module_& m) {
   m.def("step_of_file_name", &fmt::step_of_file_name, py::arg("file"),
         "The step a committed step file's name says (\"step_00000042.h5\": 42), None for "
         "another name.");
+  m.def(
+      "list_dump",
+      [](const std::filesystem::path& dump) {
+        const fmt::DumpFiles files = fmt::list_dump(dump);
+        const auto strings = [](const std::vector<std::filesystem::path>& paths) {
+          std::vector<std::string> out;
+          for (const auto& path : paths) out.push_back(path.string());
+          return out;
+        };
+        return std::pair{strings(files.steps), strings(files.unfinished)};
+      },
+      py::arg("dump"),
+      "(committed, unfinished) step files of one dump (a rank folder, or a step file itself): "
+      "the committed ones in step order, the unfinished ones (.partial: steps in progress at a "
+      "crash) by name. Raises when the path does not exist.");
   m.def("read_step", &read_step, py::arg("path"));
   m.def("read_record", &read_record, py::arg("path"), py::arg("module"), py::arg("call"),
         py::arg("kind"), py::arg("tensor_index"), py::arg("side"));

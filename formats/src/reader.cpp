@@ -4,12 +4,12 @@
 #include "dynaprobe/formats/reader.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
 
+#include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/schema.h"
 #include "format_reader.h"
 #include "h5.h"
@@ -361,21 +361,17 @@ DumpFiles list_dump(const fs::path& dump) {
     files.steps.push_back(dump);
     return files;
   }
-  std::vector<std::pair<long long, fs::path>> steps;
+  std::vector<std::pair<std::int64_t, fs::path>> steps;
   for (const auto& entry : fs::directory_iterator(dump, error)) {
     const std::string name = entry.path().filename().string();
     if (!name.starts_with(schema::kStepFilePrefix)) continue;
     if (name.ends_with(schema::kPartialSuffix)) {
       files.unfinished.push_back(entry.path());
-    } else if (name.ends_with(schema::kStepFileSuffix)) {
-      const auto digits = std::string_view(name).substr(
-          schema::kStepFilePrefix.size(),
-          name.size() - schema::kStepFilePrefix.size() - schema::kStepFileSuffix.size());
-      long long step = 0;
-      if (std::from_chars(digits.data(), digits.data() + digits.size(), step).ec == std::errc()) {
-        steps.emplace_back(step, entry.path());
-      }
+      continue;
     }
+    std::error_code not_file;  // a dangling link is no step file, and no listing error
+    const auto step = step_of_file_name(entry.path());
+    if (step && entry.is_regular_file(not_file)) steps.emplace_back(*step, entry.path());
   }
   if (error) throw IoError(dump.string() + ": cannot list folder: " + error.message());
   std::sort(steps.begin(), steps.end());

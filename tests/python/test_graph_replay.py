@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -283,6 +284,28 @@ def test_a_bundle_over_its_size_limit_leaves_out_the_repro_and_says_so(tmp_path,
     assert (bundle / "reports" / "step_0.txt").exists()
     assert "- repro of 1 (step 0): the bundle would pass 0.03 MB" in \
         (bundle / "README.md").read_text()
+
+
+def test_the_python_tools_read_the_newest_run_of_a_folder_of_runs_and_its_rank_0(
+        tmp_path, script_dump):
+    """python -m dynaprobe.bundle (as repro and bisect) given dynaprobe_runs/ reads its newest
+    run, and of that run folder its rank 0, saying both as the dynaprobe CLI says them."""
+    runs = tmp_path / "dynaprobe_runs"
+    older, newer = runs / "20261201-090000-11-0", runs / "20261201-100000-12-0"
+    for run in (older, newer):
+        shutil.copytree(script_dump, run / "rank0")
+    for path in [older, *older.rglob("*")]:
+        os.utime(path, (1_000_000, 1_000_000))
+    archive = tmp_path / "report.tar.gz"
+    made = subprocess.run([sys.executable, "-m", "dynaprobe.bundle", str(runs), "-o",
+                           str(archive), "--repros", "0"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert made.stderr.splitlines()[:2] == [
+        f"dynaprobe: {runs} holds 2 run(s); bundle reads the newest, {newer}; the others: "
+        f"{older.name} (name one to read it: dynaprobe bundle {older})",
+        f"dynaprobe: {newer} is a run folder: reading its rank 0 ({newer / 'rank0'})"]
+    bundle = _unpacked(archive, tmp_path / "issue")
+    assert "RESULT: FAILED" in (bundle / "reports" / "step_0.txt").read_text()
 
 
 def _llama_dump(tmp_path):

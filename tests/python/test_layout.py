@@ -107,6 +107,30 @@ def test_no_module_is_over_500_lines():
     assert not long, long
 
 
+def test_the_folder_layout_is_named_by_cpp_alone():
+    """The rank folders of a run and the default folder of runs are formats/schema.h's names,
+    read as dynaprobe._C.vocabulary.RANK_DIR_PREFIX and RUNS_DIR: no Python code (docstrings
+    aside) spells "dynaprobe_runs" or a "rank<R>" folder name itself."""
+    import re
+
+    from dynaprobe._C.vocabulary import RANK_DIR_PREFIX, RUNS_DIR
+
+    assert (RANK_DIR_PREFIX, RUNS_DIR) == ("rank", "dynaprobe_runs")
+    spelled = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                           ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings
+                    and re.search(r"dynaprobe_runs|(^|/)rank(\d|$)", node.value)):
+                spelled.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
+    assert not spelled, spelled
+
+
 def test_each_installed_mode_is_an_installation(tmp_path):
     """What PrecisionChecker and StepSession.collect ask of an installed mode is one contract
     (``Installation``), which single-pass and whole-model mode both fulfil, member for member."""

@@ -3,6 +3,7 @@ stored), which steps are checked, the disk budget, and the report they give — 
 process and from `dynaprobe compare` (docs/guide/storage-and-scale.md)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -129,6 +130,8 @@ def test_other_tolerances_need_the_tensors_the_cli_says_which(tmp_path, dynaprob
     narrower = run_cli(dynaprobe_cli, "compare", dump, "--atol", "1e-9")
     assert narrower.returncode == 2
     assert "did not store their tensors" in narrower.stderr and "dump=\"full\"" in narrower.stderr
+    # Tolerances spelled as the report spells them (RESULT: ... atol=1e-4 rtol=1e-3).
+    assert "judged at capture with atol=1e-4 rtol=1e-3, asked for atol=1e-9 " in narrower.stderr
     # failing kept the failing rows' tensors: they are judged again; the passing ones keep their
     # pass under wider tolerances. (mlp's fp64 reference, which float32 calls that fail get by
     # default, would still call it a divergence: the tolerances alone decide here.)
@@ -253,7 +256,10 @@ def test_the_disk_budget_keeps_the_newest_steps(tmp_path, capsys):
     files, checker = train(10 ** 9)
     # Steps after the first hold no graphs (compiled once): they all have one size.
     step_size = os.path.getsize(os.path.join(checker.dump_dir, files[-1]))
-    assert "dynaprobe: step 0 wrote " in capsys.readouterr().err
+    first_size = os.path.getsize(os.path.join(checker.dump_dir, files[0]))
+    # Sizes in the CLI's binary units (dynaprobe ls, runs), from the one C++ formatter.
+    said = f"dynaprobe: step 0 wrote {_C.format_bytes(first_size)} to "
+    assert re.search(r"\d (B|KiB|MiB) to $", said) and said in capsys.readouterr().err
     files, _ = train(int(2.5 * step_size))
     assert files == ["step_00000003.h5", "step_00000004.h5"]
     with pytest.warns(UserWarning, match="larger than the disk budget"):

@@ -4,6 +4,7 @@
 // (report.h) all use it.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace dynaprobe::analyze {
@@ -12,14 +13,17 @@ namespace dynaprobe::analyze {
 // and "-inf" spelled as Python spells them.
 std::string format_float(double value, const char* printf_format);
 
+// A tolerance as a person writes it, the one spelling of tolerances in reports and messages:
+// "1e-4", "0.001", "0.01"; any other number (an invalid one received) as exactly.
+std::string format_tolerance(double value);
+
+// A size for people, in binary units: "512 B", "3.4 KiB", "1.2 MiB", "2.05 GiB".
+std::string format_bytes(std::uint64_t bytes);
+
 namespace detail {
 
 // printf of one number.
 std::string printf_string(const char* format, double value);
-// "%g" of a number, as warnings and notes name tolerances: "0.0001", "1e-05".
-std::string format_double(double value);
-// "1e-4", "0.001"... as a person writes a tolerance.
-std::string format_tolerance(double value);
 
 }  // namespace detail
 }  // namespace dynaprobe::analyze

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <filesystem>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace dynaprobe::analyze {
@@ -24,6 +26,15 @@ struct NewestRun {
   std::vector<std::filesystem::path> runs;
 };
 NewestRun newest_run(const std::filesystem::path& path);
+
+// The run `command` (a dynaprobe command: "compare", "bundle") reads for `path`: the newest run of
+// a folder of runs, else `path` itself; and, when it chose among runs, what it says of its choice
+// on stderr ("dynaprobe: dynaprobe_runs holds 3 run(s); compare reads the newest, ..."), else "".
+struct ChosenRun {
+  std::filesystem::path path;
+  std::string said;
+};
+ChosenRun choose_run(std::string_view command, const std::filesystem::path& path);
 
 // When a run (or any folder) was last written: its newest file or folder, the folder included.
 std::filesystem::file_time_type last_written(const std::filesystem::path& run);

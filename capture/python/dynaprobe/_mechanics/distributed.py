@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from dynaprobe._C.vocabulary import RANK_DIR_PREFIX, RUNS_DIR
+
 _checker_numbers = itertools.count()  # default dump folders of checkers in one process differ
 
 
@@ -26,14 +28,19 @@ def resolve_dump_dir(dump_dir: Optional[str]) -> str:
     (every rank must call this together)."""
     rank, world = rank_and_world()
     if dump_dir is not None:
-        return os.path.join(dump_dir, f"rank{rank}") if world > 1 else dump_dir
+        return os.path.join(dump_dir, rank_dir_name(rank)) if world > 1 else dump_dir
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run = f"{stamp}-{os.getpid()}-{next(_checker_numbers)}"
     if world > 1:  # rank 0's name for all: one run folder, rank<R>/ in it
         names = [run]
         torch.distributed.broadcast_object_list(names, src=0)
         run = names[0]
-    return os.path.join("dynaprobe_runs", run, f"rank{rank}")
+    return os.path.join(RUNS_DIR, run, rank_dir_name(rank))
+
+
+def rank_dir_name(rank: int) -> str:
+    """The name of rank ``rank``'s dump folder in a run folder: ``rank<R>``."""
+    return f"{RANK_DIR_PREFIX}{rank}"
 
 
 def gather_to_rank0(value, timeout: float) -> Optional[list]:

@@ -11,6 +11,7 @@ import warnings
 from typing import Iterable, List, Optional
 
 from dynaprobe import _C
+from dynaprobe._C import format_bytes
 from dynaprobe._C.vocabulary import STORE_MODES
 
 
@@ -56,17 +57,12 @@ class Schedule:
 
 
 def committed_steps(dump_dir: str) -> List[tuple]:
-    """(step, path, bytes) of the committed step files of a dump, oldest step first."""
-    found = []
-    try:
-        entries = list(os.scandir(dump_dir))
-    except FileNotFoundError:
-        return found
-    for entry in entries:
-        step = _C.step_of_file_name(entry.name)
-        if step is not None and entry.is_file(follow_symlinks=False):
-            found.append((step, entry.path, entry.stat(follow_symlinks=False).st_size))
-    return sorted(found)
+    """(step, path, bytes) of the committed step files of a dump folder, oldest step first, as
+    formats::list_dump lists them; none for a folder not made yet."""
+    if not os.path.isdir(dump_dir):
+        return []
+    committed, _ = _C.list_dump(dump_dir)
+    return [(_C.step_of_file_name(path), path, os.path.getsize(path)) for path in committed]
 
 
 def enforce_budget(dump_dir: str, budget: Optional[int], keep: str) -> List[str]:
@@ -88,14 +84,6 @@ def enforce_budget(dump_dir: str, budget: Optional[int], keep: str) -> List[str]
     return removed
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedule, step: int,
                       budget: Optional[int], stacklevel: int = 4) -> None:
     """After the first checked step: one line on stderr with the bytes a checked step takes,
@@ -104,28 +92,30 @@ def report_first_step(dump_dir: str, step_file: str, dump: str, schedule: Schedu
     size = os.path.getsize(step_file)
     free = shutil.disk_usage(dump_dir).free
     remaining = schedule.remaining(step)
-    plan = (f"{remaining} more checked step(s): about {_size(size * remaining)}"
+    size_text, free_text = format_bytes(size), format_bytes(free)
+    plan = (f"{remaining} more checked step(s): about {format_bytes(size * remaining)}"
             if remaining is not None else f"checking every {schedule.check_every} step(s)")
-    limit = f"disk budget {_size(budget)}" if budget is not None else "no disk budget"
-    print(f"dynaprobe: step {step} wrote {_size(size)} to {dump_dir} (dump={dump!r}); {plan}; "
-          f"{limit}; {_size(free)} free", file=sys.stderr)
+    budget_text = format_bytes(budget) if budget is not None else None
+    limit = f"disk budget {budget_text}" if budget is not None else "no disk budget"
+    print(f"dynaprobe: step {step} wrote {size_text} to {dump_dir} (dump={dump!r}); {plan}; "
+          f"{limit}; {free_text} free", file=sys.stderr)
     if budget is not None and size > budget:
-        warnings.warn(f"dynaprobe: one checked step ({_size(size)}) is larger than the disk budget "
-                      f"({_size(budget)}): only the latest step is kept; raise disk_budget_bytes "
+        warnings.warn(f"dynaprobe: one checked step ({size_text}) is larger than the disk budget "
+                      f"({budget_text}): only the latest step is kept; raise disk_budget_bytes "
                       "or store less (dump='failing' or 'stats')", stacklevel=stacklevel)
     if budget is not None and budget > free + size:
-        warnings.warn(f"dynaprobe: the disk budget ({_size(budget)}) is larger than the free space "
-                      f"of {dump_dir} ({_size(free)}): the disk may fill before the budget does",
+        warnings.warn(f"dynaprobe: the disk budget ({budget_text}) is larger than the free space "
+                      f"of {dump_dir} ({free_text}): the disk may fill before the budget does",
                       stacklevel=stacklevel)
     if budget is None:
         ahead = size * remaining if remaining is not None else size * 10
         if ahead > free:
             what = (f"the {remaining} checked steps still to come" if remaining is not None
                     else "ten more checked steps")
-            warnings.warn(f"dynaprobe: {what} would write about {_size(ahead)}, more than the "
-                          f"{_size(free)} free in {dump_dir}; set disk_budget_bytes, check fewer "
-                          "steps (check_every, check_steps) or store less (dump='failing' or "
-                          "'stats')", stacklevel=stacklevel)
+            warnings.warn(f"dynaprobe: {what} would write about {format_bytes(ahead)}, more than "
+                          f"the {free_text} free in {dump_dir}; set disk_budget_bytes, check "
+                          "fewer steps (check_every, check_steps) or store less (dump='failing' "
+                          "or 'stats')", stacklevel=stacklevel)
 
 
 def brief(error: BaseException) -> str:

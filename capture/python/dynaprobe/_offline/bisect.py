@@ -31,7 +31,7 @@ import torch
 from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT
 from dynaprobe._offline.judging import judge, metrics_lines
-from dynaprobe._offline.replay import inductor_patch, load_call, replay_of
+from dynaprobe._offline.replay import chosen_dump, inductor_patch, load_call, replay_of
 from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
 
@@ -283,6 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="with --from-class: rebuild the module from the pickle the dump "
                              f"holds, when its class needs constructor arguments: {UNPICKLE_RISK}")
     args = parser.parse_args(argv)
+    args.dump = chosen_dump("bisect", args.dump)
     names = [] if not args.stages else args.stages.split(",")
     by_name = {s.name: s for s in STAGES}
     unknown = [n for n in names if n not in by_name and n != RECORDED]

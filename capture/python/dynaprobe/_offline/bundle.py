@@ -28,7 +28,7 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.environment import environment
 from dynaprobe._mechanics.storage import committed_steps
-from dynaprobe._offline.replay import one_process, replay_attributes, step_file
+from dynaprobe._offline.replay import chosen_dump, one_process, replay_attributes, step_file
 from dynaprobe._offline.repro import write_repro
 from dynaprobe._offline.stored_call import ReplayError
 from dynaprobe._results.result import CompareResult
@@ -257,12 +257,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-mb", type=float, default=LIMIT_MB, help="size limit; what does "
                         f"not fit is left out and said (default {LIMIT_MB:g}, GitHub's limit)")
     args = parser.parse_args(argv)
+    args.dump = chosen_dump("bundle", args.dump)
     try:
         bundle = write_bundle(args.dump, args.output, args.repros, args.max_mb, args.step)
     except (ReplayError, OSError, ValueError, _C.FormatError) as error:
         print(f"dynaprobe bundle: {error}", file=sys.stderr)
         return 2
-    print(f"Bundle written to: {bundle.path} ({bundle.size / 1e6:.1f} MB; repros of "
+    print(f"Bundle written to: {bundle.path} ({_C.format_bytes(bundle.size)}; repros of "
           f"{', '.join(bundle.repros) or 'no module'})")
     for what in bundle.left_out:
         print(f"  left out: {what}")

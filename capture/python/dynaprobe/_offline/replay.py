@@ -147,14 +147,27 @@ def step_file(dump: str, step: Optional[int], module: str) -> str:
                       "'failing'), the default) or for every call (replay='all')")
 
 
+def chosen_dump(command: str, dump: str) -> str:
+    """The dump ``command`` (``"repro"``, ``"bisect"``, ``"bundle"``) reads for the path it was
+    given: for a folder of runs (``dynaprobe_runs/``) its newest run, said on stderr as the
+    dynaprobe CLI says it (analyze::choose_run)."""
+    if not os.path.isdir(dump):
+        return dump
+    run, said = _C.choose_run(command, dump)
+    if said:
+        print(said, file=sys.stderr)
+    return run
+
+
 def one_process(dump: str) -> str:
-    """The dump folder of one process: ``dump``, or the ``rank0`` of a run folder (said)."""
-    rank0 = os.path.join(dump, "rank0")
-    if not committed_steps(dump) and committed_steps(rank0):
-        print(f"dynaprobe: {dump} is a run folder: reading its rank 0 ({rank0})",
+    """The dump folder of one process: ``dump``, or the lowest rank's of a run folder (said)."""
+    if not os.path.isdir(dump) or committed_steps(dump):
+        return dump
+    rank, folder = _C.find_rank_dumps(dump)[0]
+    if os.path.normpath(folder) != os.path.normpath(dump):
+        print(f"dynaprobe: {dump} is a run folder: reading its rank {rank} ({folder})",
               file=sys.stderr)
-        return rank0
-    return dump
+    return folder
 
 
 def replay_attributes(info: dict) -> Dict[str, dict]:

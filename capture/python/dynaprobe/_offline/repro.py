@@ -30,7 +30,7 @@ from dynaprobe._C.vocabulary import KIND_PARAM_GRAD
 from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
 from dynaprobe._offline.judging import judge, metrics_lines
-from dynaprobe._offline.replay import GraphReplay, inductor_patch, load_call
+from dynaprobe._offline.replay import GraphReplay, chosen_dump, inductor_patch, load_call
 from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
 from dynaprobe._results.result import CompareResult
 
@@ -377,6 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "model's code and dynaprobe where it runs) instead of the one that "
                              "replays the captured graphs with torch alone")
     args = parser.parse_args(argv)
+    args.dump = chosen_dump("repro", args.dump)
     try:
         script = write_repro(args.dump, args.module, args.output, args.call, args.step,
                              args.from_class)

@@ -17,7 +17,7 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import SIDE_COMPILED, SIDE_EAGER
 from dynaprobe._mechanics import storage as _storage
-from dynaprobe._mechanics.distributed import rank_and_world, resolve_dump_dir
+from dynaprobe._mechanics.distributed import rank_and_world, rank_dir_name, resolve_dump_dir
 from dynaprobe._mechanics.graphs import GraphRecorder, write_graph_files
 from dynaprobe._mechanics.reference import user_autocast
 from dynaprobe._results.result import CompareResult
@@ -299,7 +299,7 @@ class Dumps:
     @property
     def run_dir(self) -> str:
         parent, leaf = os.path.split(os.path.normpath(self.dump_dir))
-        return parent if leaf == f"rank{rank_and_world()[0]}" else self.dump_dir
+        return parent if leaf == rank_dir_name(rank_and_world()[0]) else self.dump_dir
 
     def session(self, side: Optional[str] = None) -> StepSession:
         """The session of ``dump_dir``; for a capture of ``side`` when that dump holds another

@@ -71,7 +71,10 @@ inline constexpr std::string_view kMetricsChecksumAttr = "checksum";
 // Since 2.0: the checksums of /modules and of /graphs, attributes of those groups.
 inline constexpr std::string_view kGroupChecksumAttr = "checksum";
 
+// The folder layout: a run folder holds one dump per rank, rank<R>/ (or is itself the dump of
+// one process); PrecisionChecker puts one run per process into kRunsDir unless told a dump_dir.
 inline constexpr std::string_view kRankDirPrefix = "rank";
+inline constexpr std::string_view kRunsDir = "dynaprobe_runs";
 inline constexpr std::string_view kStepFilePrefix = "step_";
 inline constexpr std::string_view kStepFileSuffix = ".h5";
 inline constexpr std::string_view kPartialSuffix = ".partial";
