@@ -9,10 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <sstream>
 
-#include "dynaprobe/analyze/run.h"
 #include "dynaprobe/formats/error.h"
+#include "dynaprobe/formats/reader.h"
 
 namespace dynaprobe::analyze {
 
@@ -48,29 +47,6 @@ RunShape RunShape::of(const std::vector<RankComparison>& ranks) {
     shape.several_steps = shape.several_steps || rank.comparison.steps.size() > 1;
   }
   return shape;
-}
-
-std::string ReportFormat::render(const std::vector<RankComparison>& ranks) const {
-  std::ostringstream out;
-  const std::unique_ptr<ReportWriter> writer = open(out, RunShape::of(ranks));
-  write_run(ranks, {writer.get()});
-  return std::move(out).str();
-}
-
-std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
-  return report_format("merged-csv").render(ranks);
-}
-std::string render_json(const std::vector<RankComparison>& ranks) {
-  return report_format("json").render(ranks);
-}
-std::string render_html(const std::vector<RankComparison>& ranks) {
-  return report_format("html").render(ranks);
-}
-std::string render_junit(const std::vector<RankComparison>& ranks) {
-  return report_format("junit").render(ranks);
-}
-std::string render_markdown(const std::vector<RankComparison>& ranks) {
-  return report_format("markdown").render(ranks);
 }
 
 const ReportFormat& report_format(std::string_view name) {

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "dynaprobe/analyze/run_folders.h"
 #include "dynaprobe/formats/error.h"
@@ -444,6 +445,31 @@ RunTotals write_run(const std::vector<RankComparison>& ranks,
   const RunTotals totals = tally.totals();
   for (ReportWriter* writer : writers) writer->finish(totals);
   return totals;
+}
+
+// A report format's rendering of comparisons already made (report.h): here, because it runs
+// the run's writer loop (write_run).
+std::string ReportFormat::render(const std::vector<RankComparison>& ranks) const {
+  std::ostringstream out;
+  const std::unique_ptr<ReportWriter> writer = open(out, RunShape::of(ranks));
+  write_run(ranks, {writer.get()});
+  return std::move(out).str();
+}
+
+std::string render_merged_csv(const std::vector<RankComparison>& ranks) {
+  return report_format("merged-csv").render(ranks);
+}
+std::string render_json(const std::vector<RankComparison>& ranks) {
+  return report_format("json").render(ranks);
+}
+std::string render_html(const std::vector<RankComparison>& ranks) {
+  return report_format("html").render(ranks);
+}
+std::string render_junit(const std::vector<RankComparison>& ranks) {
+  return report_format("junit").render(ranks);
+}
+std::string render_markdown(const std::vector<RankComparison>& ranks) {
+  return report_format("markdown").render(ranks);
 }
 
 }  // namespace dynaprobe::analyze

@@ -136,7 +136,7 @@ struct ReportFormat {
   // The format's writer, writing to `out` as the run arrives.
   std::unique_ptr<ReportWriter> (*open)(std::ostream& out, const RunShape& shape);
 
-  // The whole report of `ranks` at once.
+  // The whole report of `ranks` at once (run.cpp: it runs the run's writer loop, write_run).
   std::string render(const std::vector<RankComparison>& ranks) const;
 };
 // The writers of the registered formats (one renderer file each).
