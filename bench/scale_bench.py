@@ -10,6 +10,9 @@ and the median of the next --steps is reported:
   compiled    the GPT2Blocks compiled with aot_eager, no checker
   inherent    compiled, plus what any single-pass checker must do: an eager forward and backward
               of every block call on its own inputs
+  inherent+ref  (--dtype bfloat16) inherent, plus the reference's own arithmetic: a float32 copy
+              of every block run forward and backward on the call's inputs upcast, what the
+              default reference="auto" adds in bf16; "x inherent+ref" compares against it
   full        dynaprobe's PrecisionChecker, single-pass, dump="full"
   failing     dump="failing"
   stats       dump="stats"
@@ -37,6 +40,7 @@ needs (docs/performance.md lists them), then run with PYTHONPATH=DIR; never let 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -148,11 +152,37 @@ class Inherent(Compiled):
     def step(self, ids):
         loss = super().step(ids)
         for original, args, kwargs in self.calls:
-            out = original(*args, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(torch.ones_like(out))
+            self.rerun(original, args, kwargs)
         self.calls.clear()
         return loss
+
+    def rerun(self, original, args, kwargs):
+        backward_of(original(*args, **kwargs))
+
+
+def backward_of(out):
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.ones_like(out))
+
+
+class InherentWithReference(Inherent):
+    """Inherent, plus a float32 copy of every block run forward and backward on the call's
+    inputs upcast: the arithmetic the reference adds, without the checker."""
+
+    def setup(self):
+        self.float_copies = {id(module): copy.deepcopy(module).float()
+                             for module in self.model.modules()
+                             if isinstance(module, block_type())}
+        super().setup()
+
+    def rerun(self, original, args, kwargs):
+        super().rerun(original, args, kwargs)
+        upcast = tree_map(lambda x: x.float() if isinstance(x, torch.Tensor)
+                          and x.is_floating_point() else x, (args, kwargs))
+        upcast[0][0].requires_grad_()
+        reference = self.float_copies[id(original.__self__)]
+        reference.zero_grad(set_to_none=True)
+        backward_of(reference(*upcast[0], **upcast[1]))
 
 
 class Dynaprobe(Config):
@@ -226,6 +256,8 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
         configs = [MsProbe("msprobe", copy_model(), workdir)]
     else:
         configs = [Compiled("compiled", copy_model()), Inherent("inherent", copy_model())]
+        if dtype != torch.float32:
+            configs.append(InherentWithReference("inherent+ref", copy_model()))
         for dump in dumps:
             for replay in replays:
                 for reference in references:
@@ -240,12 +272,15 @@ def measure(layers, hidden, batch, seq, steps, warmup, workdir, with_msprobe,
     if with_msprobe == "worker":
         return configs[0]
     inherent = statistics.median(next(c for c in configs if c.name == "inherent").times)
+    with_reference = next((statistics.median(c.times) for c in configs
+                           if c.name == "inherent+ref"), None)
     rows = []
     for config in configs:
         seconds = statistics.median(config.times)
         rows.append({
             "layers": layers, "hidden": hidden, "params": params, "config": config.name,
             "seconds": seconds, "vs_inherent": seconds / inherent,
+            "vs_inherent_ref": seconds / with_reference if with_reference else None,
             "dump_bytes": statistics.median(config.bytes),
             "rss_growth_bytes": max(config.growth),
             "stolen_seconds": statistics.median(config.stolen),
@@ -299,10 +334,13 @@ def msprobe_in_its_own_process(layers, hidden, batch, seq, steps, warmup):
 
 def print_table(rows):
     print(f"{'size':>9} {'params':>7} {'config':>13} {'s/step':>7} {'x inherent':>10} "
-          f"{'dump/step':>10} {'RSS growth':>10} {'stolen s':>8}")
+          f"{'x inh+ref':>9} {'dump/step':>10} {'RSS growth':>10} {'stolen s':>8}")
     for r in rows:
+        with_reference = (f"{r['vs_inherent_ref']:9.2f}" if r.get("vs_inherent_ref")
+                          else f"{'':9}")
         print(f"{r['layers']:>3}x{r['hidden']:<5} {r['params'] / 1e6:6.1f}M {r['config']:>13} "
-              f"{r['seconds']:7.2f} {r['vs_inherent']:10.2f} {r['dump_bytes'] / 1e6:8.2f}MB "
+              f"{r['seconds']:7.2f} {r['vs_inherent']:10.2f} {with_reference} "
+              f"{r['dump_bytes'] / 1e6:8.2f}MB "
               f"{r['rss_growth_bytes'] / 1e6:8.0f}MB {r['stolen_seconds']:8.2f}")
 
 
