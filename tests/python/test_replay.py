@@ -690,3 +690,20 @@ def test_ls_shows_attributes_as_key_value_and_the_raw_form_with_json(tmp_path, d
     assert step["file"] == result.dump_file and step["step"] == 0
     assert json.loads(step["modules"]["mlp"]["replay"])["class"] == "models.MLP"
     assert {r["kind"] for r in step["records"]} >= {"fwd_output", "replay"}
+
+
+@pytest.mark.parametrize("tool", ["repro", "bisect", "bundle"])
+def test_a_damaged_step_file_is_one_line_naming_it_and_exit_2(tmp_path, tool):
+    """A step file that is no HDF5 file (truncated, overwritten): each offline tool says which
+    file and what is wrong with it on one line and exits 2, never a traceback."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "step_00000000.h5").write_bytes(b"not an HDF5 file")
+    args = {"repro": ["--module", "m", "-o", str(tmp_path / "out")],
+            "bisect": ["--module", "m"], "bundle": ["-o", str(tmp_path / "b.tar.gz")]}[tool]
+    run = subprocess.run([sys.executable, "-m", f"dynaprobe.{tool}", str(dump), *args],
+                         capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        f"dynaprobe {tool}: {dump / 'step_00000000.h5'}: not an HDF5 file (no HDF5 signature): "
+        "expected a dynaprobe step file; was it truncated at the start or overwritten?"]

@@ -25,9 +25,10 @@ def backend_name(backend) -> str:
 def judging(checker) -> _C.Judging:
     """The tolerances ``checker`` (a PrecisionChecker) judges with, as the engine takes them:
     built once, when the checker is made (``CheckerOptions._judging``), and passed on.
-    ``_C.rows_pass`` judges with them (what "failing" means for the reference), and ``_C.Recorder`` judges its pairs with them and writes
-    them into the provenance (atol, rtol, tolerance_rules, dtype_aware_tolerances), so that their
-    text is formatted in one place (analyze/judging.h)."""
+    ``_C.rows_pass`` judges with them (what "failing" means for the reference), and
+    ``_C.Recorder`` judges its pairs with them and writes them into the provenance (atol, rtol,
+    tolerance_rules, dtype_aware_tolerances), so that their text is formatted in one place
+    (analyze/judging.h)."""
     return _C.Judging(checker.threshold, checker.rtol,
                       [(pattern, atol, rtol)
                        for pattern, (atol, rtol) in (checker.tolerances or {}).items()],

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT
 from dynaprobe._offline.judging import judge, metrics_lines
@@ -283,7 +284,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="with --from-class: rebuild the module from the pickle the dump "
                              f"holds, when its class needs constructor arguments: {UNPICKLE_RISK}")
     args = parser.parse_args(argv)
-    args.dump = chosen_dump("bisect", args.dump)
     names = [] if not args.stages else args.stages.split(",")
     by_name = {s.name: s for s in STAGES}
     unknown = [n for n in names if n not in by_name and n != RECORDED]
@@ -292,7 +292,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{', '.join(by_name)}, {RECORDED}", file=sys.stderr)
         return 2
     try:
-        call = load_call(args.dump, args.module, args.call, args.step)
+        call = load_call(chosen_dump("bisect", args.dump), args.module, args.call, args.step)
         stages = None
         if names:
             recorded = recorded_stage(call) if RECORDED in names else None
@@ -301,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
                              unpickle=args.unpickle, from_class=args.from_class or args.unpickle,
                              ops=args.ops)
-    except ReplayError as error:
+    except (ReplayError, OSError, _C.FormatError) as error:  # OSError: DumpIOError among them
         print(f"dynaprobe bisect: {error}", file=sys.stderr)
         return 2
     print(result.text(), end="")

@@ -257,9 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-mb", type=float, default=LIMIT_MB, help="size limit; what does "
                         f"not fit is left out and said (default {LIMIT_MB:g}, GitHub's limit)")
     args = parser.parse_args(argv)
-    args.dump = chosen_dump("bundle", args.dump)
     try:
-        bundle = write_bundle(args.dump, args.output, args.repros, args.max_mb, args.step)
+        bundle = write_bundle(chosen_dump("bundle", args.dump), args.output, args.repros,
+                              args.max_mb, args.step)
     except (ReplayError, OSError, ValueError, _C.FormatError) as error:
         print(f"dynaprobe bundle: {error}", file=sys.stderr)
         return 2

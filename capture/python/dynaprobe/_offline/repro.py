@@ -377,10 +377,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "model's code and dynaprobe where it runs) instead of the one that "
                              "replays the captured graphs with torch alone")
     args = parser.parse_args(argv)
-    args.dump = chosen_dump("repro", args.dump)
     try:
-        script = write_repro(args.dump, args.module, args.output, args.call, args.step,
-                             args.from_class)
+        script = write_repro(chosen_dump("repro", args.dump), args.module, args.output,
+                             args.call, args.step, args.from_class)
     except (ReplayError, OSError, ValueError) as error:
         print(f"dynaprobe repro: {error}", file=sys.stderr)
         return 2
