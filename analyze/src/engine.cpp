@@ -369,8 +369,8 @@ void add_tolerance_rules(const std::vector<ToleranceRule>& rules, Judging& judgi
 // Each step's report and metric tasks (StepBuilder), then the tasks computed (run_tasks), then
 // the verdicts that need the metrics: each row's reference verdict and each step's root cause.
 void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
-                 const std::set<std::int64_t>& steps, StepBuilder& builder,
-                 const CompareOptions& options, Comparison& result) {
+                 const fs::path& compiled_dump, const std::set<std::int64_t>& steps,
+                 StepBuilder& builder, const CompareOptions& options, Comparison& result) {
   std::vector<Task> tasks;
   result.steps.reserve(steps.size());  // the tasks point into it
   for (std::int64_t step : steps) {
@@ -384,6 +384,7 @@ void judge_steps(const OpenDump& eager, const OpenDump& compiled_side,
     }
     const std::size_t first_task = tasks.size();
     result.steps.push_back(builder.build(step, eager_reader, compiled_reader, tasks));
+    result.steps.back().dump = compiled_dump.string();
     for (std::size_t i = first_task; i < tasks.size(); ++i) tasks[i].report = &result.steps.back();
   }
   run_tasks(tasks, options);
@@ -443,7 +444,8 @@ Comparison compare_open(const fs::path& eager_dump, const OpenDump& eager,
   add_tolerance_rules(options.tolerance_rules, judging);
   StepBuilder builder(options, std::move(judging),
                       result.compiled_baseline ? Side::kCompiled : Side::kEager);
-  judge_steps(eager, compiled_side, steps, builder, options, result);
+  judge_steps(eager, compiled_side, same ? eager_dump : compiled_dump, steps, builder, options,
+              result);
   detail::attach_ops_dumps(
       result.steps,
       same ? std::vector<fs::path>{eager_dump} : std::vector<fs::path>{eager_dump, compiled_dump},

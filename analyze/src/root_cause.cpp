@@ -1,6 +1,7 @@
 #include "dynaprobe/analyze/root_cause.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -156,6 +157,34 @@ std::string reduced_precision(const StepReport& report, const Row& row) {
   return "";
 }
 
+// A word of a command line as a POSIX shell reads it: as it is when it needs no quoting.
+std::string shell_word(const std::string& word) {
+  const bool plain = !word.empty() && std::all_of(word.begin(), word.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) ||
+           std::string_view("_./:=@%+,-").find(c) != std::string_view::npos;
+  });
+  if (plain) return word;
+  std::string quoted = "'";
+  for (char c : word) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// The command that finds the compile stage (and, with --ops, the op) where `module`'s numbers
+// change: dynaprobe bisect on this dump when it keeps the module's call for replay, else what to
+// keep first.
+std::string bisect_hint(const StepReport& report, const std::string& module) {
+  const std::string command =
+      "dynaprobe bisect " + (report.dump.empty() ? std::string("DUMP") : shell_word(report.dump)) +
+      " --module " + shell_word(module) + " --ops";
+  if (module_attribute(report, module, module_attributes::kReplay)) {
+    return "find the compile stage and op that change it: " + command;
+  }
+  return "keep its call for replay (single-pass with dump=\"full\" or \"failing\", whose "
+         "replay=\"failing\" is the default) and find the compile stage and op that change "
+         "it: " +
+         command;
+}
+
 // What to do next: the first rule that applies, naming the docs/troubleshooting.md entry.
 std::string next_step(const StepReport& report) {
   const RootCause& cause = report.root_cause;
@@ -186,9 +215,8 @@ std::string next_step(const StepReport& report) {
   if (row.reference_verdict == "divergence") {
     return row.module + " is beyond " + reference +
            "-reference noise (its compiled error is more than " +
-           format_float(kReferenceFactor, "%g") +
-           "x eager's own): a compiler divergence; "
-           "compare backends (aot_eager, then inductor) to find the stage that makes it";
+           format_float(kReferenceFactor, "%g") + "x eager's own): a compiler divergence; " +
+           bisect_hint(report, row.module);
   }
   if (row.reference_verdict == "noise") {
     return row.module + " differs within " + reference +
@@ -214,8 +242,8 @@ std::string next_step(const StepReport& report) {
   }
   return "if " + row.module +
          " draws random numbers (dropout), inductor draws its own: see "
-         "troubleshooting, \"Random ops: dropout under inductor\"; else compare backends "
-         "(aot_eager, then inductor) to find the stage that changes the numbers";
+         "troubleshooting, \"Random ops: dropout under inductor\"; else " +
+         bisect_hint(report, row.module);
 }
 
 // What to do after a step that FAILED by warnings alone: about its first row that WARNs (in

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "dynaprobe/analyze/root_cause.h"
 #include "dynaprobe/formats/error.h"
 
 namespace dynaprobe::analyze {
@@ -626,6 +627,36 @@ TEST(Report, HtmlIsSelfContainedAndDumpTextCannotCloseItsScript) {
                       ",\n\"graphs\": [\n  {\"__compiled_fn_1.Forward_Graph.0\": \"x = "
                       "'</script><script>alert(1)'\\n\"}],\n\"verdicts\": {\n  \"all_pass\": \"ALL "
                       "PASS\",\n  \"failed\": \"FAILED\"\n}}");
+}
+
+// A divergence's next line is the command that finds its stage and op, with the dump as a POSIX
+// shell reads it; without the call kept for replay it says to keep it first.
+TEST(RootCause, NextLineIsTheBisectCommandOnThisDump) {
+  StepReport report;
+  report.single_pass = true;
+  report.dump = "/tmp/my run's/dump";
+  Row row;
+  row.module = "model.layers.0";
+  row.kind = Kind::kFwdOutput;
+  row.status = Status::kFail;
+  row.metrics = TensorMetrics{};
+  row.metrics->max_abs = 0.5;
+  row.reference_verdict = "divergence";
+  report.rows.push_back(row);
+  report.modules["model.layers.0"]["replay"] = "{}";
+  find_root_cause(report);
+  const std::string command =
+      "dynaprobe bisect '/tmp/my run'\\''s/dump' --module model.layers.0 --ops";
+  EXPECT_TRUE(report.root_cause.next.ends_with(
+      "a compiler divergence; find the compile stage and op that change it: " + command))
+      << report.root_cause.next;
+  report.modules.clear();
+  find_root_cause(report);
+  EXPECT_TRUE(report.root_cause.next.ends_with(
+      "keep its call for replay (single-pass with dump=\"full\" or \"failing\", whose "
+      "replay=\"failing\" is the default) and find the compile stage and op that change it: " +
+      command))
+      << report.root_cause.next;
 }
 
 }  // namespace

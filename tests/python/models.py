@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 class MLP(nn.Module):
@@ -150,6 +151,33 @@ def rsqrt_too_large(graph: torch.fx.Graph) -> None:
             with graph.inserting_after(node):
                 scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.05))
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+def rmsnorm_under_inductor(dump_dir: str):
+    """(checker, model, x): an RMSNormMLP, module "0" of a Sequential, wrapped by a checker
+    with backend="inductor" writing to ``dump_dir``; Dynamo reset and the seed set."""
+    from dynaprobe import PrecisionChecker  # noqa: PLC0415 - the models need no dynaprobe
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNormMLP())
+    x = torch.randn(4, 16, requires_grad=True)
+    checker = PrecisionChecker(backend="inductor", dump_dir=dump_dir)
+    checker.wrap(model[0])
+    return checker, model, x
+
+
+class RsqrtTooLarge(CustomGraphPass):
+    """rsqrt_too_large as a ``CustomGraphPass`` instance, the form inductor's cache can key."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rsqrt_too_large(graph)
+
+    def uuid(self):
+        return "dynaprobe-tests-rsqrt-too-large"
+
+
+RSQRT_PASS = RsqrtTooLarge()
 
 
 def _rsqrt_too_large_compiler(gm: torch.fx.GraphModule, example_inputs):

@@ -269,7 +269,8 @@ def test_bisect_ops_from_the_cli_names_the_op(tmp_path, dynaprobe_cli):
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
     run = subprocess.run([dynaprobe_cli, "bisect", os.path.dirname(call.path), "--module", "0",
-                          "--stages", "eager", "--ops"], capture_output=True, text=True, env=env)
+                          "--stages", "eager", "--ops", "--import", "models"],
+                         capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert "first op that fails in the forward graph: rsqrt (aten.rsqrt.default)" in run.stdout
     assert "inputs   matched" in run.stdout or "inputs   within noise" in run.stdout

@@ -230,7 +230,7 @@ def test_a_repro_from_the_class_reproduces_the_failing_metric_in_a_fresh_process
     # Without the user's code the module cannot be rebuilt: the message says what to do.
     run = subprocess.run([sys.executable, str(out / "repro.py"), "--unpickle"], cwd=elsewhere,
                          capture_output=True, text=True, env=env)
-    assert run.returncode != 0
+    assert run.returncode == 2, run.stderr  # never 1, "the failure reproduces"
     assert "PYTHONPATH" in run.stderr
 
 
@@ -632,14 +632,9 @@ def test_bisect_replays_the_recorded_backend_after_the_stock_stages(tmp_path, dy
     """Inductor with a custom post-grad pass that scales rsqrt: every stock stage passes, the
     recorded backend (inductor with that pass, resolved from the captured inductor config)
     fails, and the bisection says the difference comes from the backend's own changes."""
-    from models import RMSNormMLP, rsqrt_too_large
+    from models import rmsnorm_under_inductor, rsqrt_too_large
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(RMSNormMLP())
-    x = torch.randn(4, 16, requires_grad=True)
-    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
-    checker.wrap(model[0])
+    checker, model, x = rmsnorm_under_inductor(str(tmp_path / "dump"))
     with torch._inductor.config.patch(post_grad_custom_post_pass=rsqrt_too_large,
                                       fx_graph_cache=False):
         result = checker.compare(lambda m: m(x).square().sum(), model)
@@ -661,11 +656,13 @@ def test_bisect_replays_the_recorded_backend_after_the_stock_stages(tmp_path, dy
             "from the backend's own changes")
     assert said in " ".join(bisected.text().split()), bisected.text()
 
-    # The command line, default stages: the recorded one comes last; torch's config is untouched.
+    # The command line: the recorded stage comes last, with the pass's module imported because
+    # the user named it (--import); torch's config is untouched.
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": here}
     run = subprocess.run([dynaprobe_cli, "bisect", checker.dump_dir, "--module", "0", "--stages",
-                          "eager,recorded"], capture_output=True, text=True, env=env)
+                          "eager,recorded", "--import", "models"], capture_output=True,
+                         text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "forward  first changes at: recorded; first fails the tolerances at: recorded" in \
         run.stdout
@@ -707,3 +704,20 @@ def test_a_damaged_step_file_is_one_line_naming_it_and_exit_2(tmp_path, tool):
     assert run.stderr.splitlines() == [
         f"dynaprobe {tool}: {dump / 'step_00000000.h5'}: not an HDF5 file (no HDF5 signature): "
         "expected a dynaprobe step file; was it truncated at the start or overwritten?"]
+
+
+def test_bisect_refuses_a_step_this_checker_did_not_write(tmp_path):
+    """A reused dump_dir: the second checker's step 0 is refused (the earlier run's is there),
+    so its bisect would replay the earlier run's call, with other weights: it says so instead."""
+    from dynaprobe._offline.stored_call import ReplayError
+
+    first, _, _ = checked_step(tmp_path)  # step 0 stored: mlp fails, its call is kept
+    again, _, result = checked_step(tmp_path)
+    assert not result.stored
+    with pytest.raises(ReplayError, match="this checker has stored no step in .*earlier run"):
+        again.bisect("mlp")
+    with pytest.raises(ReplayError, match=r"step 0 of .* was not written by this checker \(its "
+                                          r"steps: none\)"):
+        again.bisect("mlp", step=0)
+    bisected = first.bisect("mlp", stages=[STAGES[1]])  # the first checker's own step
+    assert bisected.step == 0 and [s.name for s in bisected.stages] == ["aot_eager"]

@@ -155,6 +155,9 @@ struct StepCounts {
 
 struct StepReport {
   std::int64_t step = 0;
+  // The compiled side's dump as the comparison was given it (a folder or step file): the next
+  // line's commands name it. Empty for a report read back from JSON.
+  std::string dump;
   std::optional<double> loss_eager;
   std::optional<double> loss_compiled;
   bool single_pass = false;  // loss_eager is NaN by design

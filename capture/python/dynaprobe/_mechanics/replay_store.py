@@ -58,9 +58,27 @@ def class_path(obj) -> str:
 def backend_spec(backend) -> Dict[str, str]:
     """How a replay finds the backend again: ``{"name": ...}`` for a registered backend name,
     ``{"import": "module:attribute"}`` for a callable that a module holds under a global name,
-    ``{"unknown": repr}`` otherwise (the repro script then asks for it)."""
+    ``{"unknown": repr}`` otherwise (the repro script then asks for it). A name registered by
+    the user's own code (``@register_backend``) also records where its function was defined,
+    ``"defined": "module:attribute"``: a replay elsewhere names it as the option to pass."""
     if isinstance(backend, str):
-        return {"name": backend}
+        spec = {"name": backend}
+        try:
+            from torch._dynamo.backends.registry import lookup_backend  # noqa: PLC0415
+
+            function = lookup_backend(backend)
+        except Exception:  # not registered (torch.compile refuses it): the name alone
+            return spec
+        found = _object_spec(function)
+        if "import" in found and not found["import"].startswith("torch"):
+            spec["defined"] = found["import"]
+        return spec
+    return _object_spec(backend)
+
+
+def _object_spec(backend) -> Dict[str, str]:
+    """``{"import": "module:attribute"}`` for an object a module holds under a global name,
+    else ``{"unknown": repr}``."""
     module, name = getattr(backend, "__module__", None), getattr(backend, "__qualname__", None)
     if module and name and "<" not in name:
         owner = sys.modules.get(module)
@@ -80,27 +98,42 @@ def backend_spec(backend) -> Dict[str, str]:
     return {"unknown": repr(backend)[:200]}
 
 
-def inductor_config_spec() -> Dict[str, Dict]:
-    """The inductor config switches set away from their defaults, each as a replay finds it
-    again: ``{"value": v}`` for a JSON value, else as backend_spec names an object (a custom
-    post-grad pass is a module-level callable). Empty when the config cannot be read."""
+def inductor_config_changes() -> Dict[str, Tuple[object, object]]:
+    """The inductor config switches this process has set away from what inductor uses out of
+    the box: key -> (value, stock value). The stock value is the default, or the one a
+    TORCHINDUCTOR_* variable gave (the environment is not a switch the process set). Empty when
+    the config cannot be read (a torch without inductor)."""
     try:
         import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when replaying
+        from torch.utils._config_module import _UNSET_SENTINEL  # noqa: PLC0415
 
-        entries = inductor_config._config
-        # Values set, torch itself sets some to their defaults once it compiles: those apart.
-        changed = {key: value for key, value in
-                   inductor_config._get_dict(skip_default=True).items()
-                   if key not in entries or value != entries[key].default}
-    except Exception:  # a torch without it: the replay uses the defaults, as it says
+        changes = {}
+        for key in inductor_config._get_dict(skip_default=True):
+            # The object itself: the exported dict holds copies, which no module-level name
+            # holds (a CustomGraphPass instance would not be found by its name).
+            value = getattr(inductor_config, key)
+            entry = inductor_config._config[key]
+            stock = entry.default if entry.env_value_default is _UNSET_SENTINEL else \
+                entry.env_value_default
+            if value != stock:  # torch itself sets some to their stock values as it compiles
+                changes[key] = (value, stock)
+        return changes
+    except Exception:
         return {}
+
+
+def inductor_config_spec() -> Dict[str, Dict]:
+    """The inductor config switches set away from their defaults, each as a replay finds it
+    again: ``{"value": v}`` for a JSON value, else where a module holds the object (a custom
+    post-grad pass: a module-level function or ``CustomGraphPass`` instance). Empty when the
+    config cannot be read: the replay uses the defaults, as it says."""
     spec = {}
-    for key, value in sorted(changed.items()):
+    for key, (value, _) in sorted(inductor_config_changes().items()):
         try:
             json.dumps(value)
             spec[key] = {"value": value}
         except (TypeError, ValueError):
-            spec[key] = backend_spec(value)
+            spec[key] = _object_spec(value)
     return spec
 
 

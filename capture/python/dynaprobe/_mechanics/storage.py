@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Set
 
 from dynaprobe import _C
 from dynaprobe._C import format_bytes
@@ -140,6 +140,7 @@ class Writes:
     def __init__(self, strict: bool):
         self.strict = strict
         self.failing = False  # the last step whose outcome is known was not stored
+        self.stored: Set[int] = set()  # the steps written (a replay reads only these)
 
     def failed(self, dump_dir: str, step: int, error: BaseException) -> None:
         if self.failing:
@@ -155,6 +156,7 @@ class Writes:
               "instead.", file=sys.stderr)
 
     def wrote(self, dump_dir: str, step: int) -> None:
+        self.stored.add(step)
         if self.failing:
             self.failing = False
             print(f"dynaprobe: step {step} was stored in {dump_dir}: writing works again",

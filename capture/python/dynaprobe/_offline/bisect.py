@@ -32,8 +32,22 @@ from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT
 from dynaprobe._offline.judging import judge, metrics_lines
-from dynaprobe._offline.replay import chosen_dump, inductor_patch, load_call, replay_of
-from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
+from dynaprobe._offline.replay import (
+    chosen_dump,
+    inductor_patch,
+    load_call,
+    replay_of,
+    stock_inductor_config,
+)
+from dynaprobe._offline.stored_call import (
+    BACKEND_HELP,
+    IMPORT_HELP,
+    UNPICKLE_RISK,
+    ReplayError,
+    StoredCall,
+    import_modules,
+    named_backend,
+)
 from dynaprobe._results.result import CompareResult
 
 
@@ -72,13 +86,18 @@ class StageResult:
         return [r for r in self.result.rows if r.check_type != "note"
                 and (r.check_type == KIND_FWD_OUTPUT) == forward]
 
+    @property
+    def ran(self) -> bool:
+        return not self.error
+
     def changed(self, forward: bool) -> bool:
-        return bool(self.error) or any(r.max_abs != 0 or r.status != vocabulary.STATUS_PASS
-                                       for r in self.rows(forward))
+        """Whether a number of the stage differs from eager's; never for a stage that did not
+        run (its error is said, never taken for a finding)."""
+        return any(r.max_abs != 0 or r.status != vocabulary.STATUS_PASS
+                   for r in self.rows(forward))
 
     def failed(self, forward: bool) -> bool:
-        return bool(self.error) or any(
-            r.status == vocabulary.STATUS_FAIL for r in self.rows(forward))
+        return any(r.status == vocabulary.STATUS_FAIL for r in self.rows(forward))
 
     def max_abs(self, forward: bool) -> float:
         values = [r.max_abs for r in self.rows(forward)]
@@ -112,6 +131,10 @@ class BisectResult:
     def __bool__(self) -> bool:
         return self.first_failing(True) is None and self.first_failing(False) is None
 
+    def not_run(self) -> List[StageResult]:
+        """The stages that could not run (their errors say why)."""
+        return [s for s in self.stages if not s.ran]
+
     def text(self) -> str:
         lines = [f"Stage bisection of {self.module} call {self.call} (step {self.step}), each "
                  "stage against eager:"]
@@ -134,6 +157,10 @@ class BisectResult:
                 cells.append(f"{stage.max_abs(forward):16.6e} {status:4}")
             lines.append(f"  {stage.name:28} {cells[0]} {cells[1]}")
         lines.append("")
+        ran = [s.name for s in self.stages if s.ran]
+        lines.append(f"  stages run: {', '.join(ran) or 'none'}" + (
+            f"; could not run: {', '.join(s.name for s in self.not_run())}"
+            if self.not_run() else ""))
         for forward, direction in ((True, "forward"), (False, "backward")):
             changed, failing = self.first_changed(forward), self.first_failing(forward)
             lines.append(f"  {direction:8} first changes at: {changed or 'no stage'}; first fails "
@@ -165,10 +192,10 @@ RECORDED = "recorded"
 
 
 def recorded_stage(call: StoredCall, backend=None) -> Optional[Stage]:
-    """The stage of the backend and inductor config the call was captured with, resolved as the
-    repro resolves them (``backend``: the backend itself, when the caller has it); None when
-    they are a stock stage's (nothing more to learn). Raises ReplayError when they cannot be
-    found here."""
+    """The stage of the backend and inductor config the call was captured with (``backend``:
+    the backend itself, when the caller has it; else found as ``StoredCall.backend`` finds it);
+    None when they are a stock stage's (nothing more to learn). Raises ReplayError when they
+    cannot be found here."""
     backend = call.backend() if backend is None else backend
     config = call.inductor_config()
     if isinstance(backend, str) and not config and backend in {s.backend for s in STAGES}:
@@ -183,8 +210,11 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
 
     Args:
         call: the stored call (``_replay.load_call``).
-        stages: the stages, in pipeline order (default ``STAGES``, then the recorded backend's
-            stage when it is not stock: ``recorded_stage``).
+        stages: the stages, in pipeline order: ``Stage`` values, and ``RECORDED`` for the stage
+            of the recorded backend and config (``recorded_stage``; left out when they are
+            stock, said as a stage that could not run when they cannot be found here). Default:
+            ``STAGES``, then ``RECORDED``. Each compiles under inductor's stock config with the
+            stage's own switches: a switch the process has set counts only in ``RECORDED``.
         module: the module to run (default: the call is replayed from the graphs Dynamo
             captured of it, as the dump keeps them; or, where it keeps none, through the module
             rebuilt from its class).
@@ -203,19 +233,20 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
     replay = replay_of(call, from_class, module, unpickle)
     eager = replay.run()
     runs, results = [], []
-    if stages is None:
-        stages = list(STAGES)
-        try:
-            recorded = recorded_stage(call, backend)
-        except ReplayError as error:  # said as the stage's error; the stock stages still run
-            results.append(StageResult(RECORDED, None, str(error)))
-            runs.append((Stage(RECORDED, None), None))
-            recorded = None
-        if recorded is not None:
-            stages.append(recorded)
+    stages = list(STAGES) + [RECORDED] if stages is None else list(stages)
+    stock = stock_inductor_config()  # what the process set is no stage's unless recorded
     for stage in stages:
+        if stage == RECORDED:  # the recorded backend's stage, when it is not a stock one
+            try:
+                stage = recorded_stage(call, backend)
+            except ReplayError as error:  # said as the stage's error; the others still run
+                results.append(StageResult(RECORDED, None, str(error)))
+                runs.append((Stage(RECORDED, None), None))
+                continue
+            if stage is None:
+                continue
         try:
-            with inductor_patch(stage.config):
+            with inductor_patch({**stock, **stage.config}):
                 runs.append((stage, replay.run(stage.backend, f"bisect_{stage.name}")))
         except Exception as error:  # a stage that cannot compile: said, the others still run
             results.append(StageResult(stage.name, None,
@@ -231,7 +262,8 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
                           graph_unavailable=getattr(replay, "graph_unavailable", ""))
     if inductor_subsystems and "inductor" in (result.first_failing(True),
                                                result.first_failing(False)):
-        result.inductor = _inductor_subsystem(call, replay, eager)
+        with inductor_patch(stock):
+            result.inductor = _inductor_subsystem(call, replay, eager)
     if ops:
         from dynaprobe._offline.ops import localise  # noqa: PLC0415 - only when asked for
 
@@ -283,6 +315,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--unpickle", action="store_true",
                         help="with --from-class: rebuild the module from the pickle the dump "
                              f"holds, when its class needs constructor arguments: {UNPICKLE_RISK}")
+    parser.add_argument("--backend", default=None, metavar="MODULE:ATTRIBUTE",
+                        help=BACKEND_HELP + f" Its stage is {RECORDED}.")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help=IMPORT_HELP)
     args = parser.parse_args(argv)
     names = [] if not args.stages else args.stages.split(",")
     by_name = {s.name: s for s in STAGES}
@@ -292,18 +328,20 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{', '.join(by_name)}, {RECORDED}", file=sys.stderr)
         return 2
     try:
+        import_modules(args.imports)
+        backend = None if args.backend is None else named_backend(args.backend)
         call = load_call(chosen_dump("bisect", args.dump), args.module, args.call, args.step)
-        stages = None
-        if names:
-            recorded = recorded_stage(call) if RECORDED in names else None
-            stages = [by_name[n] if n != RECORDED else recorded for n in names]
-            stages = [s for s in stages if s is not None]
-        result = bisect_call(call, stages, inductor_subsystems=args.inductor_subsystems,
+        result = bisect_call(call, [by_name.get(n, RECORDED) for n in names] or None,
+                             inductor_subsystems=args.inductor_subsystems,
                              unpickle=args.unpickle, from_class=args.from_class or args.unpickle,
-                             ops=args.ops)
+                             ops=args.ops, backend=backend)
     except (ReplayError, OSError, _C.FormatError) as error:  # OSError: DumpIOError among them
         print(f"dynaprobe bisect: {error}", file=sys.stderr)
         return 2
     print(result.text(), end="")
-    return 0 if result else 1
-
+    if not result:
+        return 1
+    for stage in result.not_run():  # no stage that ran fails: the answer is incomplete
+        print(f"dynaprobe bisect: stage {stage.name} could not run: {stage.error}",
+              file=sys.stderr)
+    return 2 if result.not_run() else 0

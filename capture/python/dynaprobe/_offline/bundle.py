@@ -29,8 +29,8 @@ from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.environment import environment
 from dynaprobe._mechanics.storage import committed_steps
 from dynaprobe._offline.replay import chosen_dump, one_process, replay_attributes, step_file
-from dynaprobe._offline.repro import write_repro
-from dynaprobe._offline.stored_call import ReplayError
+from dynaprobe._offline.repro import needs, write_repro
+from dynaprobe._offline.stored_call import BACKEND_HELP, ReplayError, named_backend
 from dynaprobe._results.result import CompareResult
 
 LIMIT_MB = 25.0  # GitHub's limit for a file attached to an issue
@@ -57,7 +57,7 @@ def failing_modules(result: CompareResult) -> List[str]:
 
 
 def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float = LIMIT_MB,
-                 step: Optional[int] = None) -> Bundle:
+                 step: Optional[int] = None, backend: Optional[str] = None) -> Bundle:
     """Writes the bundle of a dump folder (or step file) to ``output`` (a .tar.gz).
 
     Args:
@@ -67,7 +67,11 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
         limit_mb: the archive's size limit in MB; what does not fit is left out and said.
         step: the step to report (default: every step with a failing row; the first step when
             none fails).
+        backend: the backend the repros compile with instead of the recorded one (a
+            registered name or ``module:attribute``: ``--backend``).
     """
+    if backend is not None:
+        named_backend(backend)  # found here, or the error naming it
     results = []
     for index, path in _step_files(dump, step):
         folder = os.path.dirname(os.path.abspath(path))
@@ -98,7 +102,7 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
         }, indent=1, sort_keys=True)
         parts.append((0, "environment.json", _staged(staging, "environment.json",
                                                      environment_text), "environment"))
-        made, skipped = [], []
+        made, skipped, needed = [], [], {}  # needed: repro folder -> what it needs, in words
         for index, module, path, replay in failing:
             if len(made) >= repros:
                 break
@@ -108,15 +112,16 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
                 continue
             folder = os.path.join(staging, "repros", _safe(f"{module}.step{index}"))
             try:
-                write_repro(path, module, folder, step=index)
+                write_repro(path, module, folder, step=index, backend=backend)
             except (ReplayError, OSError, ValueError) as error:
                 skipped.append(f"repro of {module} (step {index}): {error}")
                 continue
             made.append(module)
+            needed[os.path.basename(folder)] = needs(replay, backend)
             for file in sorted(os.listdir(folder)):
                 parts.append((1 + len(made), f"repros/{os.path.basename(folder)}/{file}",
                               os.path.join(folder, file), f"repro of {module} (step {index})"))
-        return _archive(output, parts, made, skipped, int(limit_mb * 1e6), provenance)
+        return _archive(output, parts, made, skipped, int(limit_mb * 1e6), provenance, needed)
 
 
 def _step_files(dump: str, step: Optional[int]) -> List[tuple]:
@@ -172,13 +177,13 @@ def _safe(name: str) -> str:
 
 
 def _archive(output: str, parts: List[tuple], made: List[str], skipped: List[str], limit: int,
-             provenance: Dict[str, str]) -> Bundle:
+             provenance: Dict[str, str], needed: Dict[str, str]) -> Bundle:
     """Writes the archive, leaving out the least important parts (the later repros, then the
     HTML reports, then the graphs) until it fits ``limit`` bytes."""
     bundle = Bundle(output, list(made))
     kept = sorted(parts, key=lambda part: part[0])
     while True:
-        data = _tar(kept, _readme(kept, bundle, skipped, provenance, limit))
+        data = _tar(kept, _readme(kept, bundle, skipped, provenance, limit, needed))
         if len(data) <= limit or len(kept) <= 1:
             break
         worst = max(part[0] for part in kept)
@@ -211,7 +216,7 @@ def _tar(parts: List[tuple], readme: str) -> bytes:
 
 
 def _readme(parts: List[tuple], bundle: Bundle, skipped: List[str],
-            provenance: Dict[str, str], limit: int) -> str:
+            provenance: Dict[str, str], limit: int, needed: Dict[str, str]) -> str:
     repro_folders = sorted({name.split("/")[1] for _, name, _, _ in parts
                             if name.startswith("repros/")})
     machine = ", ".join(provenance[key] for key in ("os", "cpu", "gpu") if provenance.get(key))
@@ -229,8 +234,10 @@ def _readme(parts: List[tuple], bundle: Bundle, skipped: List[str],
              "replayed from Dynamo's captured graph, eagerly and compiled."]
     if repro_folders:
         lines += ["", "## Running a repro", "",
-                  "Each needs only torch, no model code and no dynaprobe:", "", "```bash"]
-        lines += [f"python repros/{folder}/repro.py" for folder in repro_folders]
+                  "None needs model code or dynaprobe; each says below what it needs:", "",
+                  "```bash"]
+        lines += [f"python repros/{folder}/repro.py   # {needed.get(folder, 'needs only torch')}"
+                  for folder in repro_folders]
         lines += ["```", "",
                   "It prints the metrics the dump recorded, then the replayed ones, and exits 1 "
                   "when a replayed tensor differs beyond the dump's tolerances. A custom backend is "
@@ -256,10 +263,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         f"repro, in root-cause order (default {REPROS})")
     parser.add_argument("--max-mb", type=float, default=LIMIT_MB, help="size limit; what does "
                         f"not fit is left out and said (default {LIMIT_MB:g}, GitHub's limit)")
+    parser.add_argument("--backend", default=None, metavar="MODULE:ATTRIBUTE",
+                        help=BACKEND_HELP + " The repros import it where they run.")
     args = parser.parse_args(argv)
     try:
         bundle = write_bundle(chosen_dump("bundle", args.dump), args.output, args.repros,
-                              args.max_mb, args.step)
+                              args.max_mb, args.step, args.backend)
     except (ReplayError, OSError, ValueError, _C.FormatError) as error:
         print(f"dynaprobe bundle: {error}", file=sys.stderr)
         return 2

@@ -48,6 +48,8 @@ def judge(call: StoredCall, pairs: List[Tuple[Run, Run]], folder: Optional[str] 
     original dump's tolerances: the report's metrics and verdicts for these runs. With
     ``references`` (a run per pair, in a higher precision), each row's reference verdict
     decides it, as under ``PrecisionChecker(reference="fp64")``."""
+    if not pairs:  # nothing ran (every stage of a bisection failed to compile, say)
+        return []
     folder = folder or tempfile.mkdtemp(prefix="dynaprobe-replay-")
     recorder = judging_recorder(call, folder)
     for index, (eager, other) in enumerate(pairs):

@@ -27,6 +27,7 @@ from dynaprobe._mechanics.replay_store import (
     KIND,
     PARAM,
     STRUCTURE,
+    inductor_config_changes,
     split_label,
 )
 from dynaprobe._mechanics.storage import committed_steps
@@ -113,6 +114,13 @@ def inductor_patch(config: Dict[str, object]):
     import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when needed
 
     return inductor_config.patch(config)
+
+
+def stock_inductor_config() -> Dict[str, object]:
+    """The switches this process has set away from inductor's defaults, each with its default:
+    patched in, inductor compiles as it does out of the box (the stock stages of a bisection,
+    whatever the training process set globally: a custom post-grad pass, say)."""
+    return {key: default for key, (_, default) in inductor_config_changes().items()}
 
 
 # ---------------------------------------------------------------------- reading a dump

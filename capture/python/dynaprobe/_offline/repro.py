@@ -31,7 +31,14 @@ from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
 from dynaprobe._offline.judging import judge, metrics_lines
 from dynaprobe._offline.replay import GraphReplay, chosen_dump, inductor_patch, load_call
-from dynaprobe._offline.stored_call import UNPICKLE_RISK, ReplayError, StoredCall
+from dynaprobe._offline.stored_call import (
+    BACKEND_HELP,
+    UNPICKLE_RISK,
+    ReplayError,
+    StoredCall,
+    named_backend,
+    recorded_imports,
+)
 from dynaprobe._results.result import CompareResult
 
 DATA_FILE = "repro_data.pt"
@@ -45,7 +52,7 @@ _GRAPH_SCRIPT = '''#!/usr/bin/env python3
 """Standalone repro of module {module} (call {call}, step {step}) of a dynaprobe dump, from
 {what}.
 
-    python repro.py                       needs only torch (the dump was written with torch {torch_version})
+    python repro.py                       {needs} (the dump was written with torch {torch_version})
     python repro.py --backend inductor    with another registered backend
 
 No model code and no dynaprobe are needed. graphs.py holds the graphs as Python (one class per
@@ -73,6 +80,7 @@ sys.path.insert(0, HERE)
 import graphs  # noqa: E402
 from graph_runner import GraphCall, metrics, replay_graphs  # noqa: E402
 
+MISSING = None  # why a module the backend or inductor config needs is not importable here
 {backend_lines}
 {config_lines}
 
@@ -80,21 +88,36 @@ from graph_runner import GraphCall, metrics, replay_graphs  # noqa: E402
 def main() -> int:
     data = torch.load(os.path.join(HERE, "{data_file}"), weights_only=True)
     backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else BACKEND
+    why = f" ({{MISSING}})" if MISSING else ""
     if backend is None:
-        print("repro.py: the recorded backend cannot be imported here: set BACKEND in repro.py, "
-              "or pass a registered one: python repro.py --backend inductor", file=sys.stderr)
+        print(f"repro.py: the recorded backend cannot be imported here{{why}}: put its module's "
+              "folder on PYTHONPATH, set BACKEND in repro.py, or pass a registered one: "
+              "python repro.py --backend inductor", file=sys.stderr)
+        return 2
+    if INDUCTOR_CONFIG is None:
+        print(f"repro.py: the recorded inductor config cannot be imported here{{why}}: put its "
+              "module's folder on PYTHONPATH, or edit INDUCTOR_CONFIG in repro.py",
+              file=sys.stderr)
         return 2
     calls = [GraphCall(**call) for call in data["calls"]]
     eager_graphs = {{f: getattr(graphs, name)(data["graph_tensors"][f])
                     for f, name in data["classes"].items()}}
-    compiled_graphs = {{f: torch.compile(graph, backend=backend)
-                       for f, graph in eager_graphs.items()}}
     cast = getattr(torch, data["cast_dtype"]) if data["cast_dtype"] else None
     eager = replay_graphs(calls, eager_graphs, data["grad_mode"], cast, data["device"])
     patch = torch._inductor.config.patch(INDUCTOR_CONFIG) if INDUCTOR_CONFIG else \\
         contextlib.nullcontext()
-    with patch:
-        compiled = replay_graphs(calls, compiled_graphs, data["grad_mode"], cast, data["device"])
+    try:  # exit 1 means "the difference reproduces": a backend that cannot run is exit 2
+        compiled_graphs = {{f: torch.compile(graph, backend=backend)
+                           for f, graph in eager_graphs.items()}}
+        with patch:
+            compiled = replay_graphs(calls, compiled_graphs, data["grad_mode"], cast,
+                                     data["device"])
+    except Exception as error:
+        print(f"repro.py: the backend {{backend!r}} could not compile the graph: "
+              f"{{type(error).__name__}}: {{(str(error).strip().splitlines() or [''])[0]}}; set BACKEND "
+              "in repro.py, or pass a registered one: python repro.py --backend inductor",
+              file=sys.stderr)
+        return 2
     print(f"recorded ({{data['module']}} call {{data['call']}}, step {{data['step']}}):")
     for line in data["recorded"]:
         print(line)
@@ -138,7 +161,7 @@ install the package that defines it or put its source folder on PYTHONPATH. If i
 arguments, construct it yourself in build_module() below and keep `data.load_weights(module)`,
 which sets the stored weights by name. `python repro.py --unpickle` rebuilds it from the pickle
 in repro_data.pt instead: {risk}.
-A custom backend is imported from where it was defined ({backend}); if that fails, set BACKEND.
+A custom backend is imported from where it was defined ({backend}); if it cannot be, set BACKEND.
 
 Handing it to PyTorch's minifier (accuracy mode, level 4: minify while the numbers differ):
     TORCHDYNAMO_REPRO_AFTER=dynamo TORCHDYNAMO_REPRO_LEVEL=4 python repro.py   (any backend)
@@ -163,10 +186,15 @@ def build_module():
     return data.build_module(unpickle="--unpickle" in sys.argv[1:])
 
 
-BACKEND = data.backend()  # the recorded backend; set it yourself if it cannot be imported
+MISSING = None  # why a module the backend needs is not importable here
+{backend_lines}
 
 
 if __name__ == "__main__":
+    if BACKEND is None:
+        print(f"repro.py: the backend cannot be imported here ({{MISSING}}): put its module's "
+              "folder on PYTHONPATH, or set BACKEND in repro.py", file=sys.stderr)
+        sys.exit(2)
     sys.exit(replay(data, build_module(), BACKEND))
 '''
 
@@ -179,7 +207,8 @@ class ReproData(StoredCall):
 
 
 def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None,
-                step: Optional[int] = None, from_class: bool = False) -> str:
+                step: Optional[int] = None, from_class: bool = False,
+                backend: Optional[str] = None) -> str:
     """Writes the repro folder of a stored call of ``module``; returns the script's path.
 
     Args:
@@ -191,12 +220,17 @@ def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None
         from_class: write the form that rebuilds the module from its class (needs the model's
             code and dynaprobe where it runs) instead of the captured graphs. It is also written,
             with a warning saying why, when the dump keeps no usable graph of the call.
+        backend: the backend the script compiles with instead of the recorded one: a
+            registered name or ``module:attribute`` (``--backend``); ReplayError when it cannot
+            be found here.
     """
+    if backend is not None:
+        named_backend(backend)  # found here, or the error naming it
     stored = load_call(dump, module, call, step)
     os.makedirs(out_dir, exist_ok=True)
     if not from_class:
         try:
-            return _write_graph_repro(stored, out_dir)
+            return _write_graph_repro(stored, out_dir, backend)
         except ReplayError as error:
             print(f"dynaprobe repro: {error}; writing the repro that rebuilds the module from its "
                   "class instead", file=sys.stderr)
@@ -209,13 +243,17 @@ def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None
             bytearray(stored.structure), dtype=torch.uint8),
         "recorded": recorded_lines(stored),
     }, os.path.join(out_dir, DATA_FILE))
-    backend = stored.replay.get("backend", {})
+    lines = _backend_lines(stored.replay.get("backend", {}), backend)
+    if backend is None:  # the recorded objects, found in the modules that define them
+        lines = _guarded([m for m in stored.imports() if _DOTTED.fullmatch(m)],
+                         "BACKEND = data.backend()  # the recorded backend", "BACKEND",
+                         "the modules of the recorded backend and inductor config")
     script = os.path.join(out_dir, SCRIPT_FILE)
     with open(script, "w", encoding="utf-8") as f:
         f.write(_CLASS_SCRIPT.format(module=_plain(module), call=stored.call, step=stored.step,
                                      cls=_plain(stored.replay["class"]), data_file=DATA_FILE,
-                                     backend=_plain(next(iter(backend.values()), "?")),
-                                     risk=UNPICKLE_RISK))
+                                     backend=_plain(stored.recorded_compile()),
+                                     backend_lines=lines, risk=UNPICKLE_RISK))
     return script
 
 
@@ -229,22 +267,24 @@ def recorded_lines(stored: StoredCall) -> List[str]:
                                                       r.check_type == KIND_PARAM_GRAD)])
 
 
-def _write_graph_repro(stored: StoredCall, out_dir: str) -> str:
+def _write_graph_repro(stored: StoredCall, out_dir: str, backend: Optional[str]) -> str:
     """The repro from the captured graphs (torch alone); ReplayError when the dump keeps no
     usable graph of the call."""
     replay = GraphReplay(stored)  # checks the graphs against the allowlist (graph_data.py)
     return write_graph_folder(
         stored, out_dir, replay.graphs, replay.calls, bool(stored.description["grad_mode"]),
         replay.device, recorded_lines(stored),
-        f"the graph(s) Dynamo captured of that call: {', '.join(replay.graphs)}")
+        f"the graph(s) Dynamo captured of that call: {', '.join(replay.graphs)}", backend)
 
 
 def write_graph_folder(stored: StoredCall, out_dir: str, graphs: dict, calls: list,
-                       grad_mode: bool, device: str, recorded: List[str], what: str) -> str:
+                       grad_mode: bool, device: str, recorded: List[str], what: str,
+                       backend: Optional[str] = None) -> str:
     """Writes a repro folder that runs ``graphs`` (function -> GraphModule) on ``calls``
-    (``_graph_runner.GraphCall``) eagerly and compiled with the call's recorded backend and
-    inductor config, with torch alone; ``recorded`` are the lines it prints as the dump's,
-    ``what`` says what the graphs are. Returns the script's path."""
+    (``_graph_runner.GraphCall``) eagerly and compiled with the call's recorded backend (or
+    ``backend``, the user's ``--backend``) and inductor config, with torch alone; ``recorded``
+    are the lines it prints as the dump's, ``what`` says what the graphs are. Returns the
+    script's path."""
     os.makedirs(out_dir, exist_ok=True)
     classes = {function: "Graph_" + re.sub(r"\W", "_", function) for function in graphs}
     source = "\n\n".join(python_source(gm, classes[f]) for f, gm in graphs.items())
@@ -271,8 +311,9 @@ def write_graph_folder(stored: StoredCall, out_dir: str, graphs: dict, calls: li
             module=_plain(stored.module), call=stored.call, step=stored.step,
             what=_plain(what),
             torch_version=_plain(stored.provenance.get(vocabulary.PROVENANCE_TORCH_VERSION, "?")),
-            backend=_plain(stored.recorded_compile()), data_file=DATA_FILE,
-            backend_lines=_backend_lines(stored.replay.get("backend", {})),
+            backend=_plain(backend or stored.recorded_compile()), data_file=DATA_FILE,
+            needs=_plain(needs(stored.replay, backend)),
+            backend_lines=_backend_lines(stored.replay.get("backend", {}), backend),
             config_lines=_config_lines(stored.replay.get("inductor_config", {}))))
     return script
 
@@ -294,13 +335,51 @@ def _imported_name(spec: dict) -> Optional[tuple]:
     return None
 
 
-def _backend_lines(spec: dict) -> str:
+def needs(replay: dict, backend: Optional[str] = None) -> str:
+    """What a graph repro needs to run, in words: torch alone, or also the modules that define
+    its backend (the user's ``backend``, else the recorded one of the replay attribute
+    ``replay``) and inductor config objects."""
+    modules = recorded_imports(replay)
+    if backend is not None:
+        modules = [backend.partition(":")[0]] if ":" in backend else []
+    if not modules:
+        return "needs only torch"
+    return f"needs torch and {', '.join(modules)}, which defines its backend or inductor pass"
+
+
+def _guarded(imports: List[str], assignment: str, name: str, why: str) -> str:
+    """Lines that import ``imports`` and run ``assignment``; where one is not importable,
+    ``name`` is None and MISSING says why (the script then exits 2 saying what to do: a
+    missing module is never taken for the difference reproducing)."""
+    if not imports:
+        return assignment
+    body = "".join(f"    import {module}  # noqa: E402\n" for module in imports)
+    body += "".join(f"    {line}\n" for line in assignment.splitlines())
+    return (f"try:  # {why}\n{body}except ImportError as error:\n"
+            f"    {name}, MISSING = None, error")
+
+
+def _backend_lines(spec: dict, given: Optional[str] = None) -> str:
+    """``BACKEND = ...`` for a repro script: the user's ``given`` backend, else the recorded one
+    (with the import of the module that defines or registers it)."""
+    if given is not None:
+        module, colon, attribute = given.partition(":")
+        if not colon:
+            return f"BACKEND = {given!r}  # chosen with --backend"
+        if not (_DOTTED.fullmatch(module) and _DOTTED.fullmatch(attribute)):
+            raise ReplayError(f"--backend {given}: expected module:attribute, dotted names")
+        return _guarded([module], f"BACKEND = {module}.{attribute}", "BACKEND",
+                        "the backend chosen with --backend")
     if isinstance(spec.get("name"), str):
+        found = _imported_name({"import": spec.get("defined", "")})
+        if found and found[0] != "__main__":
+            return _guarded([found[0]], f"BACKEND = {spec['name']!r}", "BACKEND",
+                            "the module that registers the recorded backend")
         return f"BACKEND = {spec['name']!r}  # the recorded backend"
     found = _imported_name(spec)
     if found and found[0] != "__main__":
-        return (f"import {found[0]}  # noqa: E402 - the recorded backend's module\n"
-                f"BACKEND = {found[0]}.{found[1]}")
+        return _guarded([found[0]], f"BACKEND = {found[0]}.{found[1]}", "BACKEND",
+                        "the recorded backend's module")
     where = (f"{found[1]}, defined in the capture script itself (__main__)" if found else
              _plain(spec.get("unknown", "?")))
     return f"BACKEND = None  # the recorded backend ({where}) cannot be imported: set it here"
@@ -317,14 +396,15 @@ def _config_lines(config: dict) -> str:
             continue
         found = _imported_name(spec)
         if found and found[0] != "__main__":
-            imports.append(f"import {found[0]}  # noqa: E402")
+            imports.append(found[0])
             entries.append(f"{key!r}: {found[0]}.{found[1]}")
         else:
             entries.append(f"# {key!r}: {_plain(spec.get('import') or spec.get('unknown'))} "
                            "cannot be imported here: set it yourself")
     body = "".join(f"\n    {entry}," for entry in entries)
-    return "\n".join(imports + [f"INDUCTOR_CONFIG = {{{body}\n}}  # set away from the defaults "
-                                 "when captured"])
+    assignment = f"INDUCTOR_CONFIG = {{{body}\n}}  # set away from the defaults when captured"
+    return _guarded(list(dict.fromkeys(imports)), assignment, "INDUCTOR_CONFIG",
+                    "the modules of the recorded inductor config's objects")
 
 
 def load_repro(path: str) -> ReproData:
@@ -376,10 +456,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="write the repro that rebuilds the module from its class (needs the "
                              "model's code and dynaprobe where it runs) instead of the one that "
                              "replays the captured graphs with torch alone")
+    parser.add_argument("--backend", default=None, metavar="MODULE:ATTRIBUTE",
+                        help=BACKEND_HELP + " The script imports it where it runs.")
     args = parser.parse_args(argv)
     try:
         script = write_repro(chosen_dump("repro", args.dump), args.module, args.output,
-                             args.call, args.step, args.from_class)
+                             args.call, args.step, args.from_class, args.backend)
     except (ReplayError, OSError, ValueError) as error:
         print(f"dynaprobe repro: {error}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -42,6 +43,14 @@ from dynaprobe._steps.compiling import own_entry
 # default): a pickle names any callable, and unpickling calls it.
 UNPICKLE_RISK = ("unpickling runs code the dump carries, as any pickle can: use it only on dumps "
                  "you trust")
+
+
+# The --backend option of repro, bisect and bundle.
+BACKEND_HELP = ("compile with this backend instead of the recorded one: module:attribute "
+                "(imported: the dump never makes dynaprobe import anything) or a registered "
+                "backend's name.")
+IMPORT_HELP = ("import MODULE before replaying (repeatable): the module that defines or "
+               "registers the recorded backend or inductor pass, as an error names it.")
 
 
 class ReplayError(ValueError):
@@ -244,40 +253,50 @@ class StoredCall:
                 torch.cuda.set_rng_state(state, int(name.split(":")[1]))
 
     def backend(self):
-        """The backend the call was compiled with: a registered name, or the callable imported
-        from where it was defined. Raises ReplayError when it cannot be found."""
+        """The backend the call was compiled with: a registered name, or the object at the
+        module-level name it was recorded under. Nothing is imported because the dump names it:
+        the module must be imported already (the training process's own, or one the user named:
+        ``--backend``, ``--import``). Raises ReplayError saying which option to pass."""
         spec = self.replay.get("backend", {})
         if "name" in spec:
-            return spec["name"]
+            name = spec["name"]
+            if not _registered(name):
+                where = spec.get("defined")
+                raise ReplayError(f"the recorded backend {name!r} is not registered here: " + (
+                    f"it was registered by {where}; {_how_to_import(where)}" if where else
+                    "pass --backend module:attribute naming it"))
+            return name
         if "import" in spec:
-            return _imported(spec["import"], "backend", "set BACKEND in the repro script "
-                             "yourself")
-        raise ReplayError(f"the backend {spec.get('unknown', '?')} was not a registered name nor "
-                          "a module-level object when captured: pass it yourself (edit BACKEND "
-                          "in the repro script)")
+            return _resolved(spec["import"], "backend")
+        raise ReplayError(f"the recorded backend {spec.get('unknown', '?')} has no module-level "
+                          "name to find it by: pass --backend module:attribute naming it (edit "
+                          "BACKEND in a repro script)")
 
     def inductor_config(self) -> Dict[str, object]:
         """The inductor config switches the capture had set away from their defaults (a custom
-        post-grad pass, say), as values to patch; ReplayError for one that cannot be found."""
+        post-grad pass, say), as values to patch; ReplayError for one that cannot be found (an
+        object is found as ``backend`` finds one)."""
         config = {}
         for key, spec in self.replay.get("inductor_config", {}).items():
             if "value" in spec:
                 config[key] = spec["value"]
             elif "import" in spec:
-                config[key] = _imported(spec["import"], f"inductor config {key}",
-                                        "patch it yourself (torch._inductor.config)")
+                config[key] = _resolved(spec["import"], f"inductor config {key}")
             else:
                 raise ReplayError(f"the inductor config {key} was set to "
                                   f"{spec.get('unknown', '?')}, which has no module-level name to "
-                                  "import it by: patch it yourself (torch._inductor.config)")
+                                  "find it by: patch it yourself (torch._inductor.config)")
         return config
+
+    def imports(self) -> List[str]:
+        """The modules the recorded backend and inductor config name: ``recorded_imports``."""
+        return recorded_imports(self.replay)
 
     def recorded_compile(self) -> str:
         """The recorded backend and inductor config, in words."""
-        spec = self.replay.get("backend", {})
-        text = next(iter(spec.values()), "?")
+        text = recorded_name(self.replay.get("backend", {}))
         for key, value in self.replay.get("inductor_config", {}).items():
-            text += f", {key}={next(iter(value.values()), '?')}"
+            text += f", {key}={recorded_name(value)}"
         return text
 
     @property
@@ -348,20 +367,93 @@ class Run:
     labels: Dict[Tuple[str, int], str] = field(default_factory=dict)
 
 
-def _imported(path: str, what: str, otherwise: str):
-    """The object at ``module:attribute``, a name the capture recorded (code installed here,
-    named by the dump); ReplayError saying what to do when it cannot be imported."""
+def recorded_imports(replay: dict) -> List[str]:
+    """The modules a module's replay attribute names for its backend and inductor config objects
+    (``--import`` them to replay with those), in order; the capture script (``__main__``), which
+    no replay can import, left out."""
+    specs = [replay.get("backend", {})] + list(replay.get("inductor_config", {}).values())
+    paths = [spec.get("import") or spec.get("defined") or "" for spec in specs]
+    modules = [p.partition(":")[0] for p in paths if ":" in p]
+    return list(dict.fromkeys(m for m in modules if m != "__main__"))
+
+
+def recorded_name(spec: dict) -> str:
+    """How a recorded backend (or config object) was named: its registered name, its
+    ``module:attribute``, or its repr."""
+    if "value" in spec:
+        return str(spec["value"])
+    return str(spec.get("name") or spec.get("import") or spec.get("unknown", "?"))
+
+
+def _registered(name: str) -> bool:
+    """Whether ``name`` is a backend torch.compile knows here (built in, or registered)."""
+    from torch._dynamo.backends.registry import lookup_backend  # noqa: PLC0415
+
+    try:
+        lookup_backend(name)
+        return True
+    except Exception:  # InvalidBackend
+        return False
+
+
+def _resolved(path: str, what: str):
+    """The object at ``module:attribute`` that the dump recorded, from its module as imported
+    here already; ReplayError naming the option that imports it otherwise. A dump never makes
+    this process import anything."""
     module_name, _, attribute = path.partition(":")
+    value = sys.modules.get(module_name)
+    if value is None:
+        raise ReplayError(f"the recorded {what} {path} is not imported here: "
+                          f"{_how_to_import(path)}")
+    try:
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    except AttributeError as error:
+        raise ReplayError(f"the recorded {what} {path} is not found in the module {module_name} "
+                          f"as imported here ({error}): pass --backend module:attribute naming "
+                          "it") from error
+    return value
+
+
+def _how_to_import(path: str) -> str:
+    """The option that imports the object recorded at ``module:attribute``."""
+    module_name = path.partition(":")[0]
+    if module_name == "__main__":
+        return ("it was defined in the capture script itself (__main__), which a replay cannot "
+                "import: move it into a module and pass --backend module:attribute")
+    return f"pass --import {module_name} (or --backend {path}), with its folder on PYTHONPATH"
+
+
+def named_backend(text: str):
+    """The backend the user named (``--backend``): a registered backend's name, or
+    ``module:attribute``, imported because the user named it. ReplayError naming ``text`` and
+    the option when it cannot be found."""
+    module_name, colon, attribute = text.partition(":")
+    if not colon:
+        if _registered(text):
+            return text
+        raise ReplayError(f"--backend {text}: not a registered backend here; expected "
+                          "module:attribute, or a registered backend's name (e.g. inductor)")
     try:
         value = importlib.import_module(module_name)
         for part in attribute.split("."):
             value = getattr(value, part)
-        return value
     except Exception as error:
-        raise ReplayError(
-            f"the {what} {path} cannot be imported ({type(error).__name__}: {error}): make its "
-            f"module importable (install its package or put its source folder on PYTHONPATH), "
-            f"or {otherwise}") from error
+        raise ReplayError(f"--backend {text}: cannot import it ({type(error).__name__}: {error}); "
+                          "make its module importable (install its package or put its folder "
+                          "on PYTHONPATH)") from error
+    return value
+
+
+def import_modules(names: List[str]) -> None:
+    """Imports the modules the user named with ``--import``; ReplayError naming one that fails."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as error:
+            raise ReplayError(f"--import {name}: cannot import it ({type(error).__name__}: "
+                              f"{error}); install its package or put its folder on "
+                              "PYTHONPATH") from error
 
 
 def _module_device(module: nn.Module) -> str:

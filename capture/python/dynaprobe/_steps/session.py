@@ -329,6 +329,13 @@ class Dumps:
         for session in list(self.sessions.values()):
             session.wait_committed()
 
+    def written_steps(self) -> List[int]:
+        """The steps this checker wrote into ``dump_dir``, in order, once committed: a reused
+        folder's earlier steps are not among them."""
+        self.wait_committed()
+        session = self.main()
+        return sorted(session.writes.stored) if session is not None else []
+
 
 def other_side_dump_dir(dump_dir: str, run_dir: str, side: str) -> str:
     """Where a checker's captures of ``side`` go when its dump holds another mode:
