@@ -153,6 +153,15 @@ def rsqrt_too_large(graph: torch.fx.Graph) -> None:
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
 
 
+def rsqrt_via_compile_fx(gm: torch.fx.GraphModule, example_inputs):
+    """A backend of the user's own that wraps inductor: compile_fx with rsqrt_too_large as its
+    post-grad pass, for this backend's graphs alone."""
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+
+    return compile_fx(gm, example_inputs,
+                      config_patches={"post_grad_custom_post_pass": rsqrt_too_large})
+
+
 def rmsnorm_under_inductor(dump_dir: str):
     """(checker, model, x): an RMSNormMLP, module "0" of a Sequential, wrapped by a checker
     with backend="inductor" writing to ``dump_dir``; Dynamo reset and the seed set."""

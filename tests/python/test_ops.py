@@ -348,3 +348,52 @@ def test_a_clean_bf16_layer_under_inductor_names_no_op(tmp_path):
     result = localise(call, "inductor")
     assert result.graphs and not result.findings, result.text()
     assert "no op fails" in result.text()
+
+
+def test_a_decomposition_bug_is_named_as_such(tmp_path, monkeypatch):
+    """A wrong decomposition in inductor's own table (GELU 1% too large): the compiled aten
+    graph carries the error, so every op of it matches its own eager evaluation and --ops finds
+    none; the stage bisection's first failing stage is the one that adds inductor's
+    decompositions, and the answer names the decomposition, not "no op fails" alone."""
+    from test_replay import _faulty_gelu_decomposition
+    from torch._inductor import decomposition
+
+    from dynaprobe.bisect import bisect_call
+
+    monkeypatch.setitem(decomposition.decompositions, torch.ops.aten.gelu.default,
+                        _faulty_gelu_decomposition)
+    decomposition.fast_random_decomps.cache_clear()  # its copy of the table, made once
+    try:
+        torch._dynamo.reset()
+        # The caches' keys miss the table: every compile here is made afresh.
+        with torch._functorch.config.patch(enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            call = _dump(tmp_path, GeluMLP(), "inductor")
+            bisected = bisect_call(call, ops=True)
+    finally:
+        monkeypatch.undo()
+        decomposition.fast_random_decomps.cache_clear()
+    assert bisected.first_failing(True) == "aot_eager_decomp_partition", bisected.text()
+    assert bisected.stages[1].name == "aot_eager" and not bisected.stages[1].failed(True)
+    assert bisected.ops.findings == [], bisected.text()
+    assert bisected.made_before_codegen() == "aot_eager_decomp_partition"
+    assert ("the difference is in the aten graph itself: aot_eager_decomp_partition already "
+            "fails and no op differs from its own eager evaluation, so one of inductor's "
+            "decompositions (or the min-cut partitioner) made it, not a kernel") in \
+        " ".join(bisected.text().split()), bisected.text()
+
+
+def test_ops_sees_a_backend_that_wraps_compile_fx(tmp_path):
+    """A backend of the user's own that calls inductor's compile_fx with its own post-grad pass
+    (a config patch for its graphs alone): --ops watches the aten graphs inductor compiles under
+    it, forward and the lazily compiled backward, and names the op and its kernel."""
+    from models import rsqrt_via_compile_fx
+
+    torch._dynamo.reset()
+    result = _localised(tmp_path, RMSNormMLP(), rsqrt_via_compile_fx)
+    assert [g.kind for g in result.graphs] == ["forward", "backward"], result.text()
+    finding = result.findings[0]
+    assert (finding.graph, finding.op) == ("forward", "aten.rsqrt.default"), result.text()
+    assert finding.kernel is not None and finding.kernel.name.startswith("cpp_fused"), \
+        result.text()
+    assert result.backend == "rsqrt_via_compile_fx"

@@ -1,8 +1,9 @@
 """The aten graphs a backend compiles, watched and evaluated, for op localisation (ops.py).
 
 ``Watcher`` wraps the recorded backend so that its own compilers of aten graphs are seen:
-inductor's ``compile_fx_inner`` (with its kernels' provenance) or an ``aot_autograd`` backend's
-``fw_compiler`` / ``bw_compiler``; each graph is kept as an ``AtenGraph`` with the inputs it took
+inductor's ``compile_fx_inner`` (with its kernels' provenance; also under a backend of the user's
+own that calls ``compile_fx``) or an ``aot_autograd`` backend's ``fw_compiler`` /
+``bw_compiler``; each graph is kept as an ``AtenGraph`` with the inputs it took
 in the replay and a way to compile it again. ``evaluate`` runs such a graph three ways: node by
 node in eager, node by node in float64 (the noise bound), and compiled with every computed node
 exposed as an output.
@@ -11,12 +12,14 @@ exposed as an output.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
 from torch import fx
 
+from dynaprobe._mechanics.replay_store import inductor_config_changes
 from dynaprobe._offline.stored_call import ReplayError
 
 _LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,11 +66,38 @@ class Watcher:
                 kwargs["inference_compiler"] = self._aot(backend.kwargs["fw_compiler"],
                                                          "inference")
             return aot_autograd(**kwargs)
+        if callable(backend):
+            return self._around_compile_fx(backend)
         raise ReplayError(f"the backend {backend!r} is neither inductor nor an aot_autograd "
                           "backend: its aten graphs cannot be watched, so ops cannot be compared")
 
+    def _around_compile_fx(self, backend):
+        """A backend of the user's own that calls inductor's ``compile_fx`` (with its own config
+        patches, say): while it compiles, compile_fx's default inner compiler is the watched
+        one, which the backward's lazy compile keeps too. A backend that compiles otherwise
+        shows no aten graph, which localise says."""
+        module = importlib.import_module("torch._inductor.compile_fx")  # not its function
+        inner = self._inner()
+
+        def watched(gm, example_inputs):
+            defaults = module.compile_fx.__defaults__
+            module.compile_fx.__defaults__ = (inner,) + defaults[1:]
+            try:
+                return backend(gm, example_inputs)
+            finally:
+                module.compile_fx.__defaults__ = defaults
+
+        return watched
+
     def _inductor(self):
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
+        from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+
+        inner = self._inner()
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
+
+    def _inner(self):
+        """compile_fx's inner compiler, watched: each aten graph it compiles is kept."""
+        from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415
 
         def tracked(gm, example_inputs, **kwargs):
             """compile_fx_inner, with inductor's provenance tracking: each kernel's nodes."""
@@ -79,15 +109,24 @@ class Watcher:
                 return compiled, dict(debug._inductor_triton_kernel_to_post_grad_node_info)
 
         def inner(gm, example_inputs, **kwargs):
+            from torch._inductor import config  # noqa: PLC0415
+
             kind = "backward" if kwargs.get("is_backward") else (
                 "inference" if kwargs.get("is_inference") else "forward")
             before = _copy(gm)
             compiled, kernels = tracked(gm, example_inputs, **kwargs)
             own = dict(kwargs)
-            return self._keep(kind, before, (compiled, kernels),
-                              lambda g, inputs: tracked(g, inputs, **own))
+            # The config this graph compiled under (a backend's own config_patches are set
+            # around this call only): compiled again under it, with its nodes exposed.
+            switches = {key: value for key, (value, _) in inductor_config_changes().items()}
 
-        return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner)
+            def compile_again(g, inputs):
+                with config.patch(switches):
+                    return tracked(g, inputs, **own)
+
+            return self._keep(kind, before, (compiled, kernels), compile_again)
+
+        return inner
 
     def _aot(self, compiler, kind: str):
         def watched(gm, example_inputs, **kwargs):

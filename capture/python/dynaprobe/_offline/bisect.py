@@ -131,6 +131,16 @@ class BisectResult:
     def __bool__(self) -> bool:
         return self.first_failing(True) is None and self.first_failing(False) is None
 
+    def made_before_codegen(self) -> Optional[str]:
+        """With ``ops``: when no op of the compiled aten graphs fails (each matches its own
+        eager evaluation) and a stage before inductor's code generation already fails, that
+        stage: the aten graph itself carries the difference, made by a decomposition (or
+        AOTAutograd's tracing, or the partitioner), not by a kernel. None otherwise."""
+        if self.ops is None or self.ops.findings or any(g.fused_output for g in self.ops.graphs):
+            return None
+        return next((s.name for s in self.stages if s.name in BEFORE_CODEGEN
+                     and (s.failed(True) or s.failed(False))), None)
+
     def not_run(self) -> List[StageResult]:
         """The stages that could not run (their errors say why)."""
         return [s for s in self.stages if not s.ran]
@@ -177,6 +187,11 @@ class BisectResult:
             lines.append(f"  inductor subsystem: {self.inductor}")
         if self.ops is not None:
             lines += ["", self.ops.text().rstrip("\n")]
+            stage = self.made_before_codegen()
+            if stage is not None:
+                lines += ["", f"  the difference is in the aten graph itself: {stage} already "
+                              f"fails and no op differs from its own eager evaluation, so "
+                              f"{BEFORE_CODEGEN[stage]} made it, not a kernel"]
         elif self.ops_error:
             lines += ["", f"  ops not compared: {self.ops_error}"]
         for stage in self.stages:
@@ -189,6 +204,13 @@ class BisectResult:
 
 
 RECORDED = "recorded"
+# The stages before inductor's code generation, and what each adds to the aten graph.
+BEFORE_CODEGEN = {
+    "aot_eager": "AOTAutograd's tracing (functionalization, the decompositions it applies by "
+                 "default)",
+    "aot_eager_decomp_partition": "one of inductor's decompositions (or the min-cut "
+                                  "partitioner)",
+}
 
 
 def recorded_stage(call: StoredCall, backend=None) -> Optional[Stage]:

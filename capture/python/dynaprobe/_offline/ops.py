@@ -78,8 +78,8 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
             raise ReplayError(f"the replay of {call.module} call {call.call} ran no aten graph "
                               f"that {result.backend} compiled, so there are no ops to compare: "
                               "the stage bisection (bisect without --ops) still names the stage; "
-                              "with a custom backend, build it with aot_autograd so that its "
-                              "compilers can be watched")
+                              "a custom backend is watched when it is built with aot_autograd or "
+                              "calls inductor's compile_fx")
         evaluated = []
         for graph in graphs:
             graph.inputs = [a.detach() if isinstance(a, torch.Tensor) else a
