@@ -365,48 +365,32 @@ class PrecisionChecker(_options.CheckerOptions):
             raise TypeError(f"module must be the module's path as the report names it (a str), "
                             f"but received {type(module).__name__}: call it as "
                             f"checker.bisect(\"model.layers.0\")")
-        stored = load_call(self.dump_dir, module, call, self._own_step(module, step))
+        stored = load_call(self.dump_dir, module, call, step, among=self._own_steps(step))
         return stage_bisect.bisect_call(stored, stages,
                                         inductor_subsystems=inductor_subsystems,
                                         unpickle=unpickle, from_class=from_class or unpickle,
                                         ops=ops, backend=self.backend)
 
-    def _own_step(self, module: str, step: Optional[int]) -> int:
-        """The step of this checker's dump to replay ``module`` from: ``step``, or the first
-        this checker wrote that keeps replay data of ``module``. A step this checker did not
-        write (a reused ``dump_dir``: an earlier run's, with its own weights and numbers) is
-        refused, saying so."""
-        from dynaprobe import _C  # noqa: PLC0415
-        from dynaprobe._offline.replay import replay_attributes, step_file  # noqa: PLC0415
+    def _own_steps(self, step: Optional[int]) -> List[int]:
+        """The steps this checker stored in its dump, which alone it replays: a reused
+        ``dump_dir``'s earlier steps (another run's weights and numbers) are refused, saying
+        so, as is ``step`` when it is not one of them."""
         from dynaprobe._offline.stored_call import ReplayError  # noqa: PLC0415
 
         written = self._dumps.written_steps()
-        if step is not None and step not in written:
-            raise ReplayError(
-                f"step {step} of {self.dump_dir} was not written by this checker (its steps: "
-                f"{', '.join(map(str, written)) or 'none'}): an earlier run's step in a reused "
-                "dump_dir holds that run's weights and numbers. Replay it from a shell if you "
-                f"mean to (dynaprobe bisect {self.dump_dir} --module {module} --step {step}), "
-                "or give each run a dump_dir of its own")
-        if step is not None:
-            return step
-        for candidate in written:
-            try:
-                path = step_file(self.dump_dir, candidate, module)
-            except ReplayError:  # removed since (disk_budget_bytes)
-                continue
-            if module in replay_attributes(_C.read_step(path)):
-                return candidate
         if not written:
             raise ReplayError(
                 f"this checker has stored no step in {self.dump_dir}: a step that was not stored "
                 "(result.stored is False; stderr said why) cannot be replayed, and the steps of "
                 "an earlier run in a reused dump_dir hold that run's weights and numbers")
-        raise ReplayError(
-            f"no step this checker wrote to {self.dump_dir} (steps "
-            f"{', '.join(map(str, written))}) keeps replay data of module {module!r}: replay "
-            "data is kept for calls with a failing row (replay='failing', the default) or for "
-            "every call (replay='all')")
+        if step is not None and step not in written:
+            raise ReplayError(
+                f"step {step} of {self.dump_dir} was not written by this checker (its steps: "
+                f"{', '.join(map(str, written))}): an earlier run's step in a reused dump_dir "
+                "holds that run's weights and numbers. Replay it from a shell if you mean to "
+                "(dynaprobe bisect DUMP --module M --step S), or give each run a dump_dir of its "
+                "own")
+        return written
 
     # ------------------------------------------------------------------ report
     def report(self, result: Optional[CompareResult], csv_path: Optional[str] = None,

@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -131,9 +131,10 @@ def tensor_from_bytes(dtype: str, shape: tuple, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
 
 
-def step_file(dump: str, step: Optional[int], module: str) -> str:
+def step_file(dump: str, step: Optional[int], module: str,
+              among: Optional[Sequence[int]] = None) -> str:
     """The step file to replay from: ``step``'s, else the first step that keeps replay data of
-    ``module``."""
+    ``module`` (of the steps ``among``, when given: a checker's own)."""
     if os.path.isfile(dump):
         return dump
     dump = one_process(dump)
@@ -147,10 +148,12 @@ def step_file(dump: str, step: Optional[int], module: str) -> str:
                 return path
         raise ReplayError(f"{dump} has no step {step}; its steps are "
                           f"{', '.join(str(s) for s, _, _ in steps)}")
-    for _, path, _ in steps:
-        if module in replay_attributes(_C.read_step(path)):
+    for index, path, _ in steps:
+        if (among is None or index in among) and module in replay_attributes(
+                _C.read_step(path)):
             return path
-    raise ReplayError(f"no step of {dump} keeps replay data of module {module!r}: replay data is "
+    raise ReplayError(f"no step of {dump}" + ("" if among is None else " this checker wrote") +
+                      f" keeps replay data of module {module!r}: replay data is "
                       "kept for calls with a failing row, forward or backward (PrecisionChecker(replay="
                       "'failing'), the default) or for every call (replay='all')")
 
@@ -189,10 +192,11 @@ def replay_attributes(info: dict) -> Dict[str, dict]:
 
 
 def load_call(dump: str, module: str, call: Optional[int] = None,
-              step: Optional[int] = None) -> StoredCall:
+              step: Optional[int] = None, among: Optional[Sequence[int]] = None) -> StoredCall:
     """The stored call ``call`` (default: the first one kept) of ``module`` from a dump folder
-    (or one step file), at ``step`` (default: the first step keeping replay data of it)."""
-    path = step_file(dump, step, module)
+    (or one step file), at ``step`` (default: the first step keeping replay data of it, of the
+    steps ``among`` when given)."""
+    path = step_file(dump, step, module, among)
     info = _C.read_step(path)
     replays = replay_attributes(info)
     if module not in replays:

@@ -243,11 +243,10 @@ def write_repro(dump: str, module: str, out_dir: str, call: Optional[int] = None
             bytearray(stored.structure), dtype=torch.uint8),
         "recorded": recorded_lines(stored),
     }, os.path.join(out_dir, DATA_FILE))
-    lines = _backend_lines(stored.replay.get("backend", {}), backend)
-    if backend is None:  # the recorded objects, found in the modules that define them
-        lines = _guarded([m for m in stored.imports() if _DOTTED.fullmatch(m)],
-                         "BACKEND = data.backend()  # the recorded backend", "BACKEND",
-                         "the modules of the recorded backend and inductor config")
+    lines = _backend_lines({}, backend) if backend is not None else _guarded(
+        [m for m in recorded_imports(stored.replay) if _DOTTED.fullmatch(m)],
+        "BACKEND = data.backend()  # the recorded backend", "BACKEND",
+        "the modules of the recorded backend and inductor config")
     script = os.path.join(out_dir, SCRIPT_FILE)
     with open(script, "w", encoding="utf-8") as f:
         f.write(_CLASS_SCRIPT.format(module=_plain(module), call=stored.call, step=stored.step,

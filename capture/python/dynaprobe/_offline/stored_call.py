@@ -288,10 +288,6 @@ class StoredCall:
                                   "find it by: patch it yourself (torch._inductor.config)")
         return config
 
-    def imports(self) -> List[str]:
-        """The modules the recorded backend and inductor config name: ``recorded_imports``."""
-        return recorded_imports(self.replay)
-
     def recorded_compile(self) -> str:
         """The recorded backend and inductor config, in words."""
         text = recorded_name(self.replay.get("backend", {}))
@@ -402,26 +398,27 @@ def _resolved(path: str, what: str):
     this process import anything."""
     module_name, _, attribute = path.partition(":")
     value = sys.modules.get(module_name)
-    if value is None:
-        raise ReplayError(f"the recorded {what} {path} is not imported here: "
-                          f"{_how_to_import(path)}")
     try:
+        if value is None:
+            raise AttributeError(f"module {module_name} is not imported here")
         for part in attribute.split("."):
             value = getattr(value, part)
-    except AttributeError as error:
-        raise ReplayError(f"the recorded {what} {path} is not found in the module {module_name} "
-                          f"as imported here ({error}): pass --backend module:attribute naming "
-                          "it") from error
+    except AttributeError as error:  # the capture script's __main__ is not this process's
+        raise ReplayError(f"the recorded {what} {path} is not found here ({error}): "
+                          f"{_how_to_import(path, what == 'backend')}") from error
     return value
 
 
-def _how_to_import(path: str) -> str:
-    """The option that imports the object recorded at ``module:attribute``."""
+def _how_to_import(path: str, backend: bool = True) -> str:
+    """The option that imports the object recorded at ``module:attribute`` (a backend's, or an
+    inductor config object's, which ``--backend`` does not set)."""
     module_name = path.partition(":")[0]
     if module_name == "__main__":
         return ("it was defined in the capture script itself (__main__), which a replay cannot "
-                "import: move it into a module and pass --backend module:attribute")
-    return f"pass --import {module_name} (or --backend {path}), with its folder on PYTHONPATH"
+                "import: move it into a module and pass " +
+                ("--backend module:attribute" if backend else "--import MODULE"))
+    also = f" (or --backend {path})" if backend else ""
+    return f"pass --import {module_name}{also}, with its folder on PYTHONPATH"
 
 
 def named_backend(text: str):
