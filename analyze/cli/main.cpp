@@ -18,8 +18,8 @@ namespace schema = dynaprobe::formats::schema;
 
 namespace {
 
-constexpr const char* kCommands[] = {"compare", "merge", "ls",     "graphs",
-                                     "runs",    "repro", "bisect", "bundle"};
+constexpr const char* kCommands[] = {"compare", "merge",  "ls",     "graphs", "runs",
+                                     "repro",   "bisect", "remedy", "bundle"};
 
 // "compare, ls, ... and bundle".
 std::string command_list() {

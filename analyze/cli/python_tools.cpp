@@ -1,5 +1,5 @@
-// dynaprobe repro / dynaprobe bisect: replaying a call needs torch, so these run the Python entry
-// points of the dynaprobe package (python -m dynaprobe.repro / dynaprobe.bisect) with the same
+// dynaprobe repro, bisect, remedy and bundle: replaying a call needs torch, so these run the
+// Python entry points of the dynaprobe package (python -m dynaprobe.repro, ...) with the same
 // arguments, in place of this process (docs/cli.md, Replaying a call).
 #include <unistd.h>
 
@@ -51,6 +51,10 @@ void setup_python_tools(CLI::App& app) {
            {"bisect",
             "Replay a stored call through torch.compile's stages (runs python -m "
             "dynaprobe.bisect; needs torch)"},
+           {"remedy",
+            "Replay each failing module's stored call under candidate changes and print the "
+            "cheapest that passes, as code to paste (runs python -m dynaprobe.remedy; needs "
+            "torch)"},
            {"bundle",
             "Write one archive to attach to a bug report: reports, environment, graphs and "
             "repros that run with torch alone (runs python -m dynaprobe.bundle; needs torch)"}}) {
@@ -59,7 +63,7 @@ void setup_python_tools(CLI::App& app) {
 }
 
 bool is_python_tool(const std::string& word) {
-  return word == "repro" || word == "bisect" || word == "bundle";
+  return word == "repro" || word == "bisect" || word == "remedy" || word == "bundle";
 }
 
 int run_python_tool(const std::string& tool, const std::vector<std::string>& args) {

@@ -212,3 +212,17 @@ class RMSNormMLP(nn.Module):
     def forward(self, x):
         norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
         return self.proj(norm)
+
+
+class DropoutBlock(nn.Module):
+    """Dropout between two linear layers: under inductor, its masks are inductor's own unless
+    fallback_random is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 64)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.down(self.drop(self.up(x)))

@@ -51,10 +51,10 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
 @pytest.mark.parametrize("args, message", [
     (["comapre", "DUMP"],
      "unknown command 'comapre'; did you mean 'compare'? the commands are compare, merge, ls, graphs, "
-     "runs, repro, bisect and bundle (dynaprobe --help says what each does)"),
+     "runs, repro, bisect, remedy and bundle (dynaprobe --help says what each does)"),
     (["frobnicate"],
-     "unknown command 'frobnicate'; the commands are compare, merge, ls, graphs, runs, repro, bisect "
-     "and bundle (dynaprobe --help says what each does)"),
+     "unknown command 'frobnicate'; the commands are compare, merge, ls, graphs, runs, repro, bisect, "
+     "remedy and bundle (dynaprobe --help says what each does)"),
     ([], "a command is required: compare, ls or graphs (e.g. dynaprobe compare DUMP); run "
          "'dynaprobe --help' for what each does"),
     (["compare", "DUMP", "--atoll", "1e-3"],
@@ -75,10 +75,10 @@ def test_help_command_is_the_help_option(dynaprobe_cli, args, first_line):
     # Suggestions from meaning: words other tools use, options another command has.
     (["report", "DUMP"],
      "unknown command 'report'; did you mean 'compare'? the commands are compare, merge, ls, graphs, "
-     "runs, repro, bisect and bundle (dynaprobe --help says what each does)"),
+     "runs, repro, bisect, remedy and bundle (dynaprobe --help says what each does)"),
     (["list", "DUMP"],
      "unknown command 'list'; did you mean 'ls'? the commands are compare, merge, ls, graphs, runs, "
-     "repro, bisect and bundle (dynaprobe --help says what each does)"),
+     "repro, bisect, remedy and bundle (dynaprobe --help says what each does)"),
     (["compare", "DUMP", "-o", "out.csv"],
      "compare: unknown option -o; did you mean --csv PATH, --json PATH or --html PATH (a file per "
      "format)? ('dynaprobe compare --help' lists the options)"),

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from models import Block, TinyTransformer, compiled_copy
+from models import Block, DropoutBlock, TinyTransformer, compiled_copy
 
 from dynaprobe import PrecisionChecker
 from dynaprobe._mechanics.capture import autocast_context
@@ -370,17 +370,6 @@ def test_dropout_under_inductor_needs_fallback_random(fallback_random, capsys):
         assert "RESULT: FAILED" in out
     for module in ("0", "2"):  # the linear layers agree either way
         assert all(r.status == "PASS" for r in rows_of(result, module=module))
-
-
-class DropoutBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 64)
-        self.drop = nn.Dropout(0.5)
-        self.down = nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.down(self.drop(self.up(x)))
 
 
 @pytest.mark.parametrize("backend,fallback_random",

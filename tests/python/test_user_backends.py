@@ -231,3 +231,17 @@ def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dyn
                           "user_backends"], capture_output=True, text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "first fails the tolerances at: recorded" in run.stdout
+
+
+def test_remedy_of_a_registered_backend_replaces_it(user_dump):
+    """Remedies of a call captured with the user's registered aot_autograd backend: inductor's
+    switches cannot reach it (they FAIL on replay), stock inductor in its place passes, and
+    the remedy is the cheapest passing change."""
+    _, checker, _ = user_dump
+    [module] = checker.remedy(repeats=1).modules
+    by_name = {t.change.name: t for t in module.trials}
+    assert module.reproduces and by_name['backend="inductor"'].passes, module.text()
+    assert by_name["fallback_random=True"].verdict == "FAIL", module.text()
+    assert module.remedy is module.passing()[0] and module.remedy.passes
+    assert "torch._inductor.config.fallback_random = True" in \
+        by_name["fallback_random=True"].change.code("0", module.recorded_backend)

@@ -371,6 +371,21 @@ class PrecisionChecker(_options.CheckerOptions):
                                         unpickle=unpickle, from_class=from_class or unpickle,
                                         ops=ops, backend=self.backend)
 
+    def remedy(self, module: Optional[str] = None, call: Optional[int] = None,
+               step: Optional[int] = None, repeats: int = 5):
+        """Replays the stored call of each failing module (default: those of the first step
+        this checker stored with a failing row, root cause first; ``module``: that one) under
+        candidate changes: inductor switches that change numerics, each switch the capture set
+        put back, the stock backends and the module left uncompiled. Judges each against eager
+        as the report does, times those that pass every row (median of ``repeats`` runs of the
+        call, forward and backward) and returns a ``dynaprobe.remedy.RemedyResult``: per module
+        the changes tried and the cheapest that passes (``.remedy``), as code to paste
+        (``.code()``; docs/guide/diagnosis.md, From a finding to a fix)."""
+        from dynaprobe._offline.remedy import remedy_dump  # noqa: PLC0415 - its own module
+
+        return remedy_dump(self.dump_dir, None if module is None else [module], step, call,
+                           among=self._own_steps(step), backend=self.backend, repeats=repeats)
+
     def _own_steps(self, step: Optional[int]) -> List[int]:
         """The steps this checker stored in its dump, which alone it replays: a reused
         ``dump_dir``'s earlier steps (another run's weights and numbers) are refused, saying

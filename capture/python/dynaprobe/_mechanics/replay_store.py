@@ -105,21 +105,28 @@ def inductor_config_changes() -> Dict[str, Tuple[object, object]]:
     the config cannot be read (a torch without inductor)."""
     try:
         import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when replaying
-        from torch.utils._config_module import _UNSET_SENTINEL  # noqa: PLC0415
 
         changes = {}
         for key in inductor_config._get_dict(skip_default=True):
             # The object itself: the exported dict holds copies, which no module-level name
             # holds (a CustomGraphPass instance would not be found by its name).
-            value = getattr(inductor_config, key)
-            entry = inductor_config._config[key]
-            stock = entry.default if entry.env_value_default is _UNSET_SENTINEL else \
-                entry.env_value_default
+            value, stock = getattr(inductor_config, key), inductor_stock_value(key)
             if value != stock:  # torch itself sets some to their stock values as it compiles
                 changes[key] = (value, stock)
         return changes
     except Exception:
         return {}
+
+
+def inductor_stock_value(key: str) -> object:
+    """What inductor uses for the config switch ``key`` out of the box: its default, or the
+    value a TORCHINDUCTOR_* variable gave (the environment is not a switch the process set)."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only when replaying
+    from torch.utils._config_module import _UNSET_SENTINEL  # noqa: PLC0415
+
+    entry = inductor_config._config[key]
+    return entry.default if entry.env_value_default is _UNSET_SENTINEL else \
+        entry.env_value_default
 
 
 def inductor_config_spec() -> Dict[str, Dict]:

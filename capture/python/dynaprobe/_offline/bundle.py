@@ -27,11 +27,15 @@ import torch
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._mechanics.environment import environment
-from dynaprobe._mechanics.storage import committed_steps
-from dynaprobe._offline.replay import chosen_dump, one_process, replay_attributes, step_file
+from dynaprobe._offline.replay import (
+    chosen_dump,
+    failing_modules,
+    replay_attributes,
+    step_files,
+    step_result,
+)
 from dynaprobe._offline.repro import needs, write_repro
 from dynaprobe._offline.stored_call import BACKEND_HELP, ReplayError, named_backend
-from dynaprobe._results.result import CompareResult
 
 LIMIT_MB = 25.0  # GitHub's limit for a file attached to an issue
 REPROS = 3
@@ -45,15 +49,6 @@ class Bundle:
     repros: List[str] = field(default_factory=list)
     left_out: List[str] = field(default_factory=list)
     size: int = 0
-
-
-def failing_modules(result: CompareResult) -> List[str]:
-    """The step's failing modules, root cause first (forward, then backward), then in report
-    order."""
-    root = result.root_cause or {}
-    order = [root[d]["module"] for d in ("forward", "backward") if root.get(d)]
-    order += [r.module for r in result.rows if r.status == vocabulary.STATUS_FAIL]
-    return list(dict.fromkeys(order))
 
 
 def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float = LIMIT_MB,
@@ -73,11 +68,8 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
     if backend is not None:
         named_backend(backend)  # found here, or the error naming it
     results = []
-    for index, path in _step_files(dump, step):
-        folder = os.path.dirname(os.path.abspath(path))
-        comparison = _C.compare(folder, folder, step=index)
-        results.append((index, path, CompareResult.from_report(comparison.steps[0], folder,
-                                                               path, comparison)))
+    for index, path in step_files(dump, step):
+        results.append((index, path, step_result(index, path)))
     chosen = [r for r in results if not r[2].all_pass] or results[:1]
     with tempfile.TemporaryDirectory(prefix="dynaprobe-bundle-") as staging:
         parts: List[tuple] = []  # (priority, archive path, file on disk, what it is)
@@ -122,19 +114,6 @@ def write_bundle(dump: str, output: str, repros: int = REPROS, limit_mb: float =
                 parts.append((1 + len(made), f"repros/{os.path.basename(folder)}/{file}",
                               os.path.join(folder, file), f"repro of {module} (step {index})"))
         return _archive(output, parts, made, skipped, int(limit_mb * 1e6), provenance, needed)
-
-
-def _step_files(dump: str, step: Optional[int]) -> List[tuple]:
-    """(step, file) of a dump: ``step``'s, else all; a run folder reads its rank 0."""
-    if not os.path.isfile(dump):
-        dump = one_process(dump)
-    if os.path.isfile(dump) or step is not None:
-        path = step_file(dump, step, "")
-        return [(int(_C.read_step(path)["step"]), path)]
-    steps = committed_steps(dump)
-    if not steps:
-        step_file(dump, None, "")  # raises, saying what a dump folder holds
-    return [(index, path) for index, path, _ in steps]
 
 
 def _graph_parts(staging: str, info: dict, modules: List[str], step: str) -> List[tuple]:

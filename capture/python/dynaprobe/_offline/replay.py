@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,7 @@ from dynaprobe._mechanics.replay_store import (
 )
 from dynaprobe._mechanics.storage import committed_steps
 from dynaprobe._offline.stored_call import ReplayError, Run, StoredCall
+from dynaprobe._results.result import CompareResult
 from dynaprobe._steps.compiling import own_entry
 
 
@@ -46,9 +47,14 @@ class ClassReplay:
 
     def run(self, backend=None, label: str = "replay") -> Run:
         """The call run eagerly (``backend`` None) or compiled with ``backend``."""
+        return self.runner(backend, label)()
+
+    def runner(self, backend=None, label: str = "replay") -> Callable[[], Run]:
+        """What runs the call again and again, compiled once (on its first run) with
+        ``backend``, or eagerly (None)."""
         forward = self.module.forward if backend is None else self.call.compiled_forward(
             self.module, backend, label)
-        return self.call.run(self.module, forward)
+        return lambda: self.call.run(self.module, forward)
 
 
 class GraphReplay:
@@ -65,10 +71,18 @@ class GraphReplay:
 
     def run(self, backend=None, label: str = "replay") -> Run:
         """The graphs run by Python (``backend`` None) or each compiled with ``backend``."""
+        return self.runner(backend, label)()
+
+    def runner(self, backend=None, label: str = "replay") -> Callable[[], Run]:
+        """What runs the call again and again, each graph compiled once (on its first run)
+        with ``backend``, or run by Python (None)."""
         graphs = self.graphs if backend is None else {
             function: torch.compile(own_entry(gm.forward, f"{label}_{function}"),
                                     backend=backend)
             for function, gm in self.graphs.items()}
+        return lambda: self._run(graphs)
+
+    def _run(self, graphs: Dict[str, Callable]) -> Run:
         replayed = replay_graphs(self.calls, graphs, bool(self.call.description["grad_mode"]),
                                  self.call.autocast_dtype, self.device)
         run = Run([t for _, t in replayed.outputs])
@@ -156,6 +170,35 @@ def step_file(dump: str, step: Optional[int], module: str,
                       f" keeps replay data of module {module!r}: replay data is "
                       "kept for calls with a failing row, forward or backward (PrecisionChecker(replay="
                       "'failing'), the default) or for every call (replay='all')")
+
+
+def step_files(dump: str, step: Optional[int]) -> List[tuple]:
+    """(step, file) of a dump: ``step``'s, else all; a run folder reads its rank 0."""
+    if not os.path.isfile(dump):
+        dump = one_process(dump)
+    if os.path.isfile(dump) or step is not None:
+        path = step_file(dump, step, "")
+        return [(int(_C.read_step(path)["step"]), path)]
+    steps = committed_steps(dump)
+    if not steps:
+        step_file(dump, None, "")  # raises, saying what a dump folder holds
+    return [(index, path) for index, path, _ in steps]
+
+
+def step_result(index: int, path: str) -> CompareResult:
+    """The report of step ``index`` of the dump holding the step file ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    comparison = _C.compare(folder, folder, step=index)
+    return CompareResult.from_report(comparison.steps[0], folder, path, comparison)
+
+
+def failing_modules(result: CompareResult) -> List[str]:
+    """The step's failing modules, root cause first (forward, then backward), then in report
+    order."""
+    root = result.root_cause or {}
+    order = [root[d]["module"] for d in ("forward", "backward") if root.get(d)]
+    order += [r.module for r in result.rows if r.status == vocabulary.STATUS_FAIL]
+    return list(dict.fromkeys(order))
 
 
 def chosen_dump(command: str, dump: str) -> str:
