@@ -3,9 +3,9 @@
 ``capture/python/dynaprobe/``, top to bottom (docs/design.md draws it):
 
 - the public modules: ``__init__`` (the API), ``pytest_plugin``, and the commands ``repro``,
-  ``bisect``, ``bundle`` (thin, over ``_offline``);
-- ``_checking``: the façade (``PrecisionChecker``) and its options;
-- ``_offline``: replays, op localisation, repro folders, bisection, bundles;
+  ``bisect``, ``remedy``, ``bundle`` (thin, over ``_offline``);
+- ``_checking``: the façade (``PrecisionChecker``), its options, and confirming a remedy;
+- ``_offline``: replays, op localisation, repro folders, bisection, remedies, bundles;
 - ``_modes``: single-pass, whole-model, two-pass;
 - ``_steps``: the session, the step, planning, compiling;
 - ``_results``: compared rows, runs, reports, assertions;

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 from models import DropoutBlock
@@ -39,8 +40,15 @@ def test_remedy_puts_back_the_captures_own_pass_and_the_code_gives_eagers_number
     from models import RSQRT_PASS, rmsnorm_under_inductor
 
     checker, model, x = rmsnorm_under_inductor(str(tmp_path / "dump"))
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x).square().sum() * 1e-3
+        loss.backward()
+        return loss
+
     with torch._inductor.config.patch(post_grad_custom_post_pass=RSQRT_PASS):
-        assert not checker.compare(lambda m: m(x).square().sum() * 1e-3, model).all_pass
+        assert not checker.compare(step, model).all_pass
         found = checker.remedy()
         assert found, found.text()
         [module] = found.modules
@@ -82,6 +90,10 @@ def test_remedy_puts_back_the_captures_own_pass_and_the_code_gives_eagers_number
             else:
                 broken[0].compile(backend="inductor")
             assert not torch.allclose(broken(x), expected, atol=1e-3, rtol=1e-3)
+        torch._dynamo.reset()
+        confirmed = checker.confirm(found, step, model, repeats=1)  # the cheapest, whichever
+        assert confirmed, confirmed.text()
+        assert f"  0: {module.remedy.change.name} (" in confirmed.text()
     assert 'options={"post_grad_custom_post_pass": None}' in \
         by_name["post_grad_custom_post_pass=None"].change.code("0", "inductor")
 
@@ -105,27 +117,48 @@ def test_remedy_puts_back_the_captures_own_pass_and_the_code_gives_eagers_number
         "post_grad_custom_post_pass=None"] == "pass"
 
 
-def test_dropout_under_inductor_is_remedied_by_fallback_random(tmp_path):
+def test_dropout_under_inductor_is_remedied_by_fallback_random_and_confirmed(tmp_path):
     """Single-pass, a dropout block under stock inductor FAILs (inductor draws its own masks):
-    fallback_random is found and passes, the other switches do not, and its code, pasted,
-    draws eager's masks under torch.compile."""
+    fallback_random is found and passes on the replay, the other switches do not; its code,
+    pasted, draws eager's masks under torch.compile; confirmed on the next checked step (losses
+    and gradient norms equal, the speed measured), it stays applied, and the following checked
+    step passes. A change that does not fix it is not confirmed and not applied."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), DropoutBlock(), nn.Linear(8, 8))
     x = torch.randn(16, 8)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x).square().mean() * 1e-3
+        loss.backward()
+        return loss
+
     checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
     checker.wrap(model[1])
-    checker.install(model)
-    loss = model(x).square().mean() * 1e-3
-    loss.backward()
-    assert not checker.collect(loss).all_pass
-    checker.uninstall()
+    assert not checker.compare(step, model).all_pass
     [module] = checker.remedy(repeats=1).modules
     by_name = trials(module)
     assert module.reproduces and by_name["fallback_random=True"].passes, module.text()
     assert by_name["emulate_precision_casts=True"].verdict == "FAIL", module.text()
     assert module.remedy is not None and module.remedy.passes
     assert "passing, cheapest first: " in module.text()
+
+    wrong = checker.confirm({"1": by_name["max_fusion_size=1"].change}, step, model, repeats=1)
+    assert not wrong and wrong.text().startswith("not confirmed on step 0: "), wrong.text()
+    assert not checker.compare(step, model).all_pass  # not applied
+
+    fixed = checker.confirm({"1": by_name["fallback_random=True"].change}, step, model)
+    assert fixed, fixed.text()
+    assert fixed.text().startswith("confirmed on step 1: every row passes, loss eager="), \
+        fixed.text()
+    assert fixed.result.loss_eager == pytest.approx(fixed.result.loss_compiled, rel=1e-5)
+    assert fixed.grad_norms[0] == pytest.approx(fixed.grad_norms[1], rel=1e-5)
+    assert set(fixed.seconds) == {"eager", "compiled", "remedied"}
+    assert all(seconds > 0 for seconds in fixed.seconds.values())
+    assert "x the compiled step without it" in fixed.text()
+    assert os.path.basename(os.path.dirname(fixed.result.dump_file)) == "two_pass"
+    assert checker.compare(step, model).all_pass  # applied from now on
 
     block = model[1]
     torch.manual_seed(1)

@@ -5,6 +5,7 @@ library, ``dynaprobe._offline.remedy``, where the docs are."""
 
 import sys
 
+from dynaprobe._checking.confirming import Confirmation  # noqa: F401 - checker.confirm's result
 from dynaprobe._offline.remedy import (  # noqa: F401 - the public names
     SWITCHES,
     Change,

@@ -320,9 +320,9 @@ class PrecisionChecker(_options.CheckerOptions):
         """Runs ``fn`` on each (side, model) in turn (two-pass, capture()) and finishes the
         step; compares it unless it is a ``capture`` of one side."""
         plan = _planning.plan_check(model, self._wrapped, self._ignored, self.cast_dtype)
-        session = self._dumps.session(capture)
-        self._set_up(session, plan, CAPTURE_MODES[capture] if capture else
-                     vocabulary.MODE_TWO_PASS)
+        mode = CAPTURE_MODES[capture] if capture else vocabulary.MODE_TWO_PASS
+        session = self._dumps.session(capture, mode)  # single-pass steps' dump: one of its own
+        self._set_up(session, plan, mode)
         return run_step(session, fn, model, sides, plan.targets, self._compiler,
                         self.capture_input, self.cast_dtype,
                         ReferencePolicy(None if capture else self.reference),
@@ -385,6 +385,21 @@ class PrecisionChecker(_options.CheckerOptions):
 
         return remedy_dump(self.dump_dir, None if module is None else [module], step, call,
                            among=self._own_steps(step), backend=self.backend, repeats=repeats)
+
+    def confirm(self, remedy, fn: Callable[[nn.Module], torch.Tensor], model: nn.Module,
+                repeats: int = 3):
+        """Applies a remedy (what ``remedy()`` returned, one of its modules, or a dict of module
+        -> ``dynaprobe.remedy.Change``) and proves it on the next checked step: ``fn(model)``
+        runs on an eager copy and on a copy whose wrapped modules compile with the changes. It
+        is confirmed when every row passes and the losses and gradient norms match within the
+        tolerances; the step is also timed eager, compiled without the remedy and with it
+        (median of ``repeats`` runs after the compile). Returns a
+        ``dynaprobe.remedy.Confirmation`` (``.text()``: "confirmed on step N" and the speed
+        kept). A confirmed remedy stays applied: later checked steps compile those modules with
+        it (single-pass: the checker is installed again on ``model`` with it)."""
+        from dynaprobe._checking.confirming import confirm  # noqa: PLC0415 - its own module
+
+        return confirm(self, remedy, fn, model, repeats)
 
     def _own_steps(self, step: Optional[int]) -> List[int]:
         """The steps this checker stored in its dump, which alone it replays: a reused

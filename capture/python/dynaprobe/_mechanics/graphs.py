@@ -80,6 +80,8 @@ class GraphRecorder:
         self.failures: Dict[str, List[str]] = {}  # module -> backend errors, cumulative
         self.captured: Dict[str, fx.GraphModule] = {}  # function -> Dynamo's graph (replays)
         self._listening: Dict[str, List["LiveGraphCall"]] = {}  # module -> its call's graphs
+        # module -> the backend a confirmed remedy compiles it with (checker.confirm)
+        self.changed: Dict[str, Callable] = {}
 
     @contextlib.contextmanager
     def listen(self, module: str) -> Iterator[List["LiveGraphCall"]]:
@@ -110,7 +112,7 @@ class GraphRecorder:
         trace_log = logging.getLogger("torch.__trace")
         trace_log.addHandler(listener)
         try:
-            compiled = self.real(gm, example_inputs)
+            compiled = self.changed.get(module, self.real)(gm, example_inputs)
         except Exception as error:
             # Dynamo may fall back to running the frame eagerly (suppress_errors): the module then
             # became no compiled function, only its captured graph is kept, for diagnosis.

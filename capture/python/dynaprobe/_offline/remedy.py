@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from dynaprobe import _C
 from dynaprobe._mechanics.replay_store import inductor_stock_value
 from dynaprobe._offline.judging import judge
@@ -114,6 +116,24 @@ class Change:
             return f'backend="{self.backend}"'
         options = ", ".join(f"{json.dumps(k)}: {v!r}" for k, v in self.config.items())
         return f'backend="{recorded_backend}", options={{{options}}}'
+
+    def compile_backend(self, recorded_backend) -> Any:
+        """The backend that compiles a module with this change, in place of
+        ``recorded_backend`` (as ``torch.compile(backend=..., options=...)`` makes it); for
+        switches over a backend other than inductor, the backend itself (``global_config``
+        gives the switches, set for the whole run as the pasted code sets them)."""
+        if self.backend is not None:
+            return _backend_named(self.backend, {})
+        if recorded_backend == "inductor":
+            return _backend_named("inductor", dict(self.config))
+        return recorded_backend if callable(recorded_backend) else \
+            _backend_named(recorded_backend, {})
+
+    def global_config(self, recorded_backend) -> Dict[str, Any]:
+        """The inductor switches this change sets for the whole run: those over a backend other
+        than inductor, which no per-module option reaches."""
+        return {} if self.backend is not None or self.uncompiled or \
+            recorded_backend == "inductor" else dict(self.config)
 
     def to_json(self) -> dict:
         return {"name": self.name, "what": self.what, "uncompiled": self.uncompiled,
@@ -334,7 +354,7 @@ def remedy_call(call: StoredCall, module=None, backend=None, changes: Optional[S
     if found.reproduces:
         for trial, _, timed in attempts:
             if timed is not None and (trial is recorded or trial.passes):
-                trial.seconds = _median_seconds(timed, repeats)
+                trial.seconds = median_seconds(timed, repeats)
     return found
 
 
@@ -367,13 +387,22 @@ def remedy_dump(dump: str, modules: Optional[Sequence[str]] = None, step: Option
     return found
 
 
+def _backend_named(name: str, options: Dict[str, Any]) -> Callable:
+    """The backend ``torch.compile(backend=name, options=options)`` compiles with."""
+    if name == "inductor":
+        return torch._TorchCompileInductorWrapper(None, options or None, None)
+    return torch._dynamo.lookup_backend(name)
+
+
 def _spelled(config: Dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
 
-def _median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    """The median time of ``run``: ``repeats`` runs at least, more (up to 200) while they add
-    up to under 50 ms, so that a call of microseconds is timed as steadily as a long one."""
+def median_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """The median time of ``run`` after one untimed run (the first after a compile still
+    settles): ``repeats`` runs at least, more (up to 200) while they add up to under 50 ms, so
+    that a call of microseconds is timed as steadily as a long one."""
+    run()
     times: List[float] = []
     while len(times) < max(1, repeats) or (sum(times) < 0.05 and len(times) < 200):
         start = time.perf_counter()

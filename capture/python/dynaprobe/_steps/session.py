@@ -301,13 +301,15 @@ class Dumps:
         parent, leaf = os.path.split(os.path.normpath(self.dump_dir))
         return parent if leaf == rank_dir_name(rank_and_world()[0]) else self.dump_dir
 
-    def session(self, side: Optional[str] = None) -> StepSession:
-        """The session of ``dump_dir``; for a capture of ``side`` when that dump holds another
-        mode (the other side, or a comparison), the session of that side's own dump."""
+    def session(self, side: Optional[str] = None, mode: Optional[str] = None) -> StepSession:
+        """The session of ``dump_dir``; for a capture of ``side`` (or a step of ``mode``) when
+        that dump holds another mode (the other side, a comparison, single-pass steps), the
+        session of a dump of its own: ``<run_dir>/<side or mode>``."""
         folder = self.dump_dir
         main = self.sessions.get(folder)
-        if side is not None and main is not None and main.mode not in (None, CAPTURE_MODES[side]):
-            folder = other_side_dump_dir(folder, self.run_dir, side)
+        wanted = CAPTURE_MODES[side] if side is not None else mode
+        if wanted is not None and main is not None and main.mode not in (None, wanted):
+            folder = other_side_dump_dir(folder, self.run_dir, side or wanted)
         if folder not in self.sessions:
             self.sessions[folder] = StepSession(folder, self.schedule, **self.settings)
         return self.sessions[folder]
