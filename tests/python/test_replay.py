@@ -416,6 +416,8 @@ def replayed_rows(stdout: str) -> dict:
     """The rows a graph repro prints after "replayed from the captured graph", by check."""
     rows = {}
     for line in stdout.split("replayed from the captured graph")[1].splitlines()[1:]:
+        if not line.startswith("  "):  # the same() verdict after the rows
+            continue
         fields = line.split()
         metrics = dict(f.split("=", 1) for f in fields if "=" in f)
         rows[fields[1]] = {"status": fields[0], "max_abs": float(metrics["max_abs"]),

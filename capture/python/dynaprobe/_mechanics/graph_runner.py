@@ -14,7 +14,7 @@ own names, so a parameter several graphs read gets the sum of their gradients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -97,6 +97,17 @@ def replay_graphs(calls: List[GraphCall], graphs: Dict[str, Callable], grad_mode
             else:
                 replayed.grad_inputs.append((f"{call.function} {call.names[position]}", grad))
     return replayed
+
+
+def raised(calls: List[GraphCall], dtype: torch.dtype = torch.float64) -> List[GraphCall]:
+    """``calls`` with every floating tensor they hold (arguments, gradients) in ``dtype``: a
+    replay in float64, the reference of an accuracy check."""
+    def up(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and \
+            value.is_floating_point() else value
+
+    return [replace(call, args=[up(a) for a in call.args],
+                    grads={k: up(g) for k, g in call.grads.items()}) for call in calls]
 
 
 class _OwnTensor(torch.autograd.Function):
