@@ -6,6 +6,8 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <string_view>
+#include <vector>
 
 #include "dynaprobe/analyze/number_text.h"
 
@@ -169,14 +171,41 @@ std::string shell_word(const std::string& word) {
   return quoted + "'";
 }
 
+// The modules a replay attribute (JSON written by the capture, replay_store.py) names as where
+// its backend and inductor config objects were defined or are imported from ("module:attr"), in
+// order, without the capture script (__main__), which no replay can import: the --import words
+// of a bisect command, as stored_call.recorded_imports reads them.
+std::vector<std::string> recorded_imports(const std::string& replay) {
+  std::vector<std::string> modules;
+  for (const std::string_view key :
+       {std::string_view("\"defined\": \""), std::string_view("\"import\": \"")}) {
+    for (std::size_t at = replay.find(key); at != std::string::npos;
+         at = replay.find(key, at + 1)) {
+      const std::size_t begin = at + key.size();
+      const std::size_t end = replay.find('"', begin);
+      const std::string path = replay.substr(begin, end == std::string::npos ? 0 : end - begin);
+      const std::size_t colon = path.find(':');
+      const std::string name = path.substr(0, colon);
+      if (colon == std::string::npos || name == "__main__") continue;
+      if (std::find(modules.begin(), modules.end(), name) == modules.end()) {
+        modules.push_back(name);
+      }
+    }
+  }
+  return modules;
+}
+
 // The command that finds the compile stage (and, with --ops, the op) where `module`'s numbers
-// change: dynaprobe bisect on this dump when it keeps the module's call for replay, else what to
-// keep first.
+// change: dynaprobe bisect on this dump, importing the modules that define its backend and
+// inductor passes, when it keeps the module's call for replay, else what to keep first.
 std::string bisect_hint(const StepReport& report, const std::string& module) {
-  const std::string command =
-      "dynaprobe bisect " + (report.dump.empty() ? std::string("DUMP") : shell_word(report.dump)) +
-      " --module " + shell_word(module) + " --ops";
-  if (module_attribute(report, module, module_attributes::kReplay)) {
+  std::string command = "dynaprobe bisect " +
+                        (report.dump.empty() ? std::string("DUMP") : shell_word(report.dump)) +
+                        " --module " + shell_word(module) + " --ops";
+  if (const std::string* replay = module_attribute(report, module, module_attributes::kReplay)) {
+    for (const std::string& name : recorded_imports(*replay)) {
+      command += " --import " + shell_word(name);
+    }
     return "find the compile stage and op that change it: " + command;
   }
   return "keep its call for replay (single-pass with dump=\"full\" or \"failing\", whose "

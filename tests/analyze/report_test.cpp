@@ -650,6 +650,16 @@ TEST(RootCause, NextLineIsTheBisectCommandOnThisDump) {
   EXPECT_TRUE(report.root_cause.next.ends_with(
       "a compiler divergence; find the compile stage and op that change it: " + command))
       << report.root_cause.next;
+  // The modules that define its backend and inductor pass are imported; the capture script's
+  // own (__main__) cannot be.
+  report.modules["model.layers.0"]["replay"] =
+      R"({"backend": {"name": "fault", "defined": "my_backends:fault"}, "inductor_config": )"
+      R"({"post_grad_custom_post_pass": {"import": "my_passes:PASS"}, )"
+      R"("joint_custom_pre_pass": {"import": "__main__:other"}}})";
+  find_root_cause(report);
+  EXPECT_TRUE(
+      report.root_cause.next.ends_with(command + " --import my_backends --import my_passes"))
+      << report.root_cause.next;
   report.modules.clear();
   find_root_cause(report);
   EXPECT_TRUE(report.root_cause.next.ends_with(

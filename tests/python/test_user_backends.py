@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from dynaprobe import _C, PrecisionChecker
 from dynaprobe.bisect import STAGES
+from dynaprobe.repro import write_repro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -162,11 +163,18 @@ def test_the_repro_imports_the_module_that_registers_the_backend_and_exits_2_wit
                    "--backend", "aot_eager")
     assert written.returncode == 0, written.stderr
     stock = (tmp_path / "stock" / "repro.py").read_text()
-    assert "BACKEND = 'aot_eager'  # chosen with --backend" in stock
+    assert "BACKEND = 'aot_eager'  # the backend chosen with --backend" in stock
     assert "needs only torch" in stock
     replayed = subprocess.run([sys.executable, str(tmp_path / "stock" / "repro.py")],
                               capture_output=True, text=True, env=env)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    # A name the user's module registers (here, in this process) imports that module.
+    write_repro(checker.dump_dir, "0", str(tmp_path / "named"), backend="rsqrt_fault_aot")
+    named = (tmp_path / "named" / "repro.py").read_text()
+    assert ("try:  # the module that registers the backend chosen with --backend\n"
+            "    import user_backends  # noqa: E402\n"
+            "    BACKEND = 'rsqrt_fault_aot'\n") in named
+    assert "needs torch and user_backends, which defines its backend" in named
     bad = tool("repro", checker.dump_dir, "--module", "0", "-o", tmp_path / "bad", "--backend",
                "nowhere:backend")
     assert bad.returncode == 2 and bad.stderr.startswith(
@@ -222,13 +230,14 @@ def test_stock_stages_compile_under_stock_config_whatever_the_process_set(tmp_pa
 def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dynaprobe_cli):
     root, checker, result = user_dump
     next_line = result.root_cause["next"]
-    command = f"dynaprobe bisect {checker.dump_dir} --module 0 --ops"
+    # It imports the module that registers the backend: the command runs as printed.
+    command = f"dynaprobe bisect {checker.dump_dir} --module 0 --ops --import user_backends"
     assert next_line.endswith(f"find the compile stage and op that change it: {command}"), \
         next_line
     args = shlex.split(command)[1:]
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": str(root)}
-    run = subprocess.run([dynaprobe_cli, *args, "--stages", "eager,recorded", "--import",
-                          "user_backends"], capture_output=True, text=True, env=env)
+    run = subprocess.run([dynaprobe_cli, *args, "--stages", "eager,recorded"],
+                         capture_output=True, text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "first fails the tolerances at: recorded" in run.stdout
 

@@ -29,6 +29,7 @@ from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import KIND_PARAM_GRAD
 from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
+from dynaprobe._mechanics.replay_store import backend_spec
 from dynaprobe._offline.judging import judge, metrics_lines
 from dynaprobe._offline.replay import GraphReplay, chosen_dump, inductor_patch, load_call
 from dynaprobe._offline.repro_scripts import CLASS_SCRIPT, GRAPH_SCRIPT
@@ -188,9 +189,10 @@ def needs(replay: dict, backend: Optional[str] = None) -> str:
     """What a graph repro needs to run, in words: torch alone, or also the modules that define
     its backend (the user's ``backend``, else the recorded one of the replay attribute
     ``replay``) and inductor config objects."""
+    if backend is not None:  # in place of the recorded one; the recorded config still counts
+        replay = {**replay, "backend": {"import": backend} if ":" in backend else
+                  backend_spec(backend)}
     modules = recorded_imports(replay)
-    if backend is not None:
-        modules = [backend.partition(":")[0]] if ":" in backend else []
     if not modules:
         return "needs only torch"
     return f"needs torch and {', '.join(modules)}, which defines its backend or inductor pass"
@@ -213,18 +215,14 @@ def _backend_lines(spec: dict, given: Optional[str] = None) -> str:
     (with the import of the module that defines or registers it)."""
     if given is not None:
         module, colon, attribute = given.partition(":")
-        if not colon:
-            return f"BACKEND = {given!r}  # chosen with --backend"
+        if not colon:  # a registered name: imports the module of yours that registers it
+            return _registered_lines(backend_spec(given), "the backend chosen with --backend")
         if not (_DOTTED.fullmatch(module) and _DOTTED.fullmatch(attribute)):
             raise ReplayError(f"--backend {given}: expected module:attribute, dotted names")
         return _guarded([module], f"BACKEND = {module}.{attribute}", "BACKEND",
                         "the backend chosen with --backend")
     if isinstance(spec.get("name"), str):
-        found = _imported_name({"import": spec.get("defined", "")})
-        if found and found[0] != "__main__":
-            return _guarded([found[0]], f"BACKEND = {spec['name']!r}", "BACKEND",
-                            "the module that registers the recorded backend")
-        return f"BACKEND = {spec['name']!r}  # the recorded backend"
+        return _registered_lines(spec, "the recorded backend")
     found = _imported_name(spec)
     if found and found[0] != "__main__":
         return _guarded([found[0]], f"BACKEND = {found[0]}.{found[1]}", "BACKEND",
@@ -232,6 +230,16 @@ def _backend_lines(spec: dict, given: Optional[str] = None) -> str:
     where = (f"{found[1]}, defined in the capture script itself (__main__)" if found else
              _plain(spec.get("unknown", "?")))
     return f"BACKEND = None  # the recorded backend ({where}) cannot be imported: set it here"
+
+
+def _registered_lines(spec: dict, what: str) -> str:
+    """``BACKEND = name`` for a registered backend (``what`` it is, in words), importing the
+    module that registers it when that is the user's own (``spec["defined"]``)."""
+    found = _imported_name({"import": spec.get("defined", "")})
+    if found and found[0] != "__main__":
+        return _guarded([found[0]], f"BACKEND = {spec['name']!r}", "BACKEND",
+                        f"the module that registers {what}")
+    return f"BACKEND = {spec['name']!r}  # {what}"
 
 
 def _config_lines(config: dict) -> str:
