@@ -27,6 +27,7 @@ are aten_graphs.py's; the result types and their text, ops_result.py's.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
@@ -130,7 +131,7 @@ def _fused_output(call: StoredCall, graph: AtenGraph, eager: dict,
     for (index, node, _), result in zip(judged, results):
         row = next(r for r in result.rows if r.check_type == KIND_FWD_OUTPUT)
         if row.status == vocabulary.STATUS_FAIL:
-            return FusedOutput(graph.kind, index, node.name, str(node.target), row,
+            return FusedOutput(graph.kind, index, node.name, op_name(node), row,
                                _nearest_kernel(graph.code, node))
     return None
 
@@ -180,7 +181,7 @@ def _split_decisions(graph: AtenGraph, nodes: List[fx.Node], rows: list, eager: 
         within = bool(((moved > 0) & (moved <= 4 * noise)).all())
         index = tuple(int(i) for i in split.nonzero()[0])
         decisions.append(SplitDecision(
-            node.name, str(node.target), int(split.sum()), index,
+            node.name, op_name(node), int(split.sum()), index,
             "its input " + decided_on if decided_on != node.name else "its value",
             *(float(v[index]) for v in values), noise, within))
     return decisions
@@ -225,7 +226,7 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
         for node, value in zip(nodes, compiled):
             module = f"{graph.kind}.{node.name}"
             recorder.record_module(module, {
-                vocabulary.ATTRIBUTE_OP: str(node.target),
+                vocabulary.ATTRIBUTE_OP: op_name(node),
                 vocabulary.ATTRIBUTE_GRAPH: graph.kind,
                 vocabulary.ATTRIBUTE_SOURCE: _source(node.meta.get("stack_trace") or "")})
             for side, tensor in ((SIDE_EAGER, eager[node.name]), (SIDE_COMPILED, value),
@@ -237,6 +238,14 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
     comparison = _C.compare(folder, folder)
     return {row.module: row for row in CompareResult.from_report(
         comparison.steps[0], folder, "", comparison).rows if row.check_type == KIND_FWD_OUTPUT}
+
+
+def op_name(node: fx.Node) -> str:
+    """The op a node computes, as ``aten.<name>.<overload>``: for an element of a multi-output
+    op's result (``getitem``: var_mean's variance, say), that op's."""
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        return str(node.args[0].target)
+    return str(node.target)
 
 
 def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
@@ -261,7 +270,7 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
                     f"after it and only it exposed it passes (max_abs={single.max_abs:.3e})")
         kernel = _kernel(graph.code, node.name) or _kernel(code, node.name)
     trace = node.meta.get("stack_trace") or ""
-    finding = OpFinding(graph.kind, node.name, str(node.target), _source(trace), row, matched,
+    finding = OpFinding(graph.kind, node.name, op_name(node), _source(trace), row, matched,
                         inputs_max, fidelity, kernel)
     finding.repro = _op_repro(call, graph, node, eager, finding)
     return finding
