@@ -56,8 +56,9 @@ def fresh_inductor():
 # slowest tests). pytest-xdist's --dist loadfile hands files out in collection order: starting
 # with these, the two workers end together instead of one running a long file alone at the end.
 LONGEST_FILES = ("test_docs.py", "test_scale.py", "test_real_models.py", "test_diffusion_models.py", "test_replay.py", "test_dump_failures.py",
-                 "test_low_precision.py", "test_fsdp.py", "test_graph_replay.py", "test_examples.py",
-                 "test_ops.py", "test_run_scale.py")
+                 "test_low_precision.py", "test_fsdp.py", "test_graph_replay.py",
+                 "test_user_backends.py", "test_upstream_bundle.py", "test_examples.py",
+                 "test_ops.py", "test_remedy.py", "test_run_scale.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -136,8 +136,8 @@ def confirm(checker, remedy, fn: Callable[[nn.Module], Any], model: nn.Module,
     if installed:
         checker.uninstall()  # the step runs on copies; installed again after, with the changes
     backend = checker.backend
-    settings = {}
-    for module, change in changes.items():
+    settings: Dict[str, Any] = {}
+    for change in changes.values():
         settings.update(change.global_config(backend))
     uncompiled = [model.get_submodule(paths[m]) for m, c in changes.items() if c.uncompiled]
     recorder = checker._compiler.graphs
@@ -148,8 +148,11 @@ def confirm(checker, remedy, fn: Callable[[nn.Module], Any], model: nn.Module,
     checker._ignored.extend(uncompiled)
     confirmed = False
     try:
-        sides = [(SIDE_EAGER, copy.deepcopy(model)), (SIDE_COMPILED, _remedied(
-            copy.deepcopy(model), {paths[m]: c for m, c in changes.items()}, backend, {}))]
+        by_path = {paths[m]: c for m, c in changes.items()}
+        # The checker compiles the wrapped modules of the compiled side itself (with the
+        # changed backends); only a module left uncompiled is changed on the copy.
+        sides = [(SIDE_EAGER, copy.deepcopy(model)),
+                 (SIDE_COMPILED, _remedied(copy.deepcopy(model), by_path, backend, []))]
         with inductor_patch(settings):
             result = checker._run_sides(fn, model, sides)
         found = Confirmation(changes, result, (_grad_norm(sides[0][1]), _grad_norm(sides[1][1])),
@@ -160,9 +163,8 @@ def confirm(checker, remedy, fn: Callable[[nn.Module], Any], model: nn.Module,
             "eager": _step_seconds(fn, copy.deepcopy(model), {}, repeats),
             "compiled": _step_seconds(fn, _remedied(copy.deepcopy(model), {}, backend,
                                                     targets), {}, repeats),
-            "remedied": _step_seconds(fn, _remedied(
-                copy.deepcopy(model), {paths[m]: c for m, c in changes.items()}, backend,
-                targets), settings, repeats)}
+            "remedied": _step_seconds(fn, _remedied(copy.deepcopy(model), by_path, backend,
+                                                    targets), settings, repeats)}
         confirmed = found.confirmed
         return found
     finally:
