@@ -23,7 +23,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import fx
@@ -62,11 +62,13 @@ class _AotGraphListener(logging.Handler):
                     self.graphs.append((artifact, payload))
 
 
-def _real_backend(backend) -> Callable:
+def real_backend(backend, options: Optional[Dict[str, Any]] = None) -> Callable:
+    """The callable ``torch.compile(backend=backend, options=options)`` compiles with (options:
+    inductor config switches, for inductor alone)."""
     if callable(backend):
         return backend
-    if backend == "inductor":  # what torch.compile(backend="inductor") uses
-        return torch._TorchCompileInductorWrapper(None, None, None)
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(None, options or None, None)
     return torch._dynamo.lookup_backend(backend)
 
 
@@ -74,7 +76,7 @@ class GraphRecorder:
     """A torch.compile backend that compiles with ``backend`` and remembers the graphs."""
 
     def __init__(self, backend) -> None:
-        self.real = _real_backend(backend)
+        self.real = real_backend(backend)
         self.graphs: List[Graph] = []
         self.functions: Dict[str, List[str]] = {}  # module -> compiled functions, cumulative
         self.failures: Dict[str, List[str]] = {}  # module -> backend errors, cumulative

@@ -31,9 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from dynaprobe import _C
+from dynaprobe._mechanics.graphs import real_backend
 from dynaprobe._mechanics.replay_store import inductor_stock_value
 from dynaprobe._offline.judging import judge
 from dynaprobe._offline.replay import (
@@ -123,11 +122,10 @@ class Change:
         switches over a backend other than inductor, the backend itself (``global_config``
         gives the switches, set for the whole run as the pasted code sets them)."""
         if self.backend is not None:
-            return _backend_named(self.backend, {})
+            return real_backend(self.backend)
         if recorded_backend == "inductor":
-            return _backend_named("inductor", dict(self.config))
-        return recorded_backend if callable(recorded_backend) else \
-            _backend_named(recorded_backend, {})
+            return real_backend("inductor", dict(self.config))
+        return real_backend(recorded_backend)
 
     def global_config(self, recorded_backend) -> Dict[str, Any]:
         """The inductor switches this change sets for the whole run: those over a backend other
@@ -385,13 +383,6 @@ def remedy_dump(dump: str, modules: Optional[Sequence[str]] = None, step: Option
             continue
         found.modules.append(remedy_call(load_call(path, module, call, index), **options))
     return found
-
-
-def _backend_named(name: str, options: Dict[str, Any]) -> Callable:
-    """The backend ``torch.compile(backend=name, options=options)`` compiles with."""
-    if name == "inductor":
-        return torch._TorchCompileInductorWrapper(None, options or None, None)
-    return torch._dynamo.lookup_backend(name)
 
 
 def _spelled(config: Dict[str, Any]) -> str:
