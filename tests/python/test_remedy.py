@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from models import DropoutBlock
+from models import RSQRT_BF16_PASS, DropoutBlock, RMSNormMLP
 
 from dynaprobe import PrecisionChecker
-from dynaprobe.remedy import SWITCHES, candidates
+from dynaprobe.remedy import SWITCHES, Change, candidates, remedy_dump
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -167,6 +167,44 @@ def test_dropout_under_inductor_is_remedied_by_fallback_random_and_confirmed(tmp
     torch.manual_seed(1)
     assert torch.allclose(block(x), expected, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_a_bf16_fault_only_the_reference_finds_is_judged_by_the_reference_on_replay(tmp_path):
+    """bfloat16, inductor with a post-grad pass that makes rsqrt 1% too large: within bf16's
+    tolerances, so the report FAILs it against its reference (on by default in bf16). The
+    replays judge as the report did, with the call replayed in float64 as the reference: the
+    recorded compile fails again (it passed the tolerances and "did not reproduce" before),
+    putting the pass back is the remedy, and the stage bisection blames the recorded backend
+    while stock inductor, whose bf16 rounding differs from eager's too, passes."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNormMLP(64)).to(torch.bfloat16)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(x).float().square().sum() * 1e-3
+        loss.backward()
+        return loss
+
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model[0])
+    put_back = Change("post_grad_custom_post_pass=None", "the pass put back",
+                      {"post_grad_custom_post_pass": None})
+    with torch._inductor.config.patch(post_grad_custom_post_pass=RSQRT_BF16_PASS):
+        result = checker.compare(step, model)
+        output = next(r for r in result.rows if r.check_type == "fwd_output")
+        assert output.status == "FAIL", result.text()
+        assert output.reference["tolerance_status"] == "PASS", output.reference
+        [module] = remedy_dump(checker.dump_dir, changes=[put_back], repeats=1).modules
+        assert module.reproduces and module.recorded.verdict == "FAIL", module.text()
+        assert module.remedy is not None and module.remedy.change is put_back, module.text()
+        bisected = checker.bisect("0")
+    assert bisected.first_failing(True) == bisected.first_failing(False) == "recorded", \
+        bisected.text()
+    stock = next(stage for stage in bisected.stages if stage.name == "inductor")
+    assert stock.changed(True) and not stock.failed(True) and not stock.failed(False), \
+        bisected.text()
 
 
 def test_candidates_follow_the_recorded_compile():

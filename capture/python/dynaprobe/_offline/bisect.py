@@ -13,7 +13,8 @@ each adding one part of the pipeline to the one before:
                                 they are not stock (a custom backend, a custom post-grad pass)
 
 Each stage's forward outputs and gradients (seeded with the stored grad_output) are judged against
-the eager run with the report's metrics and tolerances. The first stage whose numbers change, in the
+the eager run with the report's metrics, tolerances and verdict (``replay.judged``: against a
+float64 replay where the capture had a reference). The first stage whose numbers change, in the
 forward and in the backward, is where to look; when it is inductor, ``inductor_subsystems=True``
 hands the replay to ``torch._inductor.compiler_bisector`` to name the inductor subsystem (passes,
 lowerings, config switches) whose switching off restores the tolerances.
@@ -31,10 +32,11 @@ import torch
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
 from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT
-from dynaprobe._offline.judging import judge, metrics_lines
+from dynaprobe._offline.judging import metrics_lines
 from dynaprobe._offline.replay import (
     chosen_dump,
     inductor_patch,
+    judged,
     load_call,
     replay_of,
     stock_inductor_config,
@@ -275,9 +277,9 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
                                        f"{type(error).__name__}: {error}".splitlines()[0]))
             runs.append((stage, None))
     runs.sort(key=lambda pair: pair[0].name == RECORDED)  # the recorded stage comes last
-    judged = iter(judge(call, [(eager, run) for _, run in runs if run is not None]))
+    verdicts = iter(judged(call, replay, eager, [run for _, run in runs if run is not None]))
     failed_stages = {r.name: r for r in results}
-    ordered = [failed_stages.get(stage.name) or StageResult(stage.name, next(judged))
+    ordered = [failed_stages.get(stage.name) or StageResult(stage.name, next(verdicts))
                for stage, _ in runs]
     result = BisectResult(call.module, call.call, call.step, ordered,
                           recorded=call.recorded_compile(), route=replay.route,
@@ -306,7 +308,7 @@ def _inductor_subsystem(call: StoredCall, replay, eager):
         torch._dynamo.reset()
         backend = CompilerBisector.get_backend() or "inductor"
         run = replay.run(backend, "compiler_bisector")
-        return judge(call, [(eager, run)])[0].all_pass
+        return judged(call, replay, eager, [run])[0].all_pass
 
     return CompilerBisector.do_bisect(passes)
 

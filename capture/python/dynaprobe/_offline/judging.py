@@ -27,7 +27,8 @@ from dynaprobe._results.result import CompareResult
 # are judged, so that the metrics and verdicts are the report's.
 _JUDGING_KEYS = (vocabulary.PROVENANCE_ATOL, vocabulary.PROVENANCE_RTOL,
                  vocabulary.PROVENANCE_TOLERANCE_RULES,
-                 vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES, vocabulary.PROVENANCE_CAST_DTYPE)
+                 vocabulary.PROVENANCE_DTYPE_AWARE_TOLERANCES, vocabulary.PROVENANCE_CAST_DTYPE,
+                 vocabulary.PROVENANCE_VERDICT)
 
 
 def judging_recorder(call: StoredCall, folder: str, producer: str = "dynaprobe replay",

@@ -14,7 +14,8 @@ says, and then under each candidate change:
     uncompiled    the module left to run eagerly (``torch.compiler.disable``)
 
 Each change's forward outputs and gradients (seeded with the stored grad_output) are judged
-against the eager replay with the report's tolerances and verdict. The changes whose every row
+against the eager replay with the report's tolerances and verdict (``replay.judged``: against a
+float64 replay where the capture had a reference). The changes whose every row
 passes are ranked by what they cost: the median time of the call, forward and backward, compiled
 with the change (measured here, after its compile). The cheapest is the remedy, printed as the
 code to paste and written to the JSON.
@@ -34,11 +35,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from dynaprobe import _C
 from dynaprobe._mechanics.graphs import real_backend
 from dynaprobe._mechanics.replay_store import inductor_stock_value
-from dynaprobe._offline.judging import judge
 from dynaprobe._offline.replay import (
     chosen_dump,
     failing_modules,
     inductor_patch,
+    judged,
     load_call,
     replay_attributes,
     replay_of,
@@ -344,7 +345,8 @@ def remedy_call(call: StoredCall, module=None, backend=None, changes: Optional[S
 
     attempts = [attempt(change) for change in [RECORDED, *changes]]
     ran = [(trial, run, timed) for trial, run, timed in attempts if run is not None]
-    for (trial, _, _), result in zip(ran, judge(call, [(eager, run) for _, run, _ in ran])):
+    results = judged(call, replay, eager, [run for _, run, _ in ran])
+    for (trial, _, _), result in zip(ran, results):
         trial.result = result
     recorded, trials = attempts[0][0], [trial for trial, _, _ in attempts[1:]]
     found = ModuleRemedy(call.module, call.call, call.step, call.recorded_compile(),

@@ -20,8 +20,13 @@ import torch.nn as nn
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT, KIND_GRAD_INPUT, SIDE_COMPILED
-from dynaprobe._mechanics.graph_runner import replay_graphs
+from dynaprobe._C.vocabulary import (
+    KIND_FWD_OUTPUT,
+    KIND_GRAD_INPUT,
+    SIDE_COMPILED,
+    SIDE_REFERENCE,
+)
+from dynaprobe._mechanics.graph_runner import raised, replay_graphs
 from dynaprobe._mechanics.replay_store import (
     GRAPH_TENSOR,
     KIND,
@@ -31,6 +36,7 @@ from dynaprobe._mechanics.replay_store import (
     split_label,
 )
 from dynaprobe._mechanics.storage import committed_steps
+from dynaprobe._offline.judging import judge
 from dynaprobe._offline.stored_call import ReplayError, Run, StoredCall
 from dynaprobe._results.result import CompareResult
 from dynaprobe._steps.compiling import own_entry
@@ -68,6 +74,7 @@ class GraphReplay:
         self.graphs = call.graph_modules()
         tensors = [a for c in self.calls for a in c.args if isinstance(a, torch.Tensor)]
         self.device = str(tensors[0].device) if tensors else "cpu"
+        self._reference: Optional[Run] = None
 
     def run(self, backend=None, label: str = "replay") -> Run:
         """The graphs run by Python (``backend`` None) or each compiled with ``backend``."""
@@ -82,9 +89,19 @@ class GraphReplay:
             for function, gm in self.graphs.items()}
         return lambda: self._run(graphs)
 
-    def _run(self, graphs: Dict[str, Callable]) -> Run:
-        replayed = replay_graphs(self.calls, graphs, bool(self.call.description["grad_mode"]),
-                                 self.call.autocast_dtype, self.device)
+    def reference(self) -> Run:
+        """The graphs run by Python in float64, every floating tensor raised and autocast off:
+        the reference of a low-precision call, as ``PrecisionChecker(reference="fp64")``. Run
+        once, then kept."""
+        if self._reference is None:
+            self._reference = self._run(self.graphs, raised(self.calls), float64=True)
+        return self._reference
+
+    def _run(self, graphs: Dict[str, Callable], calls: Optional[List] = None,
+             float64: bool = False) -> Run:
+        replayed = replay_graphs(self.calls if calls is None else calls, graphs,
+                                 bool(self.call.description["grad_mode"]),
+                                 None if float64 else self.call.autocast_dtype, self.device)
         run = Run([t for _, t in replayed.outputs])
         for index, (name, _) in enumerate(replayed.outputs):
             run.labels[(KIND_FWD_OUTPUT, index)] = name
@@ -275,5 +292,19 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
             outputs[(record["side"], record["kind"], record["tensor_index"])] = tensor_from_bytes(
                 *_C.read_record(path, module, call, record["kind"], record["tensor_index"],
                                 record["side"]))
+    referenced = any(record["module"] == module and record["side"] == SIDE_REFERENCE
+                     for record in info["records"])
     return StoredCall(module, call, int(info["step"]), replay, tensors,
-                      dict(info["provenance"]), structure, outputs, path)
+                      dict(info["provenance"]), structure, outputs, path, referenced)
+
+
+def judged(call: StoredCall, replay, eager: Run, runs: Sequence[Run]) -> List[CompareResult]:
+    """Each of ``runs`` judged against the ``eager`` run of ``replay`` as the report judged
+    the call: with the dump's tolerances and rules, and, where the capture judged it with a
+    reference, with the call replayed in float64 from its captured graph as every row's
+    reference (a replay through the module rebuilt from its class has none: its rows are
+    judged by the tolerances)."""
+    references = None
+    if call.referenced and runs and isinstance(replay, GraphReplay):
+        references = [replay.reference()] * len(runs)
+    return judge(call, [(eager, run) for run in runs], references=references)

@@ -76,6 +76,9 @@ class StoredCall:
     structure: Optional[bytes] = None
     stored_outputs: Dict[Tuple[str, str, int], torch.Tensor] = field(default_factory=dict)
     path: str = ""  # the step file it was read from
+    # The capture judged the module with a reference run (PrecisionChecker(reference=...), on
+    # by default in bf16/fp16): a replay judges it with one too (replay.judged).
+    referenced: bool = False
 
     @property
     def description(self) -> dict:
