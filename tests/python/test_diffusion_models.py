@@ -1,6 +1,8 @@
 """A diffusion model from `diffusers` (pinned in scripts/setup.sh; random init from a config, no
 weights downloaded): a tiny UNet2DModel with its ResnetBlock2D and Attention blocks wrapped, one
-DDPM training step under inductor, in fp32 and bf16.
+DDPM training step under inductor, in fp32 and bf16. Its resnet blocks run at two resolutions and
+its attention block takes a resnet block's output, what broke the step before; the attention of
+the middle and upper blocks is left out, as it adds minutes of compilation and no case.
 
 The checked step passes with forward and backward rows for every block, and it is the step the
 user trains without the checker, bit for bit (loss and every gradient). Two mechanisms broke that
@@ -30,7 +32,7 @@ def _unet(dtype):
     model = diffusers.UNet2DModel(
         sample_size=16, in_channels=3, out_channels=3, block_out_channels=(32, 64),
         layers_per_block=1, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8)
+        up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=8, add_attention=False)
     return model.to(dtype)
 
 
@@ -72,7 +74,7 @@ def test_a_unet_training_step_passes_and_is_the_step_trained_without_the_checker
 
     assert result.all_pass, result.text()
     blocks = [name for name, module in model.named_modules() if isinstance(module, BLOCKS)]
-    assert len(blocks) == 12
+    assert len(blocks) == 9  # resnets at both resolutions, an attention block fed by one
     for name in blocks:
         kinds = {r.check_type for r in result.rows if r.module == name}
         assert {"fwd_output", "grad_input", "param_grad"} <= kinds, (name, kinds)

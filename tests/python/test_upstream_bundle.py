@@ -57,10 +57,17 @@ def test_the_bundles_repro_exposes_test_fn_and_the_bundle_a_title_labels_and_col
     assert bisect_env["TORCH_BISECT_SUBSYSTEM"] == "post_grad_passes"
     folder = bundle / "repros" / "0.step0"
     last_good = str(int(bisect_env["TORCH_BISECT_MAX"]) - 1)
+    runs = {}
     for limit, code in ((bisect_env["TORCH_BISECT_MAX"], 1), (last_good, 0)):
-        run = subprocess.run([sys.executable, "repro.py"], capture_output=True, text=True,
-                             env={**env, **bisect_env, "TORCH_BISECT_MAX": limit}, cwd=folder)
-        assert run.returncode == code, (limit, run.stdout + run.stderr)
+        runs[code] = subprocess.run([sys.executable, "repro.py"], capture_output=True,
+                                    text=True, cwd=folder,
+                                    env={**env, **bisect_env, "TORCH_BISECT_MAX": limit})
+        assert runs[code].returncode == code, (limit, runs[code].stdout + runs[code].stderr)
+    # The script prints same()'s verdict: False where the pass runs (up to its count), as
+    # without TORCH_BISECT_* set, and True below it.
+    for code, verdict in ((1, False), (0, True)):
+        assert "same() against float64 (torch._dynamo.utils.same, tol=0.0001): " \
+            f"{verdict} (test_fn())" in runs[code].stdout, runs[code].stdout
 
     probe = ("import repro; print(repro.test_fn()); "
              "repro.INDUCTOR_CONFIG = {'post_grad_custom_post_pass': None}; "
@@ -69,8 +76,3 @@ def test_the_bundles_repro_exposes_test_fn_and_the_bundle_a_title_labels_and_col
                          cwd=folder)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["False", "True", "True"], run.stdout + run.stderr
-    run = subprocess.run([sys.executable, "repro.py"], capture_output=True, text=True, env=env,
-                         cwd=folder)
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert "same() against float64 (torch._dynamo.utils.same, tol=0.0001): False (test_fn())" \
-        in run.stdout
