@@ -234,14 +234,8 @@ std::string missing_reason(std::string_view missing, bool forward) {
            " run recorded no such tensor: it called the module fewer times, or the module took "
            "or returned fewer tensors there";
   }
-  std::string reason =
-      "no gradient reached it in the " + side + " backward: the " + side + " run took another path";
-  if (missing == "eager") {
-    reason +=
-        "; or, in single-pass, the module's result reached the loss only through an input "
-        "it wrote in place, which seeds no eager backward";
-  }
-  return reason;
+  return "no gradient reached it in the " + side + " backward: the " + side +
+         " run took another path";
 }
 
 }  // namespace

@@ -28,9 +28,7 @@ constexpr std::string_view kForwardMissingInCompiled =
     "the compiled run recorded no such tensor: it called the module fewer times, or the module "
     "took or returned fewer tensors there";
 constexpr std::string_view kBackwardMissingInEager =
-    "no gradient reached it in the eager backward: the eager run took another path; or, in "
-    "single-pass, the module's result reached the loss only through an input it wrote in place, "
-    "which seeds no eager backward";
+    "no gradient reached it in the eager backward: the eager run took another path";
 constexpr std::string_view kBackwardMissingInCompiled =
     "no gradient reached it in the compiled backward: the compiled run took another path";
 

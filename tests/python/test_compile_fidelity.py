@@ -372,22 +372,30 @@ def test_dropout_under_inductor_needs_fallback_random(fallback_random, capsys):
         assert all(r.status == "PASS" for r in rows_of(result, module=module))
 
 
-@pytest.mark.parametrize("backend,fallback_random",
-                         [("inductor", False), ("inductor", True), ("aot_eager", False)])
-def test_single_pass_names_random_draws_under_inductor_as_the_next_step(backend, fallback_random,
-                                                                         tmp_path):
-    """Single-pass: a wrapped block with dropout under inductor FAILs (its eager re-run drew
-    other numbers), and the report's next line says why and what to set; with fallback_random,
-    or under aot_eager (eager's random ops), the block passes and no draws are noted."""
+@pytest.mark.parametrize("mode,backend,fallback_random", [
+    *[(mode, "inductor", fallback) for mode in ("single_pass", "two_pass", "whole_model")
+      for fallback in (False, True)],
+    ("single_pass", "aot_eager", False)])
+def test_every_mode_names_random_draws_under_inductor_as_the_next_step(mode, backend,
+                                                                       fallback_random, tmp_path):
+    """A wrapped block with dropout under inductor FAILs (its eager run drew other numbers than
+    inductor's kernels), in every mode, and the report's next line says why and what to set;
+    with fallback_random, or under aot_eager (eager's random ops), the block passes and no draws
+    are noted."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), DropoutBlock(), nn.Linear(8, 8))
+    x = torch.randn(16, 8)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fallback_random=fallback_random):
-        checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"))
+        checker = PrecisionChecker(backend=backend, single_pass=mode != "two_pass",
+                                   dump_dir=str(tmp_path / "dump"))
         checker.wrap_by_policy(model, (DropoutBlock,))
-        checker.install(model)
-        result = checker.collect(train_step(model, torch.randn(16, 8)))
-        checker.uninstall()
+        if mode == "whole_model":
+            compiled = checker.install(torch.compile(model, backend=backend))
+            result = checker.collect(train_step(compiled, x))
+            checker.uninstall()
+        else:
+            result = checker.compare(lambda m: train_step(m, x), model)
     torch._dynamo.reset()
     if backend == "inductor" and not fallback_random:
         assert not result.all_pass

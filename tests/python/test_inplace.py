@@ -91,6 +91,37 @@ class ReadsWrittenInput(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+class AddsInto(nn.Module):
+    """Adds a convolution of ``x`` into ``out`` in place and returns nothing: its result is the
+    input it writes."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x, out):
+        out.add_(self.conv(x))
+
+
+class WritesItsResult(nn.Module):
+    """Modules whose results reach the loss only through inputs they write: a tensor that
+    requires grad (Halve), a zero buffer that does not until written (AddsInto)."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.halve = Halve()
+        self.adds = AddsInto(channels)
+        self.head = nn.Linear(channels, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        self.halve(h)
+        out = torch.zeros_like(h)
+        self.adds(h, out)
+        return self.head(out.mean((2, 3)))
+
+
 # The wrapped modules, by the op of theirs that the fault below moves (an op no other wrapped
 # module computes in the same form).
 WRAPPED = (ScaledInPlace, nn.BatchNorm2d, nn.ReLU, ResidualAdd)
@@ -108,7 +139,8 @@ def _moves(node, module: str) -> bool:
         return node.target == aten.rsqrt.default
     if module == "act":
         return node.target == aten.relu.default
-    # residual: the only sum of two 4-d tensors of one shape (batch norm adds a broadcast bias)
+    # residual, adds: the only sum of two 4-d tensors of one shape (batch norm adds a broadcast
+    # bias)
     shapes = [getattr(a.meta.get("val"), "shape", None) if isinstance(a, torch.fx.Node) else None
               for a in node.args]
     return (node.target == aten.add.Tensor and len(shapes) == 2 and shapes[0] is not None
@@ -197,6 +229,55 @@ def test_modules_writing_their_inputs_pass_and_leave_the_step_as_without_the_che
     (expected,) = torch.autograd.grad(model.scale(entry.clone()), entry, grad_output)
     for side in ("eager", "compiled"):
         torch.testing.assert_close(_recorded(result, "scale", "grad_input", side), expected)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager",
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
+def test_modules_whose_result_is_an_input_they_write_are_checked(backend, tmp_path):
+    """Modules that return nothing and write their result into an input: single-pass compares
+    what they wrote as their output, and the gradient reaching it seeds the eager backward, so
+    both have grad_input (and param_grad) rows on both sides; the step is the unchecked one bit
+    for bit. A fault in AddsInto's kernel makes it the root cause."""
+    torch.manual_seed(0)
+    model, x, target = WritesItsResult(), torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+    wrapped = (Halve, AddsInto)
+    plain = compiled_copy(model, wrapped, backend)
+    unchecked = _state(plain, _step(plain, x, target))
+    torch._dynamo.reset()
+    checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, wrapped)
+    checker.install(model)
+    loss = _step(model, x, target)
+    result = checker.collect(loss)
+
+    assert result.all_pass, result.text()
+    assert "MISSING" not in result.text(), result.text()
+    for name, wanted in (("halve", {"fwd_output", "grad_input"}),
+                         ("adds", {"fwd_output", "grad_input", "param_grad"})):
+        assert wanted <= {r.check_type for r in result.rows if r.module == name}, result.text()
+    _assert_bit_identical(_state(model, loss), unchecked)
+    if backend == "inductor":
+        torch._dynamo.reset()
+        inductor_config.post_grad_custom_post_pass = _fault_in("adds")
+        for scale in (1.0, 1e-3):  # the loss as returned, and as a loss scaler makes it
+            result = checker.collect(_step(model, x, target, scale))
+            assert not result.all_pass, result.text()
+            assert result.root_cause["forward"]["module"] == "adds", result.text()
+    checker.uninstall()
+
+
+@pytest.mark.slow
+def test_a_bf16_inductor_step_through_modules_writing_their_inputs_changes_nothing(tmp_path):
+    """bf16 under inductor (the float32 reference on): passing, and the checked step is the
+    unchecked one bit for bit, running statistics included (issue 47)."""
+    model, x, target = (value.to(torch.bfloat16) for value in _data())
+    unchecked = _unchecked(model, "inductor", x, target)
+    torch._dynamo.reset()
+    result, checked = _check(model, "inductor", x, target, tmp_path / "dump")
+
+    assert result.all_pass, result.text()
+    assert "HOOK_ERROR" not in result.text() and "MISSING" not in result.text(), result.text()
+    _assert_bit_identical(checked, unchecked)
 
 
 def _two_pass_training(model, backend, x, target, dump_dir, scale: float = 1.0):

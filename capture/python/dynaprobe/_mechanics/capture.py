@@ -265,6 +265,17 @@ class RngState:
                    for index, state in self.cuda.items())
 
 
+def draws_its_own_random(backend) -> bool:
+    """Whether a random op (dropout, torch.rand) that ``backend`` compiles draws other numbers
+    than eager PyTorch: inductor generates them in its own kernels unless ``fallback_random`` is
+    set, so a call's eager re-run cannot agree with it."""
+    if backend != "inductor" and not isinstance(backend, torch._TorchCompileInductorWrapper):
+        return False
+    import torch._inductor.config as inductor_config
+
+    return not inductor_config.fallback_random
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP2/tensor-parallel shards); other tensors as they are.
     The recorder takes plain tensors only."""

@@ -76,6 +76,7 @@ class GraphRecorder:
     """A torch.compile backend that compiles with ``backend`` and remembers the graphs."""
 
     def __init__(self, backend) -> None:
+        self.backend = backend  # as the user named it
         self.real = real_backend(backend)
         self.graphs: List[Graph] = []
         self.functions: Dict[str, List[str]] = {}  # module -> compiled functions, cumulative

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from dynaprobe import _C
 from dynaprobe._C import vocabulary
-from dynaprobe._mechanics.capture import autocast_device_type
+from dynaprobe._mechanics.capture import autocast_device_type, input_leaves
 from dynaprobe._mechanics.isolation import copy_arguments, rerun_input
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -161,6 +161,15 @@ class ReferencePolicy:
         return torch.float32 if low is not None else torch.float64
 
 
+def accelerator_draws(dtype: torch.dtype) -> str:
+    """Why a call that drew random numbers on an accelerator gets no reference: CUDA's random
+    kernels (dropout) map their numbers to elements by the dtype's vector width, so a reference
+    in another dtype drops other elements than the call, and eager's own error against it would
+    pass any mask as noise."""
+    return (f"the call draws random numbers on the accelerator (dropout), which a {dtype} "
+            "reference draws for other elements: judged by the tolerances")
+
+
 def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Floating tensors in ``dtype`` (float32 or float64), complex ones in the complex dtype of
     that precision; others as they are. Never narrows a wider tensor."""
@@ -208,10 +217,12 @@ class ReferenceRun:
     """One call's reference: outputs, the input leaves and the parameters its backward needs."""
 
     def __init__(self, outputs: list, leaves: List[Tuple[int, torch.Tensor]],
-                 params: List[Tuple[torch.Tensor, torch.Tensor]]):
+                 params: List[Tuple[torch.Tensor, torch.Tensor]],
+                 inputs: List[torch.Tensor] = ()):
         self.outputs = outputs  # (index, tensor) of the output leaves that require grad
         self.leaves = leaves  # (input index, upcast input leaf)
         self.params = params  # (real parameter, its upcast copy)
+        self.inputs = list(inputs)  # every input as the reference ran on it (and wrote it)
         self.left: List[Tuple[int, torch.Tensor]] = []  # as PendingBackward.eager_left
 
 
@@ -275,4 +286,4 @@ def run_reference(module: nn.Module, forward: Callable, arguments, dtype: torch.
         return out, None
     outputs = [(i, t) for i, (_, t) in enumerate(leaves_of(out)) if t.requires_grad]
     params = [(param, copies[key]) for key, param in real.items() if key in copies]
-    return out, ReferenceRun(outputs, leaves, params)
+    return out, ReferenceRun(outputs, leaves, params, [t for _, t in input_leaves(args, kwargs)])

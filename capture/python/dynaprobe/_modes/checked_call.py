@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dynaprobe._C import vocabulary
+from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT, SIDE_COMPILED, SIDE_EAGER, SIDE_REFERENCE
 from dynaprobe._mechanics.capture import RngState, devices_of, input_leaves
 from dynaprobe._mechanics.isolation import InputWrites, LeftInArguments, ModuleState, counterparts
 from dynaprobe._mechanics.reference import CallReference, ReferenceRun
@@ -45,6 +45,7 @@ class CheckedCall:
         self.leaves: list = []  # (input index, eager input leaf)
         self.compiled_leaves: list = []  # (label, tensor) of the outputs, each side's
         self.eager_leaves: list = []
+        self.written_out: list = []  # record_written_results: (compiled, eager, reference)
         self.candidate = None  # its replay data, until decided
         self.reference: Optional[ReferenceRun] = None
         self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
@@ -54,40 +55,60 @@ class CheckedCall:
         """The dtype of its reference, up front or if failing; None: it gets none."""
         return self.decision.wanted
 
+    def record_written_results(self) -> None:
+        """The inputs the call wrote in place and does not return (a module that adds its result
+        into a tensor it is given) are results of the call as much as what it returns: recorded
+        as forward outputs after it, each side's (the caller's tensor after the training call,
+        its copy after the eager re-run, after the reference), and kept in ``written_out``."""
+        returned = {t.untyped_storage().data_ptr()
+                    for _, t in self.compiled_leaves + self.eager_leaves}
+        eager_inputs = input_leaves(self.eager_args, self.eager_kwargs)
+        for index in sorted(self.written):
+            label, tensor = self.inputs[index]
+            twin = eager_inputs[index][1]
+            if (tensor.untyped_storage().data_ptr() in returned
+                    or twin.untyped_storage().data_ptr() in returned):
+                continue  # ReLU(inplace=True): returned, so an output already
+            wide = None if self.reference is None else self.reference.inputs[index]
+            at = len(self.compiled_leaves) + len(self.written_out)
+            for side, value in ((SIDE_COMPILED, tensor), (SIDE_EAGER, twin),
+                                (SIDE_REFERENCE, wide)):
+                if value is not None:
+                    self.step.record(self.name, self.index, KIND_FWD_OUTPUT, at, side, value,
+                                     f"{label} written")
+            self.written_out.append((tensor, twin, wide))
+
     def left_in_arguments(self) -> Tuple[list, list]:
-        """What the compiled call left in its arguments (LeftInArguments) that requires grad, and
-        its twins left by the eager re-run (and the reference) in their copies: ``(compiled,
-        eager)`` lists of (index, tensor), indexed after the call's returned tensors. A later call
-        reading them sends gradient back into this call: it seeds the eager backward too."""
-        if self.left_watch is None:
-            return [], []
-        found = self.left_watch.find(self.args, self.kwargs,
-                                     [t for _, t in self.compiled_leaves],
-                                     [t for _, t in input_leaves(self.args, self.kwargs)])
-        if not found:
-            return [], []
+        """The inputs the training call wrote and does not return (``written_out``), then what it
+        left in its arguments (LeftInArguments), that require grad, and their twins in the eager
+        re-run's copies (and the reference's): ``(compiled, eager)`` lists of (index, tensor),
+        indexed after the call's returned tensors. A later use of them sends gradient back into
+        this call: it seeds the eager backward too."""
         first = len(self.compiled_leaves)
-        eager = [(first + position, twin)
-                 for position, twin in counterparts(found, self.eager_args, self.eager_kwargs)]
+        compiled, eager, reference = [], [], []
+        for at, (tensor, twin, wide) in enumerate(self.written_out, first):
+            if tensor.requires_grad and twin.requires_grad:
+                compiled.append((at, tensor))
+                eager.append((at, twin))
+                if wide is not None and wide.requires_grad:
+                    reference.append((at, wide))
+        first += len(self.written_out)
+        found = [] if self.left_watch is None else self.left_watch.find(
+            self.args, self.kwargs, [t for _, t in self.compiled_leaves],
+            [t for _, t in input_leaves(self.args, self.kwargs)])
+        if found:
+            twins = [(first + position, twin)
+                     for position, twin in counterparts(found, self.eager_args, self.eager_kwargs)]
+            eager += twins
+            if self.reference is not None:
+                args, kwargs, _ = self.reference_args
+                reference += [(first + position, twin)
+                              for position, twin in counterparts(found, args, kwargs)]
+            paired = {index for index, _ in twins}
+            compiled += [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired]
         if self.reference is not None:
-            args, kwargs, _ = self.reference_args
-            self.reference.left = [(first + position, twin)
-                                   for position, twin in counterparts(found, args, kwargs)]
-        paired = {index for index, _ in eager}
-        return [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired], eager
-
-    def note_random_draws(self, rng_after: RngState, backend) -> None:
-        """A training call that drew random numbers (dropout, torch.rand) under inductor, which
-        draws its own unless ``fallback_random`` is set: its eager re-run drew other ones, and
-        the report's next line says so."""
-        if backend != "inductor":
-            return
-        import torch._inductor.config as inductor_config
-
-        drawn = self.rng_before.drawn_until(rng_after)
-        if drawn and not inductor_config.fallback_random:
-            self.step.attributes.setdefault(self.name, {})[
-                vocabulary.ATTRIBUTE_RANDOM_DRAWS] = ", ".join(drawn)
+            self.reference.left = reference
+        return compiled, eager
 
     def for_reference(self) -> "CheckedCall":
         """What running its reference later (SinglePass._late_reference) needs of this call:

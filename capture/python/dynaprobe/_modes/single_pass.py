@@ -26,6 +26,7 @@ from dynaprobe._mechanics.capture import (
     ProbedInputs,
     RngState,
     autocast_context,
+    draws_its_own_random,
     input_leaves,
     map_tensors,
     patch_forward,
@@ -43,6 +44,7 @@ from dynaprobe._mechanics.isolation import (
 from dynaprobe._mechanics.reference import (
     ReferencePolicy,
     ReferenceRun,
+    accelerator_draws,
     copy_reference_arguments,
     outputs_differ,
     run_reference,
@@ -245,15 +247,10 @@ class SinglePass:
                 call.eager_out = target.eager(*call.eager_args, **call.eager_kwargs)
             if call.candidate is not None:
                 call.step.replay_candidates[(call.name, call.index)] = call.candidate
-            call.note_random_draws(rng_after, self.backend)
+            if draws_its_own_random(self.backend):
+                call.step.note_random_draws(call.name, call.rng_before.drawn_until(rng_after))
             if call.reference_args is not None and call.rng_before.accelerator_drawn():
-                # CUDA's random kernels (dropout) map their random numbers to elements by the
-                # dtype's vector width: a reference in another dtype drops other elements than
-                # the call, and eager's own error against it would pass any mask as noise.
-                call.step.reference_missing(
-                    call.name, f"the call draws random numbers on the accelerator (dropout), "
-                    f"which a {call.wanted} reference draws for other elements: judged by the "
-                    "tolerances")
+                call.step.reference_missing(call.name, accelerator_draws(call.wanted))
                 call.reference_args = None
             referred = call.reference_args is not None and call.decision.dtype(
                 lambda: outputs_differ(call.eager_out, compiled_out, tensor_leaves, call.name,
@@ -284,17 +281,23 @@ class SinglePass:
         return True
 
     def _record_outputs(self, call: CheckedCall, compiled_out) -> Tuple[list, list]:
-        """Both sides' outputs recorded; returns what the compiled call and the eager re-run
-        left in their arguments (CheckedCall.left_in_arguments)."""
+        """Both sides' outputs recorded, then the inputs the call wrote and does not return
+        (CheckedCall.record_written_results); returns what the compiled call and the eager re-run left
+        in their arguments (CheckedCall.left_in_arguments)."""
         step, name = call.step, call.name
         compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
-        left, eager_left = self._left_in_arguments(call)
         for index, (label, tensor) in enumerate(compiled_leaves):
             step.record(name, call.index, KIND_FWD_OUTPUT, index, SIDE_COMPILED, tensor, label)
         for index, (label, tensor) in enumerate(eager_leaves):
             step.record(name, call.index, KIND_FWD_OUTPUT, index, SIDE_EAGER, tensor, label)
-        return left, eager_left
+        try:
+            call.record_written_results()
+        except Exception as error:  # never break training because of the checker
+            self._warn_once(call.name, "written", f"dynaprobe: {call.name}: the inputs its "
+                            f"calls write in place are not compared ({type(error).__name__}: "
+                            f"{error})", stacklevel=_IN_CALL)
+        return self._left_in_arguments(call)
 
     def _await_backward(self, call: CheckedCall, compiled_out, left: list, eager_left: list):
         """Grad mode: the eager backward waits (PendingBackward) for the grad_output the

@@ -23,6 +23,7 @@ from dynaprobe._mechanics.capture import (
     RngState,
     autocast_context,
     devices_of,
+    draws_its_own_random,
     input_leaves,
     map_tensors,
     patch_forward,
@@ -47,7 +48,7 @@ def run_step(session: StepSession, fn: Callable, model: nn.Module,
     step = session.begin([])
     try:
         by_side = run_sides(step, fn, model, sides, targets, compiler.compile, capture_input,
-                            cast_dtype, reference)
+                            cast_dtype, reference, compiler.graphs.backend)
         if SIDE_COMPILED in by_side:
             compiler.summarize(step, by_side[SIDE_COMPILED])
         return session.finish(compare=compare)
@@ -58,7 +59,8 @@ def run_step(session: StepSession, fn: Callable, model: nn.Module,
 def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str, nn.Module]],
               targets: List[Tuple[str, str]], compile_forward: Callable,
               capture_input: bool, cast_dtype,
-              reference: ReferencePolicy = ReferencePolicy(None)) -> Dict[str, List[Target]]:
+              reference: ReferencePolicy = ReferencePolicy(None),
+              backend=None) -> Dict[str, List[Target]]:
     """Runs ``fn(side_model)`` for each (side, side_model) in turn, from ``model``'s RNG state,
     recording into ``step`` the wrapped modules of each (``targets``: (display name, path)), the
     losses ``fn`` returns and the parameter gradients. Then, when ``reference`` asks for one
@@ -68,6 +70,7 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
     restore = []
     by_side: Dict[str, List[Target]] = {}
     seen_low: List[torch.dtype] = []  # the reduced dtypes the eager side's calls computed in
+    watch_draws = draws_its_own_random(backend)
 
     def patch(side: str, side_model: nn.Module, run_of: Callable, forward_of: Callable) -> None:
         modules = dict(side_model.named_modules())
@@ -86,7 +89,8 @@ def run_sides(step: Step, fn: Callable, model: nn.Module, sides: List[Tuple[str,
                   (lambda _, forward: forward) if side == SIDE_EAGER else compile_forward,
                   lambda target, side=side: _one_side_forward(
                       step, target, side, capture_input, cast_dtype,
-                      seen_low if side == SIDE_EAGER else None))
+                      seen_low if side == SIDE_EAGER else None,
+                      watch_draws and side == SIDE_EAGER))
         rng = RngState(devices_of([], model))
         for i, (side, side_model) in enumerate(sides):
             if i:
@@ -145,7 +149,9 @@ def _reference_forward(step: Step, target: Target, dtype: torch.dtype,
 
 
 def _one_side_forward(step: Step, target: Target, side: str, capture_input: bool,
-                      cast_dtype, seen_low: Optional[list]) -> Callable:
+                      cast_dtype, seen_low: Optional[list], watch_draws: bool) -> Callable:
+    """A wrapped module of one side; ``watch_draws``: note whether each call draws random
+    numbers."""
     def forward(*args, **kwargs):
         inputs = input_leaves(args, kwargs)
         devices = devices_of([t for _, t in inputs], target.module)
@@ -154,8 +160,12 @@ def _one_side_forward(step: Step, target: Target, side: str, capture_input: bool
                                  cast_dtype, devices)
             if low is not None and not seen_low:
                 seen_low.append(low)
+        before = RngState(devices) if watch_draws else None
         with autocast_context(cast_dtype, devices):
-            return _recorded_call(step, target, side, args, kwargs, capture_input, target.run)
+            out = _recorded_call(step, target, side, args, kwargs, capture_input, target.run)
+        if before is not None:
+            step.note_random_draws(target.name, before.drawn_until(RngState(devices)))
+        return out
 
     return forward
 

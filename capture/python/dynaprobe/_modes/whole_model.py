@@ -47,11 +47,12 @@ from dynaprobe._C.vocabulary import (
     SIDE_EAGER,
     SIDE_REFERENCE,
 )
-from dynaprobe._mechanics.capture import RngState, _in_eager_backward
+from dynaprobe._mechanics.capture import RngState, _in_eager_backward, draws_its_own_random
 from dynaprobe._mechanics.graphs import GraphRecorder
 from dynaprobe._mechanics.reference import (
     ReferencePolicy,
     ReferenceRun,
+    accelerator_draws,
     no_autocast,
     outputs_differ,
     shapes_differ,
@@ -370,6 +371,8 @@ class WholeModel:
             eager_inputs.append(copy)
         params = [args[i].detach().clone() if buffer else args[i]
                   for i, buffer in zip(call.params, call.buffers)]
+        devices = {t.device for t in eager_inputs + params if isinstance(t, torch.Tensor)}
+        rng = RngState(devices)  # as the compiled call began: the runner put it back
         try:
             with torch.set_grad_enabled(grad_mode):
                 eager_out = call.eager(*eager_inputs, *params)
@@ -377,9 +380,11 @@ class WholeModel:
             step.note(target.name, vocabulary.NOTE_HOOK_ERROR,
                       f"eager re-run failed: {type(error).__name__}: {error}")
             return
+        if draws_its_own_random(self.graphs.backend):
+            step.note_random_draws(target.name, rng.drawn_until(RngState(devices)))
         compiled_out = [value(source) for source in call.outputs]
         reference = self._reference(step, call, target, index, inputs, params, eager_out,
-                                    compiled_out, grad_mode)
+                                    compiled_out, grad_mode, rng)
         for i, (at, label) in enumerate(zip(call.output_indices, call.output_paths)):
             step.record(target.name, index, KIND_FWD_OUTPUT, at, SIDE_COMPILED, compiled_out[i], label)
             step.record(target.name, index, KIND_FWD_OUTPUT, at, SIDE_EAGER, eager_out[i], label)
@@ -399,10 +404,11 @@ class WholeModel:
             call.pending.append((pending, set()))
 
     def _reference(self, step: Step, call: CallInGraph, target: Target, index: int, inputs: list,
-                   params: list, eager_out, compiled_out: list,
-                   grad_mode: bool) -> Optional[ReferenceRun]:
+                   params: list, eager_out, compiled_out: list, grad_mode: bool,
+                   rng: RngState) -> Optional[ReferenceRun]:
         """The call's eager graph evaluated in the reference dtype, autocast off, on the
-        compiled side's inputs and the real parameters, upcast; records its outputs and returns
+        compiled side's inputs and the real parameters, upcast, from the RNG state ``rng`` the
+        eager graph began with (its dropout masks are eager's); records its outputs and returns
         what its backward needs. None without a reference (a failure is a NO_REFERENCE row)."""
         tensors = [t for t in inputs + params if isinstance(t, torch.Tensor)]
         devices = {t.device for t in tensors}
@@ -412,6 +418,10 @@ class WholeModel:
             self.tolerances))
         if dtype is None:
             return None
+        if rng.accelerator_drawn():
+            step.reference_missing(target.name, accelerator_draws(dtype))
+            return None
+        rng.restore()
         try:
             wide_inputs = [upcast_copy(t, dtype, leaf=grad_mode and t.requires_grad)
                            for t in inputs]

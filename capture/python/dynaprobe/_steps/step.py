@@ -134,6 +134,14 @@ class Step:
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
 
+    def note_random_draws(self, module: str, generators: List[str]) -> None:
+        """A call of ``module`` drew random numbers from ``generators`` (``cpu``, ``cuda:0``)
+        under a backend that draws its own (``draws_its_own_random``): the module attribute
+        ``random_draws``, which the report's next line names."""
+        if generators:
+            self.attributes.setdefault(module, {})[vocabulary.ATTRIBUTE_RANDOM_DRAWS] = (
+                ", ".join(generators))
+
     def reference_missing(self, module: str, reason: str) -> None:
         """A call of ``module`` got no (or only part of its) reference: counted, with the first
         reason, in /modules; the report gives the module a NO_REFERENCE row."""
