@@ -133,7 +133,7 @@ def _moves(node, module: str) -> bool:
     if node.op != "call_function":
         return False
     aten = torch.ops.aten
-    if module == "scale":  # x.mul_(0.5)
+    if module in ("scale", "halve"):  # x.mul_(0.5)
         return node.target == aten.mul.Tensor and 0.5 in node.args
     if module == "bn":  # the normalisation's rsqrt (bn2 computes one too)
         return node.target == aten.rsqrt.default
@@ -263,6 +263,50 @@ def test_modules_whose_result_is_an_input_they_write_are_checked(backend, tmp_pa
             result = checker.collect(_step(model, x, target, scale))
             assert not result.all_pass, result.text()
             assert result.root_cause["forward"]["module"] == "adds", result.text()
+    checker.uninstall()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager",
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("make, wrapped, faulty", [(InPlaceCNN, WRAPPED, "scale"),
+                                                   (WritesItsResult, (Halve, AddsInto), "halve")])
+def test_whole_model_checks_modules_writing_their_inputs(make, wrapped, faulty, backend,
+                                                         tmp_path):
+    """The model compiled whole: a value written in place across a module's boundary (its
+    input, or its output the next module writes) is written on a copy the writer makes, so every
+    module is compared with forward and backward rows, and a module returning nothing gives what
+    it wrote. The step is the unchecked one bit for bit under aot_eager; under inductor within
+    fp32 reduction order (whole-model.md, Fidelity). A fault in a writing module's kernel makes
+    it the root cause."""
+    torch.manual_seed(0)
+    model, x, target = make(), torch.randn(4, 3, 8, 8), torch.randn(4, 4)
+    plain = torch.compile(copy.deepcopy(model), backend=backend)
+    unchecked = _state(plain._orig_mod, _step(plain, x, target))
+    torch._dynamo.reset()
+    checker = PrecisionChecker(backend=backend, dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, wrapped)
+    compiled = checker.install(torch.compile(model, backend=backend))
+    loss = _step(compiled, x, target)
+    result = checker.collect(loss)
+
+    assert result.all_pass, result.text()
+    assert "NOT_COMPILED" not in result.text() and "MISSING" not in result.text(), result.text()
+    for name, module in model.named_modules():
+        if isinstance(module, wrapped):
+            kinds = {r.check_type for r in result.rows if r.module == name}
+            wanted = {"fwd_output", "grad_input"} | ({"param_grad"} if any(
+                p.requires_grad for p in module.parameters()) else set())
+            assert wanted <= kinds, (name, kinds)
+    checked = _state(model, loss)
+    if backend == "aot_eager":
+        _assert_bit_identical(checked, unchecked)
+    else:
+        for name, value in unchecked.items():
+            torch.testing.assert_close(checked[name], value, rtol=1e-5, atol=1e-5, msg=name)
+        torch._dynamo.reset()
+        inductor_config.post_grad_custom_post_pass = _fault_in(faulty)
+        result = checker.collect(_step(compiled, x, target))
+        assert result.root_cause["forward"]["module"] == faulty, result.text()
     checker.uninstall()
 
 

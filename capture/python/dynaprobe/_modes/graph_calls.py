@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from dynaprobe._mechanics.reference import LOW_PRECISION
 from dynaprobe._steps.step import PendingBackward, Target
@@ -115,6 +116,67 @@ def _mutated(node: fx.Node) -> Optional[fx.Node]:
         return None
     inplace = name.endswith("_") and not name.startswith("_") or node.kwargs.get("inplace") is True
     return node.args[0] if inplace else None
+
+
+def _storage(node: fx.Node):
+    """The storage of the value ``node`` computes, from Dynamo's example value; None if unknown."""
+    value = node.meta.get("example_value")
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except Exception:  # not a tensor, or a tensor without storage
+        return None
+
+
+def _sharing(gm: fx.GraphModule) -> Dict[StorageWeakRef, List[fx.Node]]:
+    """The graph's values by the storage they compute into (views share their base's)."""
+    sharing: Dict[StorageWeakRef, List[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        storage = _storage(node)
+        if storage is not None:
+            sharing.setdefault(storage, []).append(node)
+    return sharing
+
+
+def copy_crossing_writes(gm: fx.GraphModule, calls: list) -> None:
+    """A value written in place across a call's boundary (an input the module writes:
+    ``ReLU(inplace=True)``, ``x.mul_(s)``, ``x += skip``; an output the code after the module
+    writes) is written on a copy instead, made by the writer, and every later use of the value
+    reads the copy. The graph computes the same values with one copy more; the values crossing
+    the boundary stay as the call saw or gave them, their gradient taps stay views, and a call
+    that writes its input writes a copy of its own in its eager graph too (not the leaf of its
+    re-run). ``calls``: ``CallFinder.find_calls``'s, the copies added to the writer's node set.
+    Not for a graph input (its caller sees the write) or a value others alias (they would not
+    see it): ``fill_boundary`` leaves those calls unchecked."""
+    region = {node: index for index, (_, nodes) in enumerate(calls) for node in nodes}
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    sharing = _sharing(gm)
+
+    def aliased(written: fx.Node) -> bool:  # by values other than the results of its writes
+        storage = _storage(written)
+        return storage is None or any(other is not written and _mutated(other) is not written
+                                      for other in sharing.get(storage, ()))
+
+    for node in list(gm.graph.nodes):
+        written = _mutated(node)
+        if (written is None or region.get(written) == region.get(node)
+                or written.op == "placeholder" or aliased(written)):
+            continue
+        try:
+            example = written.meta["example_value"].clone()
+        except Exception:  # no example value to give the copy: left as it is
+            continue
+        with gm.graph.inserting_before(node):
+            copied = gm.graph.call_function(torch.clone, (written,))
+        copied.meta.update(node.meta)  # its nn_module_stack: the writer's
+        copied.meta["example_value"] = example
+        if node in region:
+            region[copied] = region[node]
+            calls[region[node]][1].add(copied)
+        for user in list(written.users):
+            if user is not copied and order.get(user, -1) >= order[node]:
+                user.replace_input_with(written, copied)
+                if _mutated(user) is copied:  # a write's result is the value it wrote
+                    user.meta["example_value"] = example
 
 
 class CallInGraph:
@@ -220,6 +282,27 @@ class CallFinder:
         return self._target_at(full[:len(full) - len(relative)].rstrip("."))
 
 
+def _written_across(gm: fx.GraphModule, nodes: set, inputs: list, outputs: list) -> List[str]:
+    """The call's boundary values that copy_crossing_writes left written across its boundary,
+    directly or through a view of theirs: an input once the call has begun, an output outside
+    the call (an input its producer wrote before the call, and an output the call wrote before
+    returning it, are the values the call saw and gave)."""
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    begins = min(order[node] for node in nodes)
+    boundary = [(value, _storage(value), value in inputs) for value in inputs + outputs]
+    changed = set()
+    for node in gm.graph.nodes:
+        written = _mutated(node)
+        if written is None:
+            continue
+        storage = _storage(written)
+        for value, own, is_input in boundary:
+            same = written is value or storage is not None and own is not None and storage == own
+            if same and (order[node] >= begins if is_input else node not in nodes):
+                changed.add(value.name)
+    return sorted(changed)
+
+
 def fill_boundary(gm: fx.GraphModule, call: CallInGraph, nodes: set, placeholders: list,
                   flat: list) -> None:
     """Fills the call's boundary and eager graph; adds its boundary values to ``flat``, the
@@ -252,8 +335,7 @@ def fill_boundary(gm: fx.GraphModule, call: CallInGraph, nodes: set, placeholder
     outputs = tagged + others
     count = max((t[3] for t in returned.values()), default=0)
     strange = [n.name for n in inputs + outputs if not _is_tensor_node(n)]
-    changed = sorted({_mutated(n).name for n in gm.graph.nodes
-                      if _mutated(n) in inputs or _mutated(n) in outputs})
+    changed = _written_across(gm, nodes, inputs, outputs)
     if changed:
         # The value the graph returns is the one after the change: not what the call saw
         # or gave.

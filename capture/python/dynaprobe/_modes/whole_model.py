@@ -61,6 +61,7 @@ from dynaprobe._mechanics.reference import (
 from dynaprobe._modes.graph_calls import (
     CallFinder,
     CallInGraph,
+    copy_crossing_writes,
     fill_boundary,
     load_comptime,
     mark_outputs,
@@ -250,6 +251,7 @@ class WholeModel:
         count = len(flat)
         try:  # reads the graph only: on failure it is compiled as it is, and the failure said
             calls = self.finder.find_calls(gm)
+            copy_crossing_writes(gm, calls)
             for call, nodes in calls:
                 fill_boundary(gm, call, nodes, placeholders, flat)
         except Exception as error:
@@ -285,12 +287,15 @@ class WholeModel:
 
     def _tap_outputs(self, gm: fx.GraphModule, call: CallInGraph, nodes: set) -> None:
         """A gradient tap on each output, between it and its uses outside the call (the graph's
-        own outputs among them): grad_output, the gradient arriving from outside."""
+        own outputs among them): grad_output, the gradient arriving from outside. Placed where
+        the call ends: a view taken before the call's last write of the value would be a view
+        whose base changed."""
         values = {n.name: n for n in gm.graph.nodes}
+        end = next(n for n in reversed(gm.graph.nodes) if n in nodes)
         for label, index in zip(call.output_labels, call.output_indices):
             node = values[label]
             if node.meta["example_value"].requires_grad:
-                with gm.graph.inserting_after(node):
+                with gm.graph.inserting_after(end):
                     tap = self._tap(gm, node, call, KIND_GRAD_OUTPUT, index)
                 node.replace_all_uses_with(tap, lambda user: user is not tap and user not in nodes)
 
