@@ -143,3 +143,34 @@ def test_a_fault_in_a_block_whose_parameters_are_used_outside_it_is_found_there(
         result, _ = _checked(model, "inductor", x, condition, tmp_path / f"dump{scale}", scale)
         assert not result.all_pass, result.text()
         assert result.root_cause["forward"]["module"] == "blocks.0", result.text()
+
+
+def test_shares_add_up_over_the_micro_batches_of_gradient_accumulation(tmp_path):
+    """Three micro-batches before one optimizer step: each call's share of the parameters used
+    outside their block adds to its module's side, as the training backward adds every use, so
+    the step passes with its param_grad rows, and training accumulates as without the checker."""
+    model, _, _ = _data()
+    batches = [(torch.randn(4, WIDTH), torch.randn(4, WIDTH)) for _ in range(3)]
+
+    def accumulate(m):
+        m.zero_grad(set_to_none=True)
+        for x, condition in batches:
+            loss = m(x, condition).square().mean() / len(batches)
+            loss.backward()
+        return loss
+
+    unchecked = compiled_copy(model, (ConditionedBlock,), "aot_eager")
+    accumulate(unchecked)
+    torch._dynamo.reset()
+    checker = PrecisionChecker(backend="aot_eager", dump_dir=str(tmp_path / "dump"))
+    checker.wrap_by_policy(model, (ConditionedBlock,))
+    checker.install(model)
+    result = checker.collect(accumulate(model))
+    checker.uninstall()
+
+    assert result.all_pass, result.text()
+    for block in ("blocks.0", "blocks.1"):
+        assert len([r for r in result.rows if r.module == block
+                    and r.check_type == "param_grad"]) == 4, result.text()
+    for (name, param), twin in zip(model.named_parameters(), unchecked.parameters()):
+        assert torch.equal(param.grad, twin.grad), name
