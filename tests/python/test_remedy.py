@@ -169,10 +169,13 @@ def test_dropout_under_inductor_is_remedied_by_fallback_random_and_confirmed(tmp
     torch._dynamo.reset()
 
 
-def test_a_bf16_fault_only_the_reference_finds_is_judged_by_the_reference_on_replay(tmp_path):
+@pytest.mark.parametrize("from_class", [False, True], ids=["graph", "class"])
+def test_a_bf16_fault_only_the_reference_finds_is_judged_by_the_reference_on_replay(from_class,
+                                                                                    tmp_path):
     """bfloat16, inductor with a post-grad pass that makes rsqrt 1% too large: within bf16's
     tolerances, so the report FAILs it against its reference (on by default in bf16). The
-    replays judge as the report did, with the call replayed in float64 as the reference: the
+    replays judge as the report did, with the call replayed in float64 as the reference (from
+    its captured graph, or through a float64 copy of the module rebuilt from its class): the
     recorded compile fails again (it passed the tolerances and "did not reproduce" before),
     putting the pass back is the remedy, and the stage bisection blames the recorded backend
     while stock inductor, whose bf16 rounding differs from eager's too, passes."""
@@ -196,10 +199,11 @@ def test_a_bf16_fault_only_the_reference_finds_is_judged_by_the_reference_on_rep
         output = next(r for r in result.rows if r.check_type == "fwd_output")
         assert output.status == "FAIL", result.text()
         assert output.reference["tolerance_status"] == "PASS", output.reference
-        [module] = remedy_dump(checker.dump_dir, changes=[put_back], repeats=1).modules
+        [module] = remedy_dump(checker.dump_dir, changes=[put_back], repeats=1,
+                               from_class=from_class).modules
         assert module.reproduces and module.recorded.verdict == "FAIL", module.text()
         assert module.remedy is not None and module.remedy.change is put_back, module.text()
-        bisected = checker.bisect("0")
+        bisected = checker.bisect("0", from_class=from_class)
     assert bisected.first_failing(True) == bisected.first_failing(False) == "recorded", \
         bisected.text()
     stock = next(stage for stage in bisected.stages if stage.name == "inductor")

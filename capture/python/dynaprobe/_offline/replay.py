@@ -10,6 +10,7 @@ The stored call itself is stored_call.py; judging two runs with the engine, judg
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -50,6 +51,7 @@ class ClassReplay:
 
     def __init__(self, call: StoredCall, module: nn.Module):
         self.call, self.module = call, module
+        self._reference: Optional[Run] = None
 
     def run(self, backend=None, label: str = "replay") -> Run:
         """The call run eagerly (``backend`` None) or compiled with ``backend``."""
@@ -61,6 +63,15 @@ class ClassReplay:
         forward = self.module.forward if backend is None else self.call.compiled_forward(
             self.module, backend, label)
         return lambda: self.call.run(self.module, forward)
+
+    def reference(self) -> Run:
+        """The call run eagerly in float64 on a copy of the module raised to it, its floating
+        inputs and gradients too, autocast off: the reference of a low-precision call, as
+        ``PrecisionChecker(reference="fp64")``. Run once, then kept."""
+        if self._reference is None:
+            wide = copy.deepcopy(self.module).to(torch.float64)
+            self._reference = self.call.run(wide, wide.forward, dtype=torch.float64)
+        return self._reference
 
 
 class GraphReplay:
@@ -301,10 +312,9 @@ def load_call(dump: str, module: str, call: Optional[int] = None,
 def judged(call: StoredCall, replay, eager: Run, runs: Sequence[Run]) -> List[CompareResult]:
     """Each of ``runs`` judged against the ``eager`` run of ``replay`` as the report judged
     the call: with the dump's tolerances and rules, and, where the capture judged it with a
-    reference, with the call replayed in float64 from its captured graph as every row's
-    reference (a replay through the module rebuilt from its class has none: its rows are
-    judged by the tolerances)."""
+    reference, with the call replayed in float64 (``reference()`` of either route) as every
+    row's reference."""
     references = None
-    if call.referenced and runs and isinstance(replay, GraphReplay):
+    if call.referenced and runs:
         references = [replay.reference()] * len(runs)
     return judge(call, [(eager, run) for run in runs], references=references)

@@ -211,10 +211,12 @@ class StoredCall:
         return modules
 
     # ------------------------------------------------------------------ the call
-    def arguments(self, device: str = "cpu") -> Tuple[tuple, dict, List[Tuple[int, torch.Tensor]]]:
-        """Fresh copies of the call's (args, kwargs); the inputs that required grad are leaves
-        requiring grad (in grad mode), returned as (input index, leaf), and given to the call as
-        their ``own_tensor``, which it may write in place."""
+    def arguments(self, device: str = "cpu", dtype: Optional[torch.dtype] = None
+                  ) -> Tuple[tuple, dict, List[Tuple[int, torch.Tensor]]]:
+        """Fresh copies of the call's (args, kwargs), floating ones in ``dtype`` when given; the
+        inputs that required grad are leaves requiring grad (in grad mode), returned as (input
+        index, leaf), and given to the call as their ``own_tensor``, which it may write in
+        place."""
         description = self.description
         unsupported = [leaf["unsupported"] for leaf in description["leaves"]
                        if "unsupported" in leaf]
@@ -227,6 +229,8 @@ class StoredCall:
         for leaf in description["leaves"]:
             if "tensor" in leaf:
                 tensor = self.tensors[f"{INPUT}:{leaf['tensor']}"].clone().to(device)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
                 if description["grad_mode"] and leaf["requires_grad"]:
                     tensor.requires_grad_(True)
                     grad_leaves.append((leaf["tensor"], tensor))
@@ -314,14 +318,17 @@ class StoredCall:
         return judging.atol, judging.rtol
 
     # ------------------------------------------------------------------ running
-    def run(self, module: nn.Module, forward: Callable, backward: bool = True) -> "Run":
+    def run(self, module: nn.Module, forward: Callable, backward: bool = True,
+            dtype: Optional[torch.dtype] = None) -> "Run":
         """Runs ``forward`` (the module's, or a compiled one) on fresh copies of the inputs from
         the stored RNG state, then, when the call ran in grad mode and has a stored grad_output,
-        its backward through ``torch.autograd.grad`` (``.grad`` is left alone)."""
+        its backward through ``torch.autograd.grad`` (``.grad`` is left alone). ``dtype``: its
+        floating inputs and gradients raised to it and autocast off, for a module in ``dtype``
+        (a reference)."""
         device = _module_device(module)
-        args, kwargs, leaves = self.arguments(device)
+        args, kwargs, leaves = self.arguments(device, dtype)
         self.restore_rng()
-        cast = self.autocast_dtype
+        cast = self.autocast_dtype if dtype is None else None
         autocast = (torch.autocast(device_type=torch.device(device).type, dtype=cast)
                     if cast is not None else contextlib.nullcontext())
         grad_mode = bool(self.description["grad_mode"])
@@ -336,8 +343,8 @@ class StoredCall:
             if tensor.requires_grad:
                 outputs.append(tensor)
                 seed = seeds.get(index)
-                grads.append(seed.to(tensor.device) if seed is not None and seed.shape ==
-                             tensor.shape else torch.zeros_like(tensor))
+                grads.append(seed.to(tensor.device, tensor.dtype) if seed is not None and
+                             seed.shape == tensor.shape else torch.zeros_like(tensor))
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         inputs = [leaf for _, leaf in leaves] + [p for _, p in params]
         if outputs and inputs:
