@@ -206,6 +206,7 @@ def test_a_bf16_fault_only_the_reference_finds_is_judged_by_the_reference_on_rep
         bisected = checker.bisect("0", from_class=from_class)
     assert bisected.first_failing(True) == bisected.first_failing(False) == "recorded", \
         bisected.text()
+    assert "first fails against the float64 reference at: recorded" in bisected.text()
     stock = next(stage for stage in bisected.stages if stage.name == "inductor")
     assert stock.changed(True) and not stock.failed(True) and not stock.failed(False), \
         bisected.text()

@@ -489,8 +489,8 @@ def test_a_backward_only_failure_kept_by_default_is_bisected_to_its_stage(tmp_pa
                            unpickle=True)
     assert bisected.first_failing(forward=False) == fault
     assert bisected.first_changed(forward=True) is None  # the forward is eager's everywhere
-    assert f"backward first changes at: {fault}; first fails the tolerances at: {fault}" in \
-        bisected.text()
+    assert (f"backward first changes at: {fault}; first fails against the float64 reference at: "
+            f"{fault}") in bisected.text()
 
 
 def test_replay_keeps_the_buffers_from_before_the_call(tmp_path):
@@ -666,8 +666,8 @@ def test_bisect_replays_the_recorded_backend_after_the_stock_stages(tmp_path, dy
                           "eager,recorded", "--import", "models"], capture_output=True,
                          text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "forward  first changes at: recorded; first fails the tolerances at: recorded" in \
-        run.stdout
+    assert ("forward  first changes at: recorded; first fails against the float64 reference at: "
+            "recorded") in run.stdout
     assert torch._inductor.config.post_grad_custom_post_pass is None
 
 

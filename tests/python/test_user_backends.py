@@ -107,8 +107,8 @@ def test_bisect_names_the_option_for_a_backend_it_cannot_find_and_never_blames_t
             "user_backends:rsqrt_fault_aot), with its folder on PYTHONPATH")
     assert f"recorded                     could not run: {said}" in run.stdout
     assert "  stages run: eager; could not run: recorded" in run.stdout
-    assert "forward  first changes at: no stage; first fails the tolerances at: no stage" in \
-        run.stdout
+    assert ("forward  first changes at: no stage; first fails against the float64 reference at: "
+            "no stage") in run.stdout
     assert run.stderr.splitlines() == [f"dynaprobe bisect: stage recorded could not run: {said}"]
 
     # Named by the user, it runs, and its stage is the one that fails: exit 1.
@@ -116,8 +116,8 @@ def test_bisect_names_the_option_for_a_backend_it_cannot_find_and_never_blames_t
         run = tool("bisect", dump, "--module", "0", "--stages", "eager,recorded", *option,
                    pythonpath=root)
         assert run.returncode == 1, run.stdout + run.stderr
-        assert "forward  first changes at: recorded; first fails the tolerances at: recorded" \
-            in run.stdout
+        assert ("forward  first changes at: recorded; first fails against the float64 reference "
+                "at: recorded") in run.stdout
         assert "  stages run: eager, recorded\n" in run.stdout
 
     # A name that cannot be found: one line naming it and the option, exit 2.
@@ -224,7 +224,7 @@ def test_stock_stages_compile_under_stock_config_whatever_the_process_set(tmp_pa
     run = tool("bisect", checker.dump_dir, "--module", "0", "--stages", "eager,recorded",
                "--import", "models", pythonpath=HERE)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "first fails the tolerances at: recorded" in run.stdout
+    assert "first fails against the float64 reference at: recorded" in run.stdout
 
 
 def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dynaprobe_cli):
@@ -239,7 +239,7 @@ def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dyn
     run = subprocess.run([dynaprobe_cli, *args, "--stages", "eager,recorded"],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "first fails the tolerances at: recorded" in run.stdout
+    assert "first fails against the float64 reference at: recorded" in run.stdout
 
 
 def test_remedy_of_a_registered_backend_replaces_it(user_dump):

@@ -110,7 +110,7 @@ class StageResult:
 class BisectResult:
     """The stages of one call, in order. ``first_changed(forward)`` names the first stage whose
     numbers differ from eager at all, ``first_failing(forward)`` the first that fails the
-    tolerances (None: none); ``inductor`` is compiler_bisector's finding, when asked for.
+    report's verdict (``judged_by``; None: none); ``inductor`` is compiler_bisector's finding, when asked for.
     ``bool(result)``: no stage fails."""
 
     module: str
@@ -123,6 +123,9 @@ class BisectResult:
     graph_unavailable: str = ""  # why the captured graph was not replayed, when it was not
     ops: Optional[Any] = None  # op localisation (``ops=True``): an ops_result.OpsResult
     ops_error: str = ""  # why the ops could not be compared, when asked for
+    # What a stage fails: the report's verdict, against the call replayed in float64 where the
+    # capture judged the call against a reference (replay.judged)
+    judged_by: str = "the tolerances"
 
     def first_changed(self, forward: bool = True) -> Optional[str]:
         return next((s.name for s in self.stages if s.changed(forward)), None)
@@ -176,7 +179,7 @@ class BisectResult:
         for forward, direction in ((True, "forward"), (False, "backward")):
             changed, failing = self.first_changed(forward), self.first_failing(forward)
             lines.append(f"  {direction:8} first changes at: {changed or 'no stage'}; first fails "
-                         f"the tolerances at: {failing or 'no stage'}")
+                         f"{self.judged_by} at: {failing or 'no stage'}")
         stock = [s for s in self.stages if s.name != RECORDED]
         own = next((s for s in self.stages if s.name == RECORDED), None)
         if own is not None and own.error:
@@ -283,7 +286,9 @@ def bisect_call(call: StoredCall, stages: Optional[Sequence[Stage]] = None, modu
                for stage, _ in runs]
     result = BisectResult(call.module, call.call, call.step, ordered,
                           recorded=call.recorded_compile(), route=replay.route,
-                          graph_unavailable=getattr(replay, "graph_unavailable", ""))
+                          graph_unavailable=getattr(replay, "graph_unavailable", ""),
+                          judged_by="against the float64 reference" if call.referenced
+                          else "the tolerances")
     if inductor_subsystems and "inductor" in (result.first_failing(True),
                                                result.first_failing(False)):
         with inductor_patch(stock):
