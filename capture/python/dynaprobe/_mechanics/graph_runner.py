@@ -154,3 +154,38 @@ def metrics(eager: torch.Tensor, other: torch.Tensor) -> Tuple[float, float, flo
     rel = diff / (a.abs() + 1e-8)
     return (float(diff.masked_fill(diff.isnan(), 0).max()), float(diff.double().mean()),
             float(rel.masked_fill(rel.isnan(), 0).max()))
+
+
+def compiler_bisect(test_fn: Callable[[object], bool], backend) -> int:
+    """torch._inductor.compiler_bisector on ``test_fn(backend) -> bool`` (True when the call
+    compiled with that backend matches; ``backend``: the repro's own, tried first): the backend,
+    then the subsystem and the application of it that makes the compiled call differ, and the
+    line that replays it. Returns 1 when one was found, 0 when none makes it differ."""
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+
+    from torch._inductor.compiler_bisector import CompilerBisector  # noqa: PLC0415
+
+    logging.getLogger("torch._dynamo.utils").disabled = True  # same()'s line per failing try
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        found = CompilerBisector.do_bisect(lambda: test_fn(CompilerBisector.get_backend() or
+                                                           backend))
+    print("CompilerBisector (torch._inductor.compiler_bisector) on test_fn(), what it tried:")
+    for line in log.getvalue().splitlines():
+        print(f"  {line}")
+    if found is None:
+        print("no backend or subsystem makes it differ: test_fn() passes under each")
+        return 0
+    print(f"first to differ: backend {found.backend}, subsystem {found.subsystem or '-'}, "
+          f"application {found.bisect_number if found.bisect_number is not None else '-'}")
+    if found.debug_info:
+        print(f"  {found.debug_info}")
+    replay_line = " ".join(f"TORCH_BISECT_{key}={value}" for key, value in (
+        ("BACKEND", found.backend), ("SUBSYSTEM", found.subsystem),
+        ("MAX", found.bisect_number)) if value is not None)
+    print(f"replay: {replay_line} python repro.py" + (
+        f"   (differs; with TORCH_BISECT_MAX={found.bisect_number - 1} it matches)"
+        if found.bisect_number else ""))
+    return 1

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -31,12 +31,19 @@ from dynaprobe._mechanics import graph_runner as _graph_runner
 from dynaprobe._mechanics.graph_data import python_source
 from dynaprobe._mechanics.replay_store import backend_spec
 from dynaprobe._offline.judging import judge, metrics_lines
-from dynaprobe._offline.replay import GraphReplay, chosen_dump, inductor_patch, load_call
+from dynaprobe._offline.replay import (
+    ClassReplay,
+    GraphReplay,
+    chosen_dump,
+    inductor_patch,
+    load_call,
+)
 from dynaprobe._offline.repro_scripts import CLASS_SCRIPT, GRAPH_SCRIPT
 from dynaprobe._offline.stored_call import (
     BACKEND_HELP,
     UNPICKLE_RISK,
     ReplayError,
+    Run,
     StoredCall,
     named_backend,
     recorded_imports,
@@ -281,10 +288,10 @@ def load_repro(path: str) -> ReproData:
 
 def replay(data: StoredCall, module: torch.nn.Module, backend, out=sys.stdout) -> int:
     """Runs the stored call eagerly and compiled with ``backend``, prints the recorded and the
-    replayed metrics; returns 1 when a replayed row FAILs, else 0."""
-    eager = data.run(module, module.forward)
-    with inductor_patch(data.inductor_config()):  # as captured: a custom post-grad pass, say
-        compiled = data.run(module, data.compiled_forward(module, backend))
+    replayed metrics and the verdict of ``matches``; returns 1 when a replayed row FAILs, else
+    0."""
+    rerun = ClassReplay(data, module)
+    eager, compiled = _eager_and_compiled(rerun, backend)
     result = judge(data, [(eager, compiled)])[0]
     recorded = getattr(data, "recorded", None)
     if recorded:
@@ -294,7 +301,39 @@ def replay(data: StoredCall, module: torch.nn.Module, backend, out=sys.stdout) -
     print("replayed:", file=out)
     for line in metrics_lines(result.rows):
         print(line, file=out)
+    print(f"same() against float64 (torch._dynamo.utils.same, tol={data.tolerances[0]!r}): "
+          f"{_same(data, eager, compiled, rerun.reference())} (test_fn())", file=out)
     return 0 if result.all_pass else 1
+
+
+def matches(data: StoredCall, module: torch.nn.Module, backend) -> bool:
+    """The ``test_fn()`` of a repro that rebuilds the module from its class: True when the call
+    compiled with ``backend`` matches, by ``torch._dynamo.utils.same`` of its outputs and
+    gradients against eager's, with the call run in float64 as the reference, as the graph
+    repro's ``test_fn()`` judges."""
+    rerun = ClassReplay(data, module)
+    eager, compiled = _eager_and_compiled(rerun, backend)
+    return _same(data, eager, compiled, rerun.reference())
+
+
+def _eager_and_compiled(rerun: ClassReplay, backend) -> Tuple[Run, Run]:
+    """The call run eagerly, then compiled afresh with ``backend`` under the recorded inductor
+    config (Dynamo's cache does not see the config: CompilerBisector changes it between runs)."""
+    eager = rerun.run()
+    torch._dynamo.reset()
+    with inductor_patch(rerun.call.inductor_config()):  # a custom post-grad pass, say
+        return eager, rerun.run(backend)
+
+
+def _same(data: StoredCall, eager: Run, compiled: Run, reference: Run) -> bool:
+    from torch._dynamo.utils import same  # noqa: PLC0415 - imports Dynamo
+
+    def tensors(run: Run) -> List[torch.Tensor]:  # outputs, input gradients, parameters'
+        return (run.outputs + [run.grad_input[i] for i in sorted(run.grad_input)] +
+                [grad for _, grad in sorted(run.param_grad, key=lambda item: item[0])])
+
+    return bool(same(tensors(eager), tensors(compiled), fp64_ref=tensors(reference),
+                     tol=data.tolerances[0], exact_dtype=False, log_error=lambda *args: None))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

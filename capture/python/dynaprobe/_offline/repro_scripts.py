@@ -37,7 +37,7 @@ from torch._dynamo.utils import same
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import graphs  # noqa: E402
-from graph_runner import GraphCall, metrics, raised, replay_graphs  # noqa: E402
+from graph_runner import GraphCall, compiler_bisect, metrics, raised, replay_graphs  # noqa: E402
 
 MISSING = None  # why a module the backend or inductor config needs is not importable here
 {backend_lines}
@@ -82,41 +82,9 @@ def test_fn(backend=None) -> bool:
                      tol=DATA["tolerances"][0], exact_dtype=False))
 
 
-def compiler_bisect() -> int:
-    \"\"\"torch._inductor.compiler_bisector on test_fn(): the backend, then the subsystem and the
-    application of it that makes the compiled call differ, and the line that replays it.\"\"\"
-    import io  # noqa: PLC0415
-    import logging  # noqa: PLC0415
-
-    from torch._inductor.compiler_bisector import CompilerBisector  # noqa: PLC0415
-
-    logging.getLogger("torch._dynamo.utils").disabled = True  # same()'s line per failing try
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        found = CompilerBisector.do_bisect(
-            lambda: test_fn(CompilerBisector.get_backend() or BACKEND))
-    print("CompilerBisector (torch._inductor.compiler_bisector) on test_fn(), what it tried:")
-    for line in log.getvalue().splitlines():
-        print(f"  {{line}}")
-    if found is None:
-        print("no backend or subsystem makes it differ: test_fn() passes under each")
-        return 0
-    print(f"first to differ: backend {{found.backend}}, subsystem {{found.subsystem or '-'}}, "
-          f"application {{found.bisect_number if found.bisect_number is not None else '-'}}")
-    if found.debug_info:
-        print(f"  {{found.debug_info}}")
-    replay_line = " ".join(f"TORCH_BISECT_{{key}}={{value}}" for key, value in (
-        ("BACKEND", found.backend), ("SUBSYSTEM", found.subsystem),
-        ("MAX", found.bisect_number)) if value is not None)
-    print(f"replay: {{replay_line}} python repro.py" + (
-        f"   (differs; with TORCH_BISECT_MAX={{found.bisect_number - 1}} it matches)"
-        if found.bisect_number else ""))
-    return 1
-
-
 def main() -> int:
     if "--bisect" in sys.argv:
-        return compiler_bisect()
+        return compiler_bisect(test_fn, BACKEND)
     backend = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else \
         os.environ.get("TORCH_BISECT_BACKEND") or BACKEND  # a CompilerBisector replay line's
     why = f" ({{MISSING}})" if MISSING else ""
@@ -174,11 +142,14 @@ CLASS_SCRIPT = '''#!/usr/bin/env python3
 """Standalone repro of module {module} (call {call}, step {step}) of a dynaprobe dump.
 
     python repro.py            needs torch and dynaprobe, and repro_data.pt next to this file
+    python repro.py --bisect   torch._inductor.compiler_bisector on test_fn()
 
 Rebuilds the module ({cls}) with its stored weights and buffers, runs the stored call's inputs
 eagerly and compiled with the recorded backend ({backend}), forward and (when the call ran in
 grad mode) backward seeded with the stored grad_output, from the stored RNG state, and prints
-the report's metrics of both next to those the dump recorded. Exit code 1 when a row FAILs, as
+the report's metrics of both next to those the dump recorded, and the verdict of
+torch._dynamo.utils.same against the call run in float64 (a float64 copy of the module). test_fn()
+returns that verdict: True when the compiled call matches. Exit code 1 when a row FAILs, as
 `dynaprobe compare`.
 
 The module is its class ({cls}) called without arguments, which must be importable here:
@@ -201,7 +172,7 @@ import sys
 
 import torch
 
-from dynaprobe.repro import load_repro, replay
+from dynaprobe.repro import compiler_bisect, load_repro, matches, replay
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 data = load_repro(os.path.join(HERE, "{data_file}"))
@@ -215,10 +186,18 @@ MISSING = None  # why a module the backend needs is not importable here
 {backend_lines}
 
 
+def test_fn(backend=None) -> bool:
+    \"\"\"True when the call compiled with ``backend`` (default: BACKEND) matches: same() of its
+    outputs and gradients against eager's, with the call run in float64 as the reference.\"\"\"
+    return matches(data, build_module(), BACKEND if backend is None else backend)
+
+
 if __name__ == "__main__":
     if BACKEND is None:
         print(f"repro.py: the backend cannot be imported here ({{MISSING}}): put its module's "
               "folder on PYTHONPATH, or set BACKEND in repro.py", file=sys.stderr)
         sys.exit(2)
+    if "--bisect" in sys.argv[1:]:
+        sys.exit(compiler_bisect(test_fn, BACKEND))
     sys.exit(replay(data, build_module(), BACKEND))
 '''
