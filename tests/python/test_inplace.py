@@ -305,8 +305,9 @@ def test_whole_model_checks_modules_writing_their_inputs(make, wrapped, faulty, 
             torch.testing.assert_close(checked[name], value, rtol=1e-5, atol=1e-5, msg=name)
         torch._dynamo.reset()
         inductor_config.post_grad_custom_post_pass = _fault_in(faulty)
-        result = checker.collect(_step(compiled, x, target))
-        assert result.root_cause["forward"]["module"] == faulty, result.text()
+        for scale in (1.0, 1e-3):  # the loss as returned, and as a loss scaler makes it
+            result = checker.collect(_step(compiled, x, target, scale))
+            assert result.root_cause["forward"]["module"] == faulty, result.text()
     checker.uninstall()
 
 

@@ -240,6 +240,7 @@ class RngState:
     """The RNG state of the CPU and of the accelerators the given tensors live on."""
 
     def __init__(self, devices: set):
+        self.devices = devices
         self.cpu = torch.get_rng_state()
         self.cuda = {}
         for device in devices:

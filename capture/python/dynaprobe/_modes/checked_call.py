@@ -60,6 +60,8 @@ class CheckedCall:
         into a tensor it is given) are results of the call as much as what it returns: recorded
         as forward outputs after it, each side's (the caller's tensor after the training call,
         its copy after the eager re-run, after the reference), and kept in ``written_out``."""
+        if not self.written:  # the common case: nothing more to look at on the training thread
+            return
         returned = {t.untyped_storage().data_ptr()
                     for _, t in self.compiled_leaves + self.eager_leaves}
         eager_inputs = input_leaves(self.eager_args, self.eager_kwargs)

@@ -282,8 +282,8 @@ class SinglePass:
 
     def _record_outputs(self, call: CheckedCall, compiled_out) -> Tuple[list, list]:
         """Both sides' outputs recorded, then the inputs the call wrote and does not return
-        (CheckedCall.record_written_results); returns what the compiled call and the eager re-run left
-        in their arguments (CheckedCall.left_in_arguments)."""
+        (CheckedCall.record_written_results); returns what the compiled call and the eager
+        re-run left in their arguments (CheckedCall.left_in_arguments)."""
         step, name = call.step, call.name
         compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)

@@ -338,7 +338,7 @@ class WholeModel:
                     for call in calls:
                         if not call.unchecked:
                             rng_before.restore()
-                            self._check(step, call, args, out)
+                            self._check(step, call, args, out, rng_before)
                 finally:
                     rng_after.restore()
             kept = out[:count]
@@ -346,9 +346,9 @@ class WholeModel:
 
         return run
 
-    def _check(self, step: Step, call: CallInGraph, args: tuple, out) -> None:
-        """Records one call's boundary, runs its eager graph on the same inputs and prepares its
-        eager backward."""
+    def _check(self, step: Step, call: CallInGraph, args: tuple, out, rng: RngState) -> None:
+        """Records one call's boundary, runs its eager graph on the same inputs, from ``rng``
+        (the RNG state the graph began with, restored), and prepares its eager backward."""
         target = call.target if call.root is None else self.finder.root_target(call, args)
         if target is None:  # the frame's graph, run for a module that is not wrapped
             return
@@ -376,8 +376,6 @@ class WholeModel:
             eager_inputs.append(copy)
         params = [args[i].detach().clone() if buffer else args[i]
                   for i, buffer in zip(call.params, call.buffers)]
-        devices = {t.device for t in eager_inputs + params if isinstance(t, torch.Tensor)}
-        rng = RngState(devices)  # as the compiled call began: the runner put it back
         try:
             with torch.set_grad_enabled(grad_mode):
                 eager_out = call.eager(*eager_inputs, *params)
@@ -386,7 +384,7 @@ class WholeModel:
                       f"eager re-run failed: {type(error).__name__}: {error}")
             return
         if draws_its_own_random(self.graphs.backend):
-            step.note_random_draws(target.name, rng.drawn_until(RngState(devices)))
+            step.note_random_draws(target.name, rng.drawn_until(RngState(rng.devices)))
         compiled_out = [value(source) for source in call.outputs]
         reference = self._reference(step, call, target, index, inputs, params, eager_out,
                                     compiled_out, grad_mode, rng)

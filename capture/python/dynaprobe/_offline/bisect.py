@@ -110,8 +110,8 @@ class StageResult:
 class BisectResult:
     """The stages of one call, in order. ``first_changed(forward)`` names the first stage whose
     numbers differ from eager at all, ``first_failing(forward)`` the first that fails the
-    report's verdict (``judged_by``; None: none); ``inductor`` is compiler_bisector's finding, when asked for.
-    ``bool(result)``: no stage fails."""
+    report's verdict (``judged_by``; None: none); ``inductor`` is compiler_bisector's finding,
+    when asked for. ``bool(result)``: no stage fails."""
 
     module: str
     call: int
