@@ -27,25 +27,32 @@ fed the eager model's activations and, for the backward, the eager gradient of
 ``max|compiled - eager| / max|eager|`` over block 1's output (fwd) and over its input and parameter
 gradients (bwd, the largest); blocks 0 and 2 stayed within the last column in every case.
 
-=========================== ============== ========= ======== ======== ======================
-case                        issue          truth     fwd rel  bwd rel  blocks 0, 2 (max rel)
-=========================== ============== ========= ======== ======== ======================
-index_add_alpha             pytorch#108963 forward   6.8e-01  0        9.1e-08
-index_put_accumulate_twice  pytorch#138908 forward   1.0e+00  0        8.6e-08
-diagonal_scatter_grad_zero  pytorch#182012 backward  0        1.0e+00  1.4e-07
-slice_scatter_grad_zero     pytorch#180771 backward  0        1.0e+00  1.2e-07
-max_pool_grad_misrouted     pytorch#185509 backward  0        1.0e+00  1.1e-07
-upsample_nearest_grad_index pytorch#100794 backward  0        9.9e-01  1.2e-07
-log1p_injected              inductor flag  forward   2.6e+00  3.9e+00  1.3e-07
-norm_reduction_precision    pytorch#142839 forward   7.5e-03  6.2e-03  4.8e-07
-neutral_doubling            control        none      0        8.4e-08  1.3e-07
-reductions_no_bug           control        none      1.1e-07  1.8e-07  1.4e-07
-=========================== ============== ========= ======== ======== ======================
+============================== ============== ========= ======== ======== ======================
+case                           issue          truth     fwd rel  bwd rel  blocks 0, 2 (max rel)
+============================== ============== ========= ======== ======== ======================
+index_add_alpha                pytorch#108963 forward   6.8e-01  0        9.1e-08
+index_put_accumulate_twice     pytorch#138908 forward   1.0e+00  0        8.6e-08
+diagonal_scatter_grad_zero     pytorch#182012 backward  0        1.0e+00  1.4e-07
+slice_scatter_grad_zero        pytorch#180771 backward  0        1.0e+00  1.2e-07
+max_pool_grad_misrouted        pytorch#185509 backward  0        1.0e+00  1.1e-07
+upsample_nearest_grad_index    pytorch#100794 backward  0        9.9e-01  1.2e-07
+log1p_injected                 inductor flag  forward   2.6e+00  3.9e+00  1.3e-07
+norm_reduction_precision       pytorch#142839 forward   7.5e-03  6.2e-03  4.8e-07
+shift_by_bit_width             pytorch#143555 forward   7.5e-01  1.6e+00  8.8e-08
+argmax_physical_index          pytorch#183082 forward   7.2e-01  1.0e+00  8.8e-08
+stale_scalar_after_graph_break pytorch#185382 forward   2.1e-01  2.3e-01  1.4e-07
+neutral_doubling               control        none      0        8.4e-08  1.3e-07
+reductions_no_bug              control        none      1.1e-07  1.8e-07  1.4e-07
+============================== ============== ========= ======== ======== ======================
+
+The stale-scalar case is measured on its second step (activations doubled, as an update changes
+them): its first compile is right, as the bug's first iterations were.
 
 The forward cases' bwd column is 0 where block 1's backward does not read the corrupted value
 (index_add / index_put: the gradients come from the incoming gradient and the block's inputs), and
 non-zero where it does (log1p: the gain's gradient is the wrong log1p; the norm: the saved mean and
-rstd). With each case's config removed, block 1 stays within 1.1e-06 of eager in every case
+rstd; the shift, the arg-max and the scalar feed the output the gradient flows back through).
+With each case's config removed, block 1 stays within 1.1e-06 of eager in every case
 (the InstanceNorm's 1.0e-06 is plain inductor, without any pass), so every difference above is the
 reintroduced bug's.
 
@@ -79,6 +86,7 @@ class Case:
     module: Optional[str]            # the block whose numbers change ("1"); None: negative control
     op: Optional[str]                # the aten op the bug corrupts, "aten.<name>.<overload>"
     direction: Optional[str]         # "forward" or "backward": where the difference first appears
+    steps: int = 1                   # checked training steps (SGD between them); the last counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,6 +255,62 @@ class LowPrecisionNormReduction(_Pass):
             node.update_arg(0, back)
 
 
+class MaskShiftCount(_Pass):
+    """pytorch#143555: inductor's C++ kernel computed ``a >> b`` with C's shift, whose result is
+    undefined for ``b`` at least the bit width; on x86 the count is taken modulo 64, so a shift
+    by 64 returned ``a`` where eager gives 0 (or -1 for a negative ``a``).
+
+    The pass feeds the shift its count modulo 64, as the x86 instruction did."""
+
+    bug = "shift_by_bit_width"
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in _calls(graph, aten.bitwise_right_shift.Tensor):
+            count = node.args[1]
+            node.update_arg(1, _insert(graph, count, aten.bitwise_and.Scalar, (count, 63)))
+
+
+class PhysicalArgmaxIndex(_Pass):
+    """pytorch#183082: inductor's CPU codegen returned the flat arg-max of a transposed tensor as
+    an offset in memory order, not in the tensor's logical (row-major) order.
+
+    For ``argmax(permute(base, (1, 0)))`` over the whole tensor the pass takes ``argmax(base)``:
+    the position of the same maximum in the memory order of the contiguous ``base``."""
+
+    bug = "argmax_physical_index"
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in _calls(graph, aten.argmax.default):
+            source = node.args[0]
+            whole = len(node.args) < 2 or node.args[1] is None
+            if whole and isinstance(source, fx.Node) and \
+                    source.target == aten.permute.default and list(source.args[1]) == [1, 0]:
+                node.update_arg(0, source.args[0])
+
+
+class StaleScalar(_Pass):
+    """pytorch#185382: after an ``.item()`` graph break, a scalar computed from it (Adam's bias
+    correction, in the report) reached inductor's kernel of ``addcdiv_``/``addcmul_`` with the
+    value of an earlier iteration; ``aot_eager`` was right.
+
+    Dynamo specialises the Python float: each new value recompiles the graph after the break,
+    with the value as a constant of ``addcmul``. The pass keeps the first value it compiled and
+    puts it into every later compile, so the graph recompiled on the next step carries a stale
+    scalar (first compiles in a process stay right, as the bug's first iterations did)."""
+
+    bug = "stale_scalar_after_graph_break"
+
+    def __init__(self) -> None:
+        self.first: Dict[tuple, float] = {}
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in _calls(graph, aten.addcmul.default):
+            value = node.kwargs.get("value")
+            if isinstance(value, float):
+                key = tuple(arg.meta["val"].shape for arg in node.args)
+                node.update_kwarg("value", self.first.setdefault(key, value))
+
+
 class NeutralDoubling(_Pass):
     """Negative control: ``x * 2`` rewritten ``x + x``, exact in floating point."""
 
@@ -273,6 +337,9 @@ ZERO_SLICE_SCATTER_GRAD = ZeroScatterBaseGrad(aten.slice_scatter.default,
 MISROUTE_MAX_POOL_GRAD = MisrouteMaxPoolGrad()
 SHIFT_UPSAMPLE_GRAD_INDEX = ShiftUpsampleGradIndex()
 LOW_PRECISION_NORM_REDUCTION = LowPrecisionNormReduction()
+MASK_SHIFT_COUNT = MaskShiftCount()
+PHYSICAL_ARGMAX_INDEX = PhysicalArgmaxIndex()
+STALE_SCALAR = StaleScalar()
 NEUTRAL_DOUBLING = NeutralDoubling()
 
 
@@ -354,6 +421,48 @@ class ShiftedInstanceNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x + 8.0)
+
+
+class FixedPointBlock(nn.Module):
+    """A fixed-point detail branch: ``x`` in 1/4096 steps, shifted right by a per-feature count
+    (64 drops a feature's branch, as shifting every bit out does in eager), added back with a
+    learned gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(WIDTH))
+        self.register_buffer("shifts", torch.tensor([0, 2, 64, 5] * (WIDTH // 4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fixed = (x * 4096).round().to(torch.int64)
+        coarse = torch.bitwise_right_shift(fixed, self.shifts).to(x.dtype) / 4096
+        return x + coarse * self.gain
+
+
+class ArgmaxPickBlock(nn.Module):
+    """Hard attention to one entry: the largest score of the transposed score matrix
+    ``(x W)^T``, found by a flat arg-max, scales the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, 8) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (x @ self.weight).t()
+        return x * scores.flatten()[scores.argmax()]
+
+
+class ItemScaledBlock(nn.Module):
+    """A step normalised by the input's largest magnitude, read with ``.item()`` (a graph break),
+    as an optimizer's bias correction is: ``x - 0.5 / max|x| * x * tanh(g x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax().item()
+        return x.addcmul(x, torch.tanh(x * self.gain), value=-0.5 / scale)
 
 
 class DoublingBlock(nn.Module):
@@ -519,6 +628,42 @@ CASES = [
         module="1",
         op="aten.var_mean.correction",
         direction="forward",
+    ),
+    Case(
+        name="shift_by_bit_width",
+        issue="pytorch#143555",
+        what="a right shift by 64 or more returns its input (the count taken modulo 64)",
+        build=_vector_model(FixedPointBlock),
+        inputs=_vector_inputs,
+        config=_post_pass(MASK_SHIFT_COUNT),
+        module="1",
+        op="aten.bitwise_right_shift.Tensor",
+        direction="forward",
+    ),
+    Case(
+        name="argmax_physical_index",
+        issue="pytorch#183082",
+        what="the flat arg-max of a transposed tensor is an offset in memory order",
+        build=_vector_model(ArgmaxPickBlock),
+        inputs=_vector_inputs,
+        config=_post_pass(PHYSICAL_ARGMAX_INDEX),
+        module="1",
+        op="aten.argmax.default",
+        direction="forward",
+    ),
+    Case(
+        name="stale_scalar_after_graph_break",
+        issue="pytorch#185382",
+        what="after an .item() graph break, addcmul's scalar keeps an earlier step's value",
+        build=_vector_model(ItemScaledBlock),
+        inputs=_vector_inputs,
+        # inductor's caches off: the pass must see every compile (a cached stale graph keyed on
+        # the right value would otherwise come back in a later process, and a right one too)
+        config={**_post_pass(STALE_SCALAR), "fx_graph_cache": False},
+        module="1",
+        op="aten.addcmul.default",
+        direction="forward",
+        steps=2,   # the first step compiles right; the step after an update recompiles, stale
     ),
     Case(
         name="neutral_doubling",

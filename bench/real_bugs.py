@@ -83,6 +83,11 @@ def run_case(case: Case, dump_dir: str) -> Outcome:
     checker = PrecisionChecker(backend="inductor", dump_dir=dump_dir)
     checker.wrap_all_children(model, depth=0)
     with torch._inductor.config.patch(case.config):
+        for _ in range(case.steps - 1):  # earlier steps, each followed by an SGD update
+            checker.compare(step, model)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter -= 0.1 * parameter.grad
         result = checker.compare(step, model)
         outcome = Outcome(case.name, not result.all_pass)
         try:
@@ -106,7 +111,8 @@ def _diagnose(checker, result, case: Case, outcome: Outcome, step, model) -> Non
     outcome.stage = bisected.first_failing(forward)
     if bisected.ops is not None:
         graph = "forward" if forward else "backward"
-        found = [f for f in bisected.ops.findings if f.graph == graph] or bisected.ops.findings
+        found = [f for f in bisected.ops.findings if f.graph.startswith(graph)] or \
+            bisected.ops.findings
         outcome.op = found[0].op if found else None
     remedies = checker.remedy(outcome.module, repeats=1)
     chosen = next((m for m in remedies.modules if m.remedy is not None), None)

@@ -195,23 +195,28 @@ std::vector<std::string> recorded_imports(const std::string& replay) {
   return modules;
 }
 
-// The command that finds the compile stage (and, with --ops, the op) where `module`'s numbers
-// change: dynaprobe bisect on this dump, importing the modules that define its backend and
-// inductor passes, when it keeps the module's call for replay, else what to keep first.
-std::string bisect_hint(const StepReport& report, const std::string& module) {
-  std::string command = "dynaprobe bisect " +
-                        (report.dump.empty() ? std::string("DUMP") : shell_word(report.dump)) +
-                        " --module " + shell_word(module) + " --ops";
-  if (const std::string* replay = module_attribute(report, module, module_attributes::kReplay)) {
+// The commands that find the compile stage and op where `module`'s numbers change (dynaprobe
+// bisect --ops) and the smallest change that makes it pass (dynaprobe remedy), on this dump,
+// importing the modules that define its backend and inductor passes, when it keeps the
+// module's call for replay, else what to keep first.
+std::string diagnose_and_fix_hint(const StepReport& report, const std::string& module) {
+  const std::string dump = " " +
+                           (report.dump.empty() ? std::string("DUMP") : shell_word(report.dump)) +
+                           " --module " + shell_word(module);
+  std::string imports;
+  const std::string* replay = module_attribute(report, module, module_attributes::kReplay);
+  if (replay) {
     for (const std::string& name : recorded_imports(*replay)) {
-      command += " --import " + shell_word(name);
+      imports += " --import " + shell_word(name);
     }
-    return "find the compile stage and op that change it: " + command;
   }
+  const std::string commands = "find the compile stage and op that change it: dynaprobe bisect" +
+                               dump + " --ops" + imports +
+                               "; then a change that fixes it: dynaprobe remedy" + dump + imports;
+  if (replay) return commands;
   return "keep its call for replay (single-pass with dump=\"full\" or \"failing\", whose "
-         "replay=\"failing\" is the default) and find the compile stage and op that change "
-         "it: " +
-         command;
+         "replay=\"failing\" is the default) and " +
+         commands;
 }
 
 // What to do next: the first rule that applies, naming the docs/troubleshooting.md entry.
@@ -245,7 +250,7 @@ std::string next_step(const StepReport& report) {
     return row.module + " is beyond " + reference +
            "-reference noise (its compiled error is more than " +
            format_float(kReferenceFactor, "%g") + "x eager's own): a compiler divergence; " +
-           bisect_hint(report, row.module);
+           diagnose_and_fix_hint(report, row.module);
   }
   if (row.reference_verdict == "noise") {
     return row.module + " differs within " + reference +
@@ -272,7 +277,7 @@ std::string next_step(const StepReport& report) {
   return "if " + row.module +
          " draws random numbers (dropout), inductor draws its own: see "
          "troubleshooting, \"Random ops: dropout under inductor\"; else " +
-         bisect_hint(report, row.module);
+         diagnose_and_fix_hint(report, row.module);
 }
 
 // What to do after a step that FAILED by warnings alone: about its first row that WARNs (in

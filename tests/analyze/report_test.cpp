@@ -629,9 +629,10 @@ TEST(Report, HtmlIsSelfContainedAndDumpTextCannotCloseItsScript) {
                       "PASS\",\n  \"failed\": \"FAILED\"\n}}");
 }
 
-// A divergence's next line is the command that finds its stage and op, with the dump as a POSIX
-// shell reads it; without the call kept for replay it says to keep it first.
-TEST(RootCause, NextLineIsTheBisectCommandOnThisDump) {
+// A divergence's next line is the commands that find its stage and op, and a change that fixes
+// it, with the dump as a POSIX shell reads it; without the call kept for replay it says to keep
+// it first.
+TEST(RootCause, NextLineIsTheBisectAndRemedyCommandsOnThisDump) {
   StepReport report;
   report.single_pass = true;
   report.dump = "/tmp/my run's/dump";
@@ -645,27 +646,30 @@ TEST(RootCause, NextLineIsTheBisectCommandOnThisDump) {
   report.rows.push_back(row);
   report.modules["model.layers.0"]["replay"] = "{}";
   find_root_cause(report);
-  const std::string command =
-      "dynaprobe bisect '/tmp/my run'\\''s/dump' --module model.layers.0 --ops";
-  EXPECT_TRUE(report.root_cause.next.ends_with(
-      "a compiler divergence; find the compile stage and op that change it: " + command))
+  const std::string dump = "'/tmp/my run'\\''s/dump' --module model.layers.0";
+  const std::string commands = "find the compile stage and op that change it: dynaprobe bisect " +
+                               dump + " --ops; then a change that fixes it: dynaprobe remedy " +
+                               dump;
+  EXPECT_TRUE(report.root_cause.next.ends_with("a compiler divergence; " + commands))
       << report.root_cause.next;
-  // The modules that define its backend and inductor pass are imported; the capture script's
-  // own (__main__) cannot be.
+  // The modules that define its backend and inductor pass are imported, by both commands; the
+  // capture script's own (__main__) cannot be.
   report.modules["model.layers.0"]["replay"] =
       R"({"backend": {"name": "fault", "defined": "my_backends:fault"}, "inductor_config": )"
       R"({"post_grad_custom_post_pass": {"import": "my_passes:PASS"}, )"
       R"("joint_custom_pre_pass": {"import": "__main__:other"}}})";
   find_root_cause(report);
-  EXPECT_TRUE(
-      report.root_cause.next.ends_with(command + " --import my_backends --import my_passes"))
+  const std::string imports = " --import my_backends --import my_passes";
+  EXPECT_TRUE(report.root_cause.next.ends_with("dynaprobe bisect " + dump + " --ops" + imports +
+                                               "; then a change that fixes it: dynaprobe remedy " +
+                                               dump + imports))
       << report.root_cause.next;
   report.modules.clear();
   find_root_cause(report);
   EXPECT_TRUE(report.root_cause.next.ends_with(
       "keep its call for replay (single-pass with dump=\"full\" or \"failing\", whose "
-      "replay=\"failing\" is the default) and find the compile stage and op that change it: " +
-      command))
+      "replay=\"failing\" is the default) and " +
+      commands))
       << report.root_cause.next;
 }
 

@@ -173,6 +173,31 @@ def test_a_fault_in_the_backward_graph_only_is_found_there(tmp_path, kind):
     assert "nn.functional.gelu" in finding.source
 
 
+class BreakingMLP(nn.Module):
+    """An MLP normalised by its hidden layer's largest magnitude, read with ``.item()``: a graph
+    break, so each call runs two forward graphs and two backward ones."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        hidden = self.up(x)
+        scale = hidden.abs().amax().item()
+        return self.down(torch.tanh(hidden / scale))
+
+
+def test_a_module_with_a_graph_break_has_each_graph_named_and_the_fault_found_in_its_own(
+        tmp_path):
+    result = _localised(tmp_path, BreakingMLP(), aot_fault(torch.ops.aten.tanh.default))
+    names = [g.name for g in result.graphs]
+    assert sorted(names) == ["backward_1", "backward_2", "forward_1", "forward_2"], names
+    assert [(f.graph, f.op) for f in result.findings] == [
+        ("forward_2", "aten.tanh.default")], result.text()
+    assert "forward_2 graph:" in result.text() and "forward_1 graph:" in result.text()
+
+
 class ReluMLP(nn.Module):
     """up, relu, down, with one hidden unit at -2^-12 for every token: its relu is zero, a
     rounding away from the kink."""

@@ -230,10 +230,11 @@ def test_stock_stages_compile_under_stock_config_whatever_the_process_set(tmp_pa
 def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dynaprobe_cli):
     root, checker, result = user_dump
     next_line = result.root_cause["next"]
-    # It imports the module that registers the backend: the command runs as printed.
+    # It imports the module that registers the backend: the commands run as printed.
     command = f"dynaprobe bisect {checker.dump_dir} --module 0 --ops --import user_backends"
-    assert next_line.endswith(f"find the compile stage and op that change it: {command}"), \
-        next_line
+    remedy = f"dynaprobe remedy {checker.dump_dir} --module 0 --import user_backends"
+    assert next_line.endswith(f"find the compile stage and op that change it: {command}; "
+                              f"then a change that fixes it: {remedy}"), next_line
     args = shlex.split(command)[1:]
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": str(root)}
     run = subprocess.run([dynaprobe_cli, *args, "--stages", "eager,recorded"],

@@ -37,6 +37,16 @@ class AtenGraph:
     inputs: list
     compile: Callable[[fx.GraphModule, list], tuple]
     code: tuple = (None, {})  # the backend's own compilation of it: (callable, kernels)
+    name: str = ""  # the kind, numbered where a graph break gives the call several of it
+
+
+def name_graphs(graphs: List[AtenGraph]) -> None:
+    """Names each graph by its kind, numbered in compile order (``forward_1``, ``forward_2``)
+    where the call has more than one of that kind: a module with a graph break."""
+    for graph in graphs:
+        same = [g for g in graphs if g.kind == graph.kind]
+        graph.name = graph.kind if len(same) == 1 else \
+            f"{graph.kind}_{next(i for i, g in enumerate(same, 1) if g is graph)}"
 
 
 # ---------------------------------------------------------------------- watching the backend

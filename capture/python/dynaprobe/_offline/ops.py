@@ -46,6 +46,7 @@ from dynaprobe._offline.aten_graphs import (
     compiled_afresh,
     compiled_values,
     evaluate,
+    name_graphs,
     run_compiled,
 )
 from dynaprobe._offline.judging import judge, judging_recorder
@@ -75,6 +76,7 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
     with inductor_patch(config or {}), compiled_afresh():
         replay.run(watcher.backend(backend), "ops")
         graphs = [g for g in watcher.graphs if g.inputs]  # a graph compiled but not run: none
+        name_graphs(graphs)
         if not graphs:
             raise ReplayError(f"the replay of {call.module} call {call.call} ran no aten graph "
                               f"that {result.backend} compiled, so there are no ops to compare: "
@@ -89,7 +91,8 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
                 evaluated.append(evaluate(graph))
         rows = _judged(call, graphs, evaluated, folder, result.backend)
         for graph, (nodes, eager, reference, compiled, code) in zip(graphs, evaluated):
-            ops = GraphOps(graph.kind, [rows[f"{graph.kind}.{n.name}"] for n in nodes])
+            ops = GraphOps(graph.kind, graph.name,
+                           [rows[f"{graph.name}.{n.name}"] for n in nodes])
             if graph.kind == "forward":
                 with torch.no_grad():
                     result.split_decisions += _split_decisions(
@@ -131,7 +134,7 @@ def _fused_output(call: StoredCall, graph: AtenGraph, eager: dict,
     for (index, node, _), result in zip(judged, results):
         row = next(r for r in result.rows if r.check_type == KIND_FWD_OUTPUT)
         if row.status == vocabulary.STATUS_FAIL:
-            return FusedOutput(graph.kind, index, node.name, op_name(node), row,
+            return FusedOutput(graph.name, index, node.name, op_name(node), row,
                                _nearest_kernel(graph.code, node))
     return None
 
@@ -224,15 +227,15 @@ def _judged(call: StoredCall, graphs: List[AtenGraph], evaluated: list, folder: 
     recorder.begin_step(call.step)
     for graph, (nodes, eager, reference, compiled, _) in zip(graphs, evaluated):
         for node, value in zip(nodes, compiled):
-            module = f"{graph.kind}.{node.name}"
+            module = f"{graph.name}.{node.name}"
             recorder.record_module(module, {
                 vocabulary.ATTRIBUTE_OP: op_name(node),
-                vocabulary.ATTRIBUTE_GRAPH: graph.kind,
+                vocabulary.ATTRIBUTE_GRAPH: graph.name,
                 vocabulary.ATTRIBUTE_SOURCE: _source(node.meta.get("stack_trace") or "")})
             for side, tensor in ((SIDE_EAGER, eager[node.name]), (SIDE_COMPILED, value),
                                  (SIDE_REFERENCE, reference[node.name])):
                 recorder.record(module, 0, KIND_FWD_OUTPUT, 0, side, tensor)
-        recorder.record_graph(f"{graph.kind}_graph", graph.kind,
+        recorder.record_graph(f"{graph.name}_graph", graph.kind,
                               graph.gm.print_readable(print_output=False))
     recorder.end_step()
     comparison = _C.compare(folder, folder)
@@ -270,7 +273,7 @@ def _finding(call: StoredCall, graph: AtenGraph, node: fx.Node, rows: list,
                     f"after it and only it exposed it passes (max_abs={single.max_abs:.3e})")
         kernel = _kernel(graph.code, node.name) or _kernel(code, node.name)
     trace = node.meta.get("stack_trace") or ""
-    finding = OpFinding(graph.kind, node.name, op_name(node), _source(trace), row, matched,
+    finding = OpFinding(graph.name, node.name, op_name(node), _source(trace), row, matched,
                         inputs_max, fidelity, kernel)
     finding.repro = _op_repro(call, graph, node, eager, finding)
     return finding
@@ -287,7 +290,7 @@ def _op_repro(call: StoredCall, graph: AtenGraph, node: fx.Node, values: dict,
     inputs = {inp: small.placeholder(inp.name) for inp in node.all_input_nodes}
     small.output((small.node_copy(node, lambda n: inputs[n]),))
     gm = fx.GraphModule(torch.nn.Module(), small)
-    function = f"{graph.kind}_{node.name}"
+    function = f"{graph.name}_{node.name}"
     args = [values[inp.name] for inp in inputs]
     call_of_op = GraphCall(function, args, [inp.name for inp in inputs], [], [node.name],
                            rng=torch.get_rng_state())
@@ -300,7 +303,7 @@ def _op_repro(call: StoredCall, graph: AtenGraph, node: fx.Node, values: dict,
     return write_graph_folder(call, folder, {function: gm}, [call_of_op], False,
                               str(args[0].device) if args and isinstance(args[0], torch.Tensor)
                               else "cpu", recorded,
-                              f"the op {node.name} ({node.target}) of its {graph.kind} graph, "
+                              f"the op {node.name} ({node.target}) of its {graph.name} graph, "
                               "alone, on the values it took")
 
 

@@ -26,7 +26,7 @@ class Kernel:
 class OpFinding:
     """The first node of an aten graph whose compiled value fails against eager."""
 
-    graph: str  # forward, backward, inference
+    graph: str  # its name: forward, backward or inference; numbered after a graph break
     node: str
     op: str
     source: str  # file:line and code, from the stack trace Dynamo recorded
@@ -79,6 +79,7 @@ class GraphOps:
     fails, the first of its outputs that fails at the backend's own fusion."""
 
     kind: str
+    name: str  # the kind, numbered where a graph break gives the call several of it
     rows: list
     finding: Optional[OpFinding] = None
     fused_output: Optional[FusedOutput] = None
@@ -114,7 +115,7 @@ class OpsResult:
             failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
             kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module.split(".", 1)[1] in
                          rounding for r in graph.rows) if graph.kind == "forward" else 0
-            lines.append(f"  {graph.kind} graph: {len(graph.rows)} ops, {failing - kinked} fail"
+            lines.append(f"  {graph.name} graph: {len(graph.rows)} ops, {failing - kinked} fail"
                          + (f", {kinked} decided otherwise within rounding" if kinked else ""))
         for finding in self.findings:
             row = finding.row
