@@ -18,8 +18,14 @@ the unchecked compiled step and the inherent step (scale_bench.py's "inherent": 
 eager forward and backward of every block call), unprofiled, medians of --steps, so that the
 profile's totals can be read against them (cProfile slows Python-heavy code more than C++).
 
+The unprofiled checked steps are also timed by phase: the training (forward and backward) and
+``collect()``, each with the CPU time of the recorder's background threads (``dynaprobe-rec``,
+which judge and write) in it. ``--without-param-grads`` adds, per storage mode, a checker that
+records no parameter gradient (``record_shared_param_grads`` made a no-op): a diagnostic of what
+those pairs cost, not a mode a user has.
+
     .venv/bin/python bench/profile_step.py [--size 4x256] [--dumps full,stats] [--steps 3]
-        [--warmup 2] [--dtype float32] [--top 25]
+        [--warmup 2] [--dtype float32] [--top 25] [--without-param-grads]
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale_bench import Compiled, Dynaprobe, Inherent, InherentWithReference, gpt2  # noqa: E402
+
+import dynaprobe._modes.single_pass as single_pass  # noqa: E402
 
 PACKAGE = os.sep + "dynaprobe" + os.sep
 
@@ -82,6 +90,58 @@ def timed_steps(config, ids, steps: int) -> float:
     return statistics.median(times)
 
 
+def recorder_cpu_seconds() -> float:
+    """CPU time so far of this process's threads named dynaprobe-rec (the recorder's background
+    thread and the TBB workers it started, which inherit the name)."""
+    total = 0
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{thread}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("dynaprobe-rec"):
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class WithoutParamGrads(Dynaprobe):
+    """A checker whose steps record no parameter gradient (the diagnostic of the docstring)."""
+
+    def setup(self):
+        super().setup()
+        collect = self.checker.collect
+
+        def collect_without_param_grads(*args, **kwargs):
+            recorded = single_pass.record_shared_param_grads
+            single_pass.record_shared_param_grads = lambda step, targets: None
+            try:
+                return collect(*args, **kwargs)
+            finally:
+                single_pass.record_shared_param_grads = recorded
+
+        self.checker.collect = collect_without_param_grads
+
+
+def phases(config, ids, steps: int) -> dict:
+    """Medians over ``steps`` checked steps: seconds of the training (forward and backward) and
+    of collect(), and the recorder's CPU seconds in each."""
+    rows = []
+    for _ in range(steps):
+        config.model.zero_grad(set_to_none=True)
+        cpu, start = recorder_cpu_seconds(), time.perf_counter()
+        loss = config.model(ids, labels=ids).loss
+        loss.backward()
+        trained_cpu, trained = recorder_cpu_seconds(), time.perf_counter()
+        config.checker.collect(loss)
+        rows.append((trained - start, trained_cpu - cpu, time.perf_counter() - trained,
+                     recorder_cpu_seconds() - trained_cpu))
+        config.settle()
+    names = ("train", "train recorder CPU", "collect", "collect recorder CPU")
+    return {name: statistics.median(row[i] for row in rows) for i, name in enumerate(names)}
+
+
 def report(name: str, stats: pstats.Stats, steps: int, top: int) -> None:
     groups = defaultdict(float)
     own = []
@@ -113,6 +173,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--without-param-grads", action="store_true",
+                        help="also time each storage mode recording no parameter gradient")
     args = parser.parse_args()
     layers, hidden = (int(n) for n in args.size.split("x"))
     batch, sequence = (int(n) for n in args.tokens.split("x"))
@@ -132,21 +194,33 @@ def main() -> int:
             for _ in range(args.warmup):
                 config.step(ids)
             unprofiled[name] = timed_steps(config, ids, args.steps)
+        by_phase = {}
+        kinds = [("checked", Dynaprobe)] + (
+            [("no param grads", WithoutParamGrads)] if args.without_param_grads else [])
         for dump in args.dumps.split(","):
-            config = Dynaprobe(dump, gpt2(layers, hidden).to(dtype),
-                               os.path.join(scratch, dump), dump)
-            config.setup()
-            for _ in range(args.warmup):
-                config.step(ids)
-                config.settle()
-            unprofiled[f"checked {dump}"] = timed_steps(config, ids, args.steps)
-            report(f"checked, dump={dump!r}", profile_steps(config, ids, args.steps),
-                   args.steps, args.top)
+            for label, kind in kinds:
+                name = f"{label} {dump}"
+                config = kind(name, gpt2(layers, hidden).to(dtype),
+                              os.path.join(scratch, name.replace(" ", "-")), dump)
+                config.setup()
+                for _ in range(args.warmup):
+                    config.step(ids)
+                    config.settle()
+                unprofiled[name] = timed_steps(config, ids, args.steps)
+                by_phase[name] = phases(config, ids, args.steps)
+                if kind is Dynaprobe:
+                    report(f"checked, dump={dump!r}", profile_steps(config, ids, args.steps),
+                           args.steps, args.top)
         print("\nunprofiled, median s/step:")
         for name, seconds in unprofiled.items():
             ratios = [f"{seconds / unprofiled[base]:.2f}x {base}"
                       for base in ("inherent", "inherent+ref") if base in unprofiled]
-            print(f"  {name:16} {seconds:.3f}  ({', '.join(ratios)})")
+            print(f"  {name:22} {seconds:.3f}  ({', '.join(ratios)})")
+        print("\nby phase, unprofiled, medians in seconds (the recorder's CPU: both its threads):")
+        print(f"  {'':22} {'train':>7} {'rec CPU':>8} {'collect':>8} {'rec CPU':>8}")
+        for name, measured in by_phase.items():
+            print(f"  {name:22} " + " ".join(f"{value:{width}.3f}" for value, width in
+                                             zip(measured.values(), (7, 8, 8, 8))))
     return 0
 
 
