@@ -231,12 +231,14 @@ std::string next_step(const StepReport& report) {
            ": a real divergence (overflow in a fused kernel, a wrong decomposition); narrow it "
            "down with finer wrapping (troubleshooting: \"Narrowing down: wrap finer\")";
   }
+  // A module compiled in several graphs (graph breaks) is compared like any other, and its
+  // graphs are bisected and remedied each (troubleshooting: a break changes no number by itself),
+  // so only a module Dynamo did not compile at all has a next line of its own.
   const std::string* note = module_attribute(report, row.module, module_attributes::kNote);
-  const std::string* breaks = module_attribute(report, row.module, module_attributes::kGraphBreaks);
-  if ((note && *note == notes::kNotCompiled) || (breaks && *breaks != "0" && !breaks->empty())) {
+  if (note && *note == notes::kNotCompiled) {
     return row.module +
-           " was not compiled as one graph: see troubleshooting, \"Graph breaks "
-           "and NOT_COMPILED\"";
+           " was not compiled in this step (its compiled side ran eagerly): see "
+           "troubleshooting, \"Graph breaks and NOT_COMPILED\"";
   }
   if (const std::string* drawn =
           module_attribute(report, row.module, module_attributes::kRandomDraws)) {

@@ -632,19 +632,26 @@ TEST(Report, HtmlIsSelfContainedAndDumpTextCannotCloseItsScript) {
 // A divergence's next line is the commands that find its stage and op, and a change that fixes
 // it, with the dump as a POSIX shell reads it; without the call kept for replay it says to keep
 // it first.
-TEST(RootCause, NextLineIsTheBisectAndRemedyCommandsOnThisDump) {
+// A single-pass step of `dump` whose one row, of `module`, FAILs beyond the reference's noise;
+// the module keeps its call for replay.
+StepReport divergence_report(const std::string& dump, const std::string& module) {
   StepReport report;
   report.single_pass = true;
-  report.dump = "/tmp/my run's/dump";
+  report.dump = dump;
   Row row;
-  row.module = "model.layers.0";
+  row.module = module;
   row.kind = Kind::kFwdOutput;
   row.status = Status::kFail;
   row.metrics = TensorMetrics{};
   row.metrics->max_abs = 0.5;
   row.reference_verdict = "divergence";
   report.rows.push_back(row);
-  report.modules["model.layers.0"]["replay"] = "{}";
+  report.modules[module]["replay"] = "{}";
+  return report;
+}
+
+TEST(RootCause, NextLineIsTheBisectAndRemedyCommandsOnThisDump) {
+  StepReport report = divergence_report("/tmp/my run's/dump", "model.layers.0");
   find_root_cause(report);
   const std::string dump = "'/tmp/my run'\\''s/dump' --module model.layers.0";
   const std::string commands = "find the compile stage and op that change it: dynaprobe bisect " +
@@ -671,6 +678,22 @@ TEST(RootCause, NextLineIsTheBisectAndRemedyCommandsOnThisDump) {
       "replay=\"failing\" is the default) and " +
       commands))
       << report.root_cause.next;
+}
+
+// A module compiled in several graphs gets the divergence's commands (bisect and remedy replay
+// each of its graphs); one Dynamo did not compile at all is sent to troubleshooting.
+TEST(RootCause, GraphBreaksDoNotHideTheDivergenceCommands) {
+  StepReport report = divergence_report("dump", "block");
+  report.modules["block"]["graph_breaks"] = "1";
+  find_root_cause(report);
+  EXPECT_TRUE(report.root_cause.next.ends_with(
+      "then a change that fixes it: dynaprobe remedy dump --module block"))
+      << report.root_cause.next;
+  report.modules["block"]["note"] = "NOT_COMPILED";
+  find_root_cause(report);
+  EXPECT_EQ(report.root_cause.next,
+            "block was not compiled in this step (its compiled side ran eagerly): see "
+            "troubleshooting, \"Graph breaks and NOT_COMPILED\"");
 }
 
 }  // namespace
