@@ -35,14 +35,45 @@ struct DecodeBuffers {
   std::vector<float> driver_f32, follower_f32;
 };
 
-// The unit's elements of `stream` as float32 values (a complex element as two: real, imaginary):
-// a pointer into `bytes` when they already are.
+// `count` elements as float32 values (a complex element as two: real, imaginary): a pointer into
+// `bytes` when they already are.
 const float* as_float32(formats::DType dtype, const std::byte* bytes, std::uint64_t count,
                         std::vector<float>& buffer) {
   if (dtype == formats::DType::kFloat32) return reinterpret_cast<const float*>(bytes);
   buffer.resize(count * formats::value_count(dtype));
   formats::convert_to_float32(dtype, bytes, count, buffer.data());
   return buffer.data();
+}
+
+// Values per sub-block of a unit: 64 KiB of float32 a side, and two whole blocks of the
+// histogram's counting (32 x 255 values, metrics.cpp), so that no sub-block leaves it a short one.
+constexpr std::uint64_t kSubBlockValues = 2 * 32 * 255;
+
+// The metrics of a unit's `count` elements, starting at element `first_element`, each side in its
+// own dtype. They are converted to float32 and compared a sub-block at a time, so that the
+// comparison's passes over the values (the metrics, the worst element, the histogram) find them
+// in the core's cache: a unit whole is 2 MiB and more of float32 a side, read from memory by
+// every pass. The sub-blocks merge in element order, so the dump's reader and the recorder in
+// memory, which both compare units here, get the same bits.
+MetricsAccumulator compare_values(formats::DType eager_dtype, const std::byte* eager,
+                                  formats::DType compiled_dtype, const std::byte* compiled,
+                                  std::uint64_t count, std::uint64_t first_element,
+                                  const Tolerances& tolerances, std::vector<float>& eager_f32,
+                                  std::vector<float>& compiled_f32) {
+  // Complex tensors are compared as their real and imaginary parts (comparison.h:
+  // shape_mismatch pairs complex with complex only).
+  const std::uint64_t values = formats::value_count(eager_dtype);
+  const std::uint64_t step = std::max<std::uint64_t>(1, kSubBlockValues / values);
+  const std::size_t eager_size = formats::dtype_size(eager_dtype);
+  const std::size_t compiled_size = formats::dtype_size(compiled_dtype);
+  MetricsAccumulator metrics;
+  for (std::uint64_t start = 0; start < count; start += step) {
+    const std::uint64_t n = std::min(step, count - start);
+    const float* a = as_float32(eager_dtype, eager + start * eager_size, n, eager_f32);
+    const float* b = as_float32(compiled_dtype, compiled + start * compiled_size, n, compiled_f32);
+    metrics.accumulate(a, b, n * values, (first_element + start) * values, tolerances);
+  }
+  return metrics;
 }
 
 // How the chunks of two streams pair up. The stream with fewer (larger) chunks drives; each of its
@@ -96,8 +127,6 @@ class PairPlan {
     const ChunkExtent extent = driver_.extent(unit.driver_chunk);
     const std::byte* driver_bytes =
         driver_.decode(unit.driver_chunk, driver_raw, buffers.driver_out, buffers.scratch);
-    const float* driver_values =
-        as_float32(driver_.dtype(), driver_bytes, extent.element_count, buffers.driver_f32);
     // Gather the follower's elements of this unit (usually one whole chunk: no copy).
     const std::byte* follower_bytes = nullptr;
     for (std::size_t i = 0; i < unit.follower_count; ++i) {
@@ -118,17 +147,12 @@ class PairPlan {
                   source, (end - begin) * follower_size_);
       follower_bytes = buffers.follower_bytes.data();
     }
-    const float* follower_values =
-        as_float32(follower_.dtype(), follower_bytes, extent.element_count, buffers.follower_f32);
-    MetricsAccumulator metrics;
-    const float* eager_values = eager_drives_ ? driver_values : follower_values;
-    const float* compiled_values = eager_drives_ ? follower_values : driver_values;
-    // Complex tensors are compared as their real and imaginary parts (comparison.h: shape_mismatch
-    // pairs complex with complex only).
-    const std::uint64_t values = formats::value_count(driver_.dtype());
-    metrics.accumulate(eager_values, compiled_values, extent.element_count * values,
-                       extent.first_element * values, tolerances);
-    return metrics;
+    const TensorStream& eager = eager_drives_ ? driver_ : follower_;
+    const TensorStream& compiled = eager_drives_ ? follower_ : driver_;
+    return compare_values(eager.dtype(), eager_drives_ ? driver_bytes : follower_bytes,
+                          compiled.dtype(), eager_drives_ ? follower_bytes : driver_bytes,
+                          extent.element_count, extent.first_element, tolerances,
+                          buffers.driver_f32, buffers.follower_f32);
   }
 
  private:
@@ -320,16 +344,12 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
   const auto* compiled_bytes = static_cast<const std::byte*>(compiled.data);
   const std::size_t eager_size = formats::dtype_size(eager.dtype);
   const std::size_t compiled_size = formats::dtype_size(compiled.dtype);
-  const std::uint64_t values = formats::value_count(eager.dtype);
   const auto unit_metrics = [&](const ChunkExtent& unit, std::vector<float>& eager_f32,
                                 std::vector<float>& compiled_f32) {
-    const float* a = as_float32(eager.dtype, eager_bytes + unit.first_element * eager_size,
-                                unit.element_count, eager_f32);
-    const float* b = as_float32(compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
-                                unit.element_count, compiled_f32);
-    MetricsAccumulator part;
-    part.accumulate(a, b, unit.element_count * values, unit.first_element * values, tolerances);
-    return part;
+    return compare_values(eager.dtype, eager_bytes + unit.first_element * eager_size,
+                          compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
+                          unit.element_count, unit.first_element, tolerances, eager_f32,
+                          compiled_f32);
   };
   // The units on every thread of the caller's arena, merged in element order: the same bits as
   // one after the other.
