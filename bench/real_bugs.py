@@ -110,8 +110,8 @@ def _diagnose(checker, result, case: Case, outcome: Outcome, step, model) -> Non
     bisected = checker.bisect(outcome.module, ops=True)
     outcome.stage = bisected.first_failing(forward)
     if bisected.ops is not None:
-        graph = "forward" if forward else "backward"
-        found = [f for f in bisected.ops.findings if f.graph.startswith(graph)] or \
+        kind = "forward" if forward else "backward"
+        found = [g.finding for g in bisected.ops.graphs if g.kind == kind and g.finding] or \
             bisected.ops.findings
         outcome.op = found[0].op if found else None
     remedies = checker.remedy(outcome.module, repeats=1)

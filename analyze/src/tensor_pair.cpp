@@ -31,8 +31,8 @@ struct Unit {
 // Decoding buffers, reused from unit to unit.
 struct DecodeBuffers {
   std::vector<std::byte> driver_out, follower_out, scratch;
-  std::vector<std::byte> follower_bytes;  // the follower's elements of a unit spanning chunks
-  std::vector<float> driver_f32, follower_f32;
+  std::vector<std::byte> follower_bytes;       // the follower's elements of a unit spanning chunks
+  std::vector<float> eager_f32, compiled_f32;  // a sub-block of each side as float32
 };
 
 // `count` elements as float32 values (a complex element as two: real, imaginary): a pointer into
@@ -151,8 +151,8 @@ class PairPlan {
     const TensorStream& compiled = eager_drives_ ? follower_ : driver_;
     return compare_values(eager.dtype(), eager_drives_ ? driver_bytes : follower_bytes,
                           compiled.dtype(), eager_drives_ ? follower_bytes : driver_bytes,
-                          extent.element_count, extent.first_element, tolerances,
-                          buffers.driver_f32, buffers.follower_f32);
+                          extent.element_count, extent.first_element, tolerances, buffers.eager_f32,
+                          buffers.compiled_f32);
   }
 
  private:

@@ -188,9 +188,12 @@ class BreakingMLP(nn.Module):
         return self.down(torch.tanh(hidden / scale))
 
 
+@pytest.mark.parametrize("kind", ["aot", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_module_with_a_graph_break_has_each_graph_named_and_the_fault_found_in_its_own(
-        tmp_path):
-    result = _localised(tmp_path, BreakingMLP(), aot_fault(torch.ops.aten.tanh.default))
+        tmp_path, kind):
+    tanh = torch.ops.aten.tanh.default
+    backend = aot_fault(tanh) if kind == "aot" else inductor_fault(tanh)
+    result = _localised(tmp_path, BreakingMLP(), backend)
     names = [g.name for g in result.graphs]
     assert sorted(names) == ["backward_1", "backward_2", "forward_1", "forward_2"], names
     assert [(f.graph, f.op) for f in result.findings] == [

@@ -235,12 +235,16 @@ def test_the_next_line_of_a_failing_report_is_a_command_that_runs(user_dump, dyn
     remedy = f"dynaprobe remedy {checker.dump_dir} --module 0 --import user_backends"
     assert next_line.endswith(f"find the compile stage and op that change it: {command}; "
                               f"then a change that fixes it: {remedy}"), next_line
-    args = shlex.split(command)[1:]
     env = {**os.environ, "DYNAPROBE_PYTHON": sys.executable, "PYTHONPATH": str(root)}
-    run = subprocess.run([dynaprobe_cli, *args, "--stages", "eager,recorded"],
+    run = subprocess.run([dynaprobe_cli, *shlex.split(command)[1:], "--stages", "eager,recorded"],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "first fails against the float64 reference at: recorded" in run.stdout
+    # The remedy command, as printed (timed once, not 5 times): a change passes, exit 0.
+    run = subprocess.run([dynaprobe_cli, *shlex.split(remedy)[1:], "--repeats", "1"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert 'backend="inductor"' in run.stdout, run.stdout
 
 
 def test_remedy_of_a_registered_backend_replaces_it(user_dump):

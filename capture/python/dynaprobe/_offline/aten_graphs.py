@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
@@ -43,10 +44,11 @@ class AtenGraph:
 def name_graphs(graphs: List[AtenGraph]) -> None:
     """Names each graph by its kind, numbered in compile order (``forward_1``, ``forward_2``)
     where the call has more than one of that kind: a module with a graph break."""
+    of_kind = Counter(graph.kind for graph in graphs)
+    seen: Counter = Counter()
     for graph in graphs:
-        same = [g for g in graphs if g.kind == graph.kind]
-        graph.name = graph.kind if len(same) == 1 else \
-            f"{graph.kind}_{next(i for i, g in enumerate(same, 1) if g is graph)}"
+        seen[graph.kind] += 1
+        graph.name = graph.kind if of_kind[graph.kind] == 1 else f"{graph.kind}_{seen[graph.kind]}"
 
 
 # ---------------------------------------------------------------------- watching the backend

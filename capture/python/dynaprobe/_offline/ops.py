@@ -98,9 +98,9 @@ def localise(call: StoredCall, backend, config: Optional[dict] = None, label: st
                     result.split_decisions += _split_decisions(
                         graph, nodes, ops.rows, eager, dict(zip((n.name for n in nodes),
                                                                 compiled)), reference)
-            rounding = result.split_by_rounding if graph.kind == "forward" else set()
-            first = next((i for i, (n, r) in enumerate(zip(nodes, ops.rows))
-                          if r.status == vocabulary.STATUS_FAIL and n.name not in rounding),
+            rounding = result.split_by_rounding
+            first = next((i for i, r in enumerate(ops.rows)
+                          if r.status == vocabulary.STATUS_FAIL and r.module not in rounding),
                          None)
             with torch.no_grad():
                 if first is not None:
@@ -184,7 +184,7 @@ def _split_decisions(graph: AtenGraph, nodes: List[fx.Node], rows: list, eager: 
         within = bool(((moved > 0) & (moved <= 4 * noise)).all())
         index = tuple(int(i) for i in split.nonzero()[0])
         decisions.append(SplitDecision(
-            node.name, op_name(node), int(split.sum()), index,
+            graph.name, node.name, op_name(node), int(split.sum()), index,
             "its input " + decided_on if decided_on != node.name else "its value",
             *(float(v[index]) for v in values), noise, within))
     return decisions

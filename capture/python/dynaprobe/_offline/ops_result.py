@@ -47,6 +47,7 @@ class SplitDecision:
     op's rounding noise: rounding that fell on the two sides of a kink, not a divergence, though
     every gradient through those elements differs by a whole term."""
 
+    graph: str  # the forward graph's name (GraphOps.name)
     node: str
     op: str
     elements: int  # how many were decided differently
@@ -100,8 +101,10 @@ class OpsResult:
 
     @property
     def split_by_rounding(self) -> set:
-        """The forward nodes whose split decisions are rounding at a kink: not findings."""
-        return {d.node for d in self.split_decisions if d.within_noise}
+        """The forward nodes whose split decisions are rounding at a kink, not findings, by
+        their rows' name (``<graph>.<node>``: a graph break gives a call several forward
+        graphs, whose nodes may share names)."""
+        return {f"{d.graph}.{d.node}" for d in self.split_decisions if d.within_noise}
 
     @property
     def findings(self) -> List[OpFinding]:
@@ -113,8 +116,8 @@ class OpsResult:
         rounding = self.split_by_rounding
         for graph in self.graphs:
             failing = sum(r.status == vocabulary.STATUS_FAIL for r in graph.rows)
-            kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module.split(".", 1)[1] in
-                         rounding for r in graph.rows) if graph.kind == "forward" else 0
+            kinked = sum(r.status == vocabulary.STATUS_FAIL and r.module in rounding
+                         for r in graph.rows)
             lines.append(f"  {graph.name} graph: {len(graph.rows)} ops, {failing - kinked} fail"
                          + (f", {kinked} decided otherwise within rounding" if kinked else ""))
         for finding in self.findings:
@@ -180,7 +183,7 @@ def _split_text(decisions: List[SplitDecision]) -> List[str]:
     lines = ["", "  the backward takes values the two sides decided differently:"]
     for d in decisions:
         index = ", ".join(str(i) for i in d.index)
-        lines.append(f"    {d.node} ({d.op}): {d.elements} element(s), first [{index}]: "
+        lines.append(f"    {d.graph}.{d.node} ({d.op}): {d.elements} element(s), first [{index}]: "
                      f"{d.decided_on} eager={d.eager:.3e} compiled={d.compiled:.3e} "
                      f"fp64={d.reference:.3e} (its op's noise {d.noise:.1e})")
     if all(d.within_noise for d in decisions):
