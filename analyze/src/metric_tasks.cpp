@@ -97,6 +97,11 @@ const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
       "capture with dump=\"full\" to judge again with others");
 }
 
+// A row's pair gets every metric; a side against the reference what the noise rule reads.
+MetricSet metric_set(const Task& task) {
+  return task.target == Target::kRow ? MetricSet::kAll : MetricSet::kNoise;
+}
+
 // Sets a task's metrics on its row; those of a kRow task decide the row's status.
 void set_result(Task& task, const TensorMetrics& metrics) {
   Row& row = task.report->rows[task.row];
@@ -184,14 +189,15 @@ void compare_stored(const std::vector<Task*>& tasks, const CompareOptions& optio
         [&](std::size_t i) {
           const Task& task = *small[i];
           return PairStreams{task.eager_reader->open(*task.eager),
-                             task.compiled_reader->open(*task.compiled), task.tolerances};
+                             task.compiled_reader->open(*task.compiled), task.tolerances,
+                             metric_set(task)};
         },
         [&](std::size_t i, const TensorMetrics& metrics) { set_result(*small[i], metrics); }, done);
     tbb::parallel_for(std::size_t{0}, large.size(), [&](std::size_t i) {
       Task& task = *large[i];
       const formats::TensorStream eager = task.eager_reader->open(*task.eager);
       const formats::TensorStream compiled = task.compiled_reader->open(*task.compiled);
-      set_result(task, compare_tensors(eager, compiled, task.tolerances, done));
+      set_result(task, compare_tensors(eager, compiled, task.tolerances, metric_set(task), done));
     });
   });
 }

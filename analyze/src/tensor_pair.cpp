@@ -58,15 +58,15 @@ constexpr std::uint64_t kSubBlockValues = 2 * 32 * 255;
 MetricsAccumulator compare_values(formats::DType eager_dtype, const std::byte* eager,
                                   formats::DType compiled_dtype, const std::byte* compiled,
                                   std::uint64_t count, std::uint64_t first_element,
-                                  const Tolerances& tolerances, std::vector<float>& eager_f32,
-                                  std::vector<float>& compiled_f32) {
+                                  const Tolerances& tolerances, MetricSet set,
+                                  std::vector<float>& eager_f32, std::vector<float>& compiled_f32) {
   // Complex tensors are compared as their real and imaginary parts (comparison.h:
   // shape_mismatch pairs complex with complex only).
   const std::uint64_t values = formats::value_count(eager_dtype);
   const std::uint64_t step = std::max<std::uint64_t>(1, kSubBlockValues / values);
   const std::size_t eager_size = formats::dtype_size(eager_dtype);
   const std::size_t compiled_size = formats::dtype_size(compiled_dtype);
-  MetricsAccumulator metrics;
+  MetricsAccumulator metrics(set);
   for (std::uint64_t start = 0; start < count; start += step) {
     const std::uint64_t n = std::min(step, count - start);
     const float* a = as_float32(eager_dtype, eager + start * eager_size, n, eager_f32);
@@ -123,7 +123,8 @@ class PairPlan {
   // Decodes the unit's chunks (`follower_raw` holds its follower chunks, in order) and returns the
   // metrics of its elements. Needs no HDF5 lock.
   MetricsAccumulator compare(const Unit& unit, RawChunk& driver_raw, RawChunk* follower_raw,
-                             DecodeBuffers& buffers, const Tolerances& tolerances) const {
+                             DecodeBuffers& buffers, const Tolerances& tolerances,
+                             MetricSet set) const {
     const ChunkExtent extent = driver_.extent(unit.driver_chunk);
     const std::byte* driver_bytes =
         driver_.decode(unit.driver_chunk, driver_raw, buffers.driver_out, buffers.scratch);
@@ -151,8 +152,8 @@ class PairPlan {
     const TensorStream& compiled = eager_drives_ ? follower_ : driver_;
     return compare_values(eager.dtype(), eager_drives_ ? driver_bytes : follower_bytes,
                           compiled.dtype(), eager_drives_ ? follower_bytes : driver_bytes,
-                          extent.element_count, extent.first_element, tolerances, buffers.eager_f32,
-                          buffers.compiled_f32);
+                          extent.element_count, extent.first_element, tolerances, set,
+                          buffers.eager_f32, buffers.compiled_f32);
   }
 
  private:
@@ -202,7 +203,7 @@ class SlotQueue {
 }  // namespace
 
 TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& compiled,
-                              const Tolerances& tolerances,
+                              const Tolerances& tolerances, MetricSet set,
                               std::atomic<std::uint64_t>& progress_bytes) {
   const PairPlan plan(eager, compiled);
   const std::size_t count = plan.unit_count();
@@ -215,7 +216,7 @@ TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& com
   };
   std::vector<Slot> slots(token_count(count));
   SlotQueue<Slot> free_slots(slots);
-  MetricsAccumulator total;
+  MetricsAccumulator total(set);
 
   struct Item {
     Unit unit;
@@ -244,7 +245,7 @@ TensorMetrics compare_tensors(const TensorStream& eager, const TensorStream& com
     Slot& slot = *item.slot;
     try {
       slot.metrics = plan.compare(item.unit, slot.driver_raw, slot.follower_raw.data(),
-                                  slot.buffers, tolerances);
+                                  slot.buffers, tolerances, set);
     } catch (...) {
       free_slots.give_back(item.slot);
       throw;
@@ -274,6 +275,7 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
   struct Slot {
     std::optional<TensorStream> eager, compiled;
     Tolerances tolerances;
+    MetricSet set = MetricSet::kAll;
     std::vector<RawChunk> eager_raw, compiled_raw;
     DecodeBuffers buffers;
   };
@@ -305,6 +307,7 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
     slot.eager.emplace(std::move(pair.eager));
     slot.compiled.emplace(std::move(pair.compiled));
     slot.tolerances = pair.tolerances;
+    slot.set = pair.set;
     fetch_all(*slot.eager, slot.eager_raw);
     fetch_all(*slot.compiled, slot.compiled_raw);
     on_error.slot = nullptr;  // fetched: the slot travels on with the item
@@ -317,11 +320,11 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
     std::vector<RawChunk>& driver_raw = plan.eager_drives() ? slot.eager_raw : slot.compiled_raw;
     std::vector<RawChunk>& follower_raw = plan.eager_drives() ? slot.compiled_raw : slot.eager_raw;
     // Units in element order, merged like compare_tensors() merges them: the same bits.
-    MetricsAccumulator total;
+    MetricsAccumulator total(slot.set);
     for (std::size_t chunk = 0; chunk < plan.unit_count(); ++chunk) {
       const Unit unit = plan.unit(chunk);
       total.merge(plan.compare(unit, driver_raw[chunk], follower_raw.data() + unit.follower_first,
-                               slot.buffers, slot.tolerances));
+                               slot.buffers, slot.tolerances, slot.set));
       progress_bytes += plan.bytes(unit);
     }
     done(item.index, total.result());
@@ -333,7 +336,7 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
 
 TensorMetrics compare_in_memory(const formats::TensorView& eager,
                                 const formats::TensorView& compiled, const Tolerances& tolerances,
-                                std::size_t chunk_bytes) {
+                                std::size_t chunk_bytes, MetricSet set) {
   // PairPlan's units over the chunks the writer would store: the side with fewer chunks drives,
   // each of its chunks is one accumulation, merged in element order.
   const auto eager_chunks = formats::chunk_extents(eager.dtype, eager.shape, chunk_bytes);
@@ -348,12 +351,12 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
                                 std::vector<float>& compiled_f32) {
     return compare_values(eager.dtype, eager_bytes + unit.first_element * eager_size,
                           compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
-                          unit.element_count, unit.first_element, tolerances, eager_f32,
+                          unit.element_count, unit.first_element, tolerances, set, eager_f32,
                           compiled_f32);
   };
   // The units on every thread of the caller's arena, merged in element order: the same bits as
   // one after the other.
-  std::vector<MetricsAccumulator> parts(units.size());
+  std::vector<MetricsAccumulator> parts(units.size(), MetricsAccumulator(set));
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
                     [&](const tbb::blocked_range<std::size_t>& range) {
                       std::vector<float> eager_f32, compiled_f32;
@@ -361,7 +364,7 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
                         parts[i] = unit_metrics(units[i], eager_f32, compiled_f32);
                       }
                     });
-  MetricsAccumulator total;
+  MetricsAccumulator total(set);
   for (const MetricsAccumulator& part : parts) total.merge(part);
   return total.result();
 }

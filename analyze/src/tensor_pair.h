@@ -17,7 +17,7 @@ namespace dynaprobe::analyze {
 // it has compared to `progress_bytes`.
 TensorMetrics compare_tensors(const formats::TensorStream& eager,
                               const formats::TensorStream& compiled, const Tolerances& tolerances,
-                              std::atomic<std::uint64_t>& progress_bytes);
+                              MetricSet set, std::atomic<std::uint64_t>& progress_bytes);
 
 // Pairs whose two tensors together hold at most this many uncompressed bytes go through
 // compare_small_pairs(). Each of its 2 x threads pipeline tokens holds a pair whole (stored bytes
@@ -30,6 +30,7 @@ struct PairStreams {
   formats::TensorStream eager;
   formats::TensorStream compiled;
   Tolerances tolerances;
+  MetricSet set = MetricSet::kAll;
 };
 
 // Compares `count` small pairs, with the same results as compare_tensors() on each. Opening a

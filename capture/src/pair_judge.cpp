@@ -69,15 +69,16 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
   row.metrics = analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
   bool fails = !row.metrics.allclose;
   // Each side against the reference (reference = a), as the engine's reference tasks compute
-  // them: stored under the eager record's key and the reference record's.
+  // them (the noise rule's metrics only): stored under the eager record's key and the reference
+  // record's.
   if (reference && &eager != &compiled && reference->record.tensor.shape == a.shape) {
     const formats::TensorView& r = reference->record.tensor;
     formats::StoredMetrics against_eager{
         eager.record.key, row.tolerances,
-        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_)};
+        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_, analyze::MetricSet::kNoise)};
     formats::StoredMetrics against_compiled{
         reference->record.key, row.tolerances,
-        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_)};
+        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_, analyze::MetricSet::kNoise)};
     const double roundoff = std::max(
         {analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
     const analyze::NoiseMeasure measure = analyze::measure_noise(

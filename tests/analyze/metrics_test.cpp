@@ -16,8 +16,8 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 TensorMetrics metrics_of(const std::vector<float>& a, const std::vector<float>& b,
-                         Tolerances tolerances = {}) {
-  MetricsAccumulator accumulator;
+                         Tolerances tolerances = {}, MetricSet set = MetricSet::kAll) {
+  MetricsAccumulator accumulator(set);
   accumulator.accumulate(a.data(), b.data(), a.size(), 0, tolerances);
   return accumulator.result();
 }
@@ -243,6 +243,45 @@ TEST(Metrics, HistogramOfMostlyEqualTensorsCountsZerosOnceAndLeavesNaNOut) {
   }
   ASSERT_GT(nan, 0u);
   EXPECT_EQ(metrics_of(a, b).histogram, reference);
+}
+
+// A side against the reference gets the noise rule's metrics, the same numbers as the full set's
+// up to the order of the double sums, with torch's NaN/Inf rules; what it does not compute reads
+// as such, never as a pass.
+TEST(Metrics, TheNoiseSetHasTheMetricsTheNoiseRuleReads) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> gaussian;
+  std::vector<float> a(50000), b(50000);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = 1e4f * gaussian(rng);  // gradients of a real loss scale, not values near 1
+    b[i] = a[i] * (1 + 1e-3f * gaussian(rng));
+  }
+  const TensorMetrics all = metrics_of(a, b);
+  const TensorMetrics noise = metrics_of(a, b, {}, MetricSet::kNoise);
+  EXPECT_EQ(noise.max_abs, all.max_abs);
+  EXPECT_DOUBLE_EQ(noise.rmse, all.rmse);
+  EXPECT_DOUBLE_EQ(noise.rms_eager, all.rms_eager);
+  EXPECT_DOUBLE_EQ(noise.rms_compiled, all.rms_compiled);
+  EXPECT_EQ(noise.elements, a.size());
+  for (double skipped : {noise.mean_abs, noise.max_rel, noise.max_tol_ratio, noise.cosine}) {
+    EXPECT_TRUE(std::isnan(skipped));
+  }
+  EXPECT_FALSE(noise.allclose);
+  EXPECT_EQ(noise.mismatches, 0u);
+  EXPECT_EQ(noise.worst_index, -1);
+  EXPECT_EQ(noise.histogram, Histogram{});
+
+  a[7] = kNaN;  // a NaN or an infinity sends the block through the full kernel
+  b[9] = kInf;
+  const TensorMetrics nonfinite = metrics_of(a, b, {}, MetricSet::kNoise);
+  EXPECT_TRUE(std::isnan(nonfinite.max_abs));
+  EXPECT_TRUE(std::isnan(nonfinite.rmse));
+  EXPECT_EQ(nonfinite.nan_eager, 1u);
+  EXPECT_EQ(nonfinite.inf_compiled, 1u);
+  EXPECT_EQ(nonfinite.nonfinite_only_compiled, 1u);
+  EXPECT_TRUE(std::isfinite(nonfinite.rms_eager));
+  EXPECT_EQ(nonfinite.mismatches, 0u);
+  EXPECT_TRUE(std::isnan(nonfinite.max_tol_ratio));
 }
 
 }  // namespace

@@ -35,11 +35,12 @@ def _step_files(folder) -> list:
     return sorted(f for f in os.listdir(folder) if f.startswith("step_"))
 
 
-def checked_step(tmp_path, dump, width=16, batch=8, single_pass=True, **kwargs):
+def checked_step(tmp_path, dump, width=16, batch=8, single_pass=True, dtype=torch.float32,
+                 **kwargs):
     """One checked training step of Chain under `dump`; returns (result, step file)."""
     torch.manual_seed(0)
-    model = Chain(width)
-    x = torch.randn(batch, width)
+    model = Chain(width).to(dtype)
+    x = torch.randn(batch, width, dtype=dtype)
     checker = PrecisionChecker(backend=perturbed_gelu_backend, dump=dump, single_pass=single_pass,
                                dump_dir=str(tmp_path / dump), **kwargs)
     checker.wrap_all_children(model, depth=0)
@@ -117,14 +118,18 @@ def test_stats_store_at_most_a_percent_of_full(tmp_path):
     assert sizes["stats"] <= 0.01 * sizes["full"], sizes
 
 
-def test_the_metrics_judged_in_memory_are_the_tensors_own(tmp_path):
-    result, step_file = checked_step(tmp_path, "full", width=64, batch=4096)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_metrics_judged_in_memory_are_the_tensors_own(tmp_path, dtype):
+    result, step_file = checked_step(tmp_path, "full", width=64, batch=4096, dtype=dtype)
     dump = os.path.dirname(step_file)
     stored = _C.compare(dump, dump)
     recomputed = _C.compare(dump, dump, recompute=True)
-    as_rows = lambda c: [(r["module"], r["check_type"], r["tensor_index"], r["status"], r["metrics"])
-                         for r in c.steps[0].rows if r["metrics"]]
+    as_rows = lambda c: [(r["module"], r["check_type"], r["tensor_index"], r["status"], r["metrics"],
+                          r["reference"]) for r in c.steps[0].rows if r["metrics"]]
     assert as_rows(stored) == as_rows(recomputed) and len(as_rows(stored)) > 10
+    # Each side against the reference (bf16: every call's float32 one; float32: the failing
+    # calls' float64 one): the noise rule's metrics, alike in memory and from the tensors.
+    assert any(row[-1] for row in as_rows(stored))
 
 
 def test_other_tolerances_need_the_tensors_the_cli_says_which(tmp_path, dynaprobe_cli):

@@ -138,7 +138,7 @@ bool recorded_once(formats::Kind kind, bool single_pass);
 // the same bits.
 TensorMetrics compare_in_memory(const formats::TensorView& eager,
                                 const formats::TensorView& compiled, const Tolerances& tolerances,
-                                std::size_t chunk_bytes);
+                                std::size_t chunk_bytes, MetricSet set = MetricSet::kAll);
 
 // Whether metrics judged at capture with `stored.tolerances` are what judging with `tolerances`
 // gives: the same tolerances, or wider ones for a pair that had no element outside the narrower

@@ -26,11 +26,22 @@ using formats::Tolerances;
 // Edge i of the |a - b| histogram (formats/metrics.h): 4^(kHistogramFirstPower + i), exactly.
 float histogram_edge(std::size_t i);
 
+// Which metrics a comparison computes. kNoise is what comparing a side with the reference needs
+// (the noise rule and the report's reference fields, judging.h): max_abs, rmse, rms_eager and
+// rms_compiled, the element, NaN and Inf counts. Its other metrics are not computed: mean_abs,
+// max_rel, max_tol_ratio and cosine are NaN, allclose false with no mismatch counted, no worst
+// element (-1), an empty histogram. No division, no histogram, no search for the worst element:
+// about 0.3 of kAll's time, so a bf16 parameter's three comparisons (one kAll, two kNoise) take
+// half the time of three kAll (docs/performance.md).
+enum class MetricSet : std::uint8_t { kAll, kNoise };
+
 // Partial results over some elements of a tensor pair; merge() combines partials of disjoint
-// element ranges. Sums are kept in double. NaN follows torch: one NaN difference makes max_abs,
-// mean_abs and max_rel NaN; allclose treats NaN as unequal and equal infinities as equal.
+// element ranges of the same MetricSet. Sums are kept in double. NaN follows torch: one NaN
+// difference makes max_abs, mean_abs and max_rel NaN; allclose treats NaN as unequal and equal
+// infinities as equal.
 class MetricsAccumulator {
  public:
+  explicit MetricsAccumulator(MetricSet set = MetricSet::kAll) : set_(set) {}
   // Adds elements [first_index, first_index + n) given as float32 arrays.
   void accumulate(const float* a, const float* b, std::size_t n, std::uint64_t first_index,
                   const Tolerances& tolerances);
@@ -40,6 +51,7 @@ class MetricsAccumulator {
   TensorMetrics result() const;
 
  private:
+  MetricSet set_;
   std::uint64_t count_ = 0;
   float max_abs_ = 0;
   float max_rel_ = 0;
