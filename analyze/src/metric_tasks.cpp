@@ -99,7 +99,7 @@ const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
 
 // A row's pair gets every metric; a side against the reference what the noise rule reads.
 MetricSet metric_set(const Task& task) {
-  return task.target == Target::kRow ? MetricSet::kAll : MetricSet::kNoise;
+  return task.target == Target::kRow ? MetricSet::kAll : MetricSet::kVerdict;
 }
 
 // Sets a task's metrics on its row; those of a kRow task decide the row's status.

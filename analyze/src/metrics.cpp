@@ -134,19 +134,23 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) std::uint64_t compa
   return nonfinite;
 }
 
-// compare_finite_block for MetricSet::kNoise: the largest difference, the squared differences and
-// each side's squares, on finite inputs. Returns the number of elements with a NaN or Inf input;
-// when it is not zero the caller discards this result and runs compare_block.
-__attribute__((target_clones("avx512f", "avx2", "default"))) std::uint64_t noise_finite_block(
-    const float* a, const float* b, std::size_t n, Block& out) {
+// compare_finite_block for MetricSet::kVerdict: the largest difference, the elements outside
+// tolerance, the squared differences and each side's squares, on finite inputs. Returns the number
+// of elements with a NaN or Inf input; when it is not zero the caller discards this result and
+// runs compare_block.
+__attribute__((target_clones("avx512f", "avx2", "default"))) std::uint64_t verdict_finite_block(
+    const float* a, const float* b, std::size_t n, float atol, float rtol, Block& out) {
   float max_abs = 0;
   double sum_squares = 0, norm_a = 0, norm_b = 0;
-  std::uint32_t nonfinite = 0;
-#pragma omp simd reduction(max : max_abs) reduction(+ : sum_squares, norm_a, norm_b, nonfinite)
+  std::uint32_t mismatches = 0, nonfinite = 0;
+#pragma omp simd reduction(max : max_abs) \
+    reduction(+ : sum_squares, norm_a, norm_b, mismatches, nonfinite)
   for (std::size_t i = 0; i < n; ++i) {
     const float x = a[i];
     const float y = b[i];
     const float diff = std::fabs(x - y);
+    const float allowed = atol + std::fabs(rtol * y);
+    mismatches += !((x == y) | ((diff < kInf) & (diff <= allowed)));
     max_abs = diff > max_abs ? diff : max_abs;
     const double d = diff;
     sum_squares += d * d;
@@ -159,6 +163,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) std::uint64_t noise
   out.sum_squares = sum_squares;
   out.norm_a = norm_a;
   out.norm_b = norm_b;
+  out.mismatches = mismatches;
   return nonfinite;
 }
 
@@ -293,8 +298,9 @@ void MetricsAccumulator::accumulate(const float* a, const float* b, std::size_t 
   const auto atol = static_cast<float>(tolerances.atol);
   const auto rtol = static_cast<float>(tolerances.rtol);
   const bool all = set_ == MetricSet::kAll;
-  if (n >= (std::uint64_t{1} << 32) || (all ? compare_finite_block(a, b, n, atol, rtol, block)
-                                            : noise_finite_block(a, b, n, block)) != 0) {
+  if (n >= (std::uint64_t{1} << 32) ||
+      (all ? compare_finite_block(a, b, n, atol, rtol, block)
+           : verdict_finite_block(a, b, n, atol, rtol, block)) != 0) {
     compare_block(a, b, n, atol, rtol, block);
   }
   // The worst element of this block: the first NaN difference, else the first maximum. Only
@@ -407,10 +413,8 @@ TensorMetrics MetricsAccumulator::result() const {
   m.worst_eager = worst_a_;
   m.worst_compiled = worst_b_;
   m.histogram = histogram_;
-  if (set_ == MetricSet::kNoise) {  // what it did not compute (metrics.h)
+  if (set_ == MetricSet::kVerdict) {  // what it did not compute (metrics.h)
     m.mean_abs = m.max_rel = m.max_tol_ratio = m.cosine = kNaN;
-    m.allclose = false;
-    m.mismatches = 0;
   }
   return m;
 }

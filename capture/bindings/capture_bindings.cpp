@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -50,24 +51,20 @@ namespace {
 
 // Whether every row of one module in one pass passes as the engine judges them
 // (analyze/judging.h): each pair's tolerances raised to the dtype-aware floor, then the last
-// matching rule, then allclose over the metrics compare_in_memory computes; and a float32 pair
+// matching rule, then allclose over the verdict's metrics (MetricSet::kVerdict); and a float32 pair
 // the tolerances pass must be within fp32 noise (the screen) unless it is at the rounding level
 // of the rows given, as the engine judges a module's rows of one pass. reference="failing" asks
-// this, so that it decides with the report's rules, never with a judge of its own.
+// this, so that it decides with the report's rules, never with a judge of its own. With the
+// step's `recorder`, parameter gradient rows are judged through it (Recorder::judge_pair: every
+// metric, kept for when collect() records the same sums).
 bool rows_pass(const std::string& module,
                const std::vector<std::tuple<std::string, at::Tensor, at::Tensor>>& rows,
-               const dynaprobe::analyze::Judging& judging) {
+               const dynaprobe::analyze::Judging& judging,
+               std::optional<std::reference_wrapper<Recorder>> recorder) {
   struct Judged {
     fmt::Kind kind;
     fmt::DType eager, compiled;
     fmt::TensorMetrics metrics;
-  };
-  const auto view = [](const at::Tensor& t) {
-    fmt::TensorView v;
-    v.dtype = dynaprobe::capture::dtype_of(t);
-    v.shape.assign(t.sizes().begin(), t.sizes().end());
-    v.data = t.const_data_ptr();
-    return v;
   };
   std::vector<Judged> judged;
   double magnitude = 0.0;
@@ -80,15 +77,19 @@ bool rows_pass(const std::string& module,
     }
     const at::Tensor e = eager.detach().cpu().contiguous();
     const at::Tensor c = compiled.detach().cpu().contiguous();
-    const fmt::TensorView eager_view = view(e), compiled_view = view(c);
+    const fmt::TensorView eager_view = dynaprobe::capture::view_of(e);
+    const fmt::TensorView compiled_view = dynaprobe::capture::view_of(c);
     const fmt::Kind kind = kind_arg(kind_word);
     const auto tolerances =
         judging.row_tolerances(module, kind, eager_view.dtype, compiled_view.dtype);
     fmt::TensorMetrics metrics;
     {
       py::gil_scoped_release release;
-      metrics = dynaprobe::analyze::compare_in_memory(eager_view, compiled_view, tolerances,
-                                                      fmt::WriterOptions{}.chunk_bytes);
+      metrics = recorder && kind == fmt::Kind::kParamGrad
+                    ? recorder->get().judge_pair(eager, compiled, tolerances)
+                    : dynaprobe::analyze::compare_in_memory(
+                          eager_view, compiled_view, tolerances, fmt::WriterOptions{}.chunk_bytes,
+                          dynaprobe::analyze::MetricSet::kVerdict);
     }
     if (!metrics.allclose) return false;
     if (std::isfinite(metrics.rms_eager)) magnitude = std::max(magnitude, metrics.rms_eager);
@@ -243,13 +244,17 @@ hold them); without it, with the tolerances the provenance names, as a dump's re
 }  // namespace
 
 void bind_capture(py::module_& m) {
+  bind_recorder(m);
+  // After the Recorder: its type names the argument in the signature.
   m.def("rows_pass", &rows_pass, py::arg("module"), py::arg("rows"), py::arg("judging"),
+        py::arg("recorder") = py::none(),
         "Whether every row of `module` in one pass, `rows` as (kind, eager, compiled), passes as "
         "the engine judges it with `judging` (a Judging): its atol/rtol raised to the "
         "dtype-aware floor of either side's dtype, then the last rule matching module or kind, "
         "then allclose; and, for a float32 pair without a reference, within fp32 noise relative "
-        "to eager's magnitude (the screen), unless at the rounding level of the rows given.");
-  bind_recorder(m);
+        "to eager's magnitude (the screen), unless at the rounding level of the rows given. "
+        "With the step's `recorder`, param_grad rows are judged through it, with every metric, "
+        "which it reuses when the same tensors are recorded (handed over) as that pair.");
   // The words of PrecisionChecker(dump=...), as the Recorder's `store` takes them: STORE_MODES,
   // and STORE_FULL = "full", STORE_FAILING, STORE_STATS.
   auto vocabulary = m.attr("vocabulary").cast<py::module_>();

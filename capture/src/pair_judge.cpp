@@ -66,19 +66,29 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
   formats::StoredMetrics row;
   row.key = compiled.record.key;
   row.tolerances = judging_.row_tolerances(row.key.module, row.key.kind, a.dtype, b.dtype);
-  row.metrics = analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
+  // A pair the caller judged already (Recorder::judge_pair), these very bytes with these
+  // tolerances and the same chunks: the same metrics, not computed twice.
+  const auto& early = compiled.judged;
+  const bool judged_before = early && early == eager.judged && early->eager == a.data &&
+                             early->compiled == b.data &&
+                             early->tolerances.atol == row.tolerances.atol &&
+                             early->tolerances.rtol == row.tolerances.rtol;
+  row.metrics = judged_before ? early->metrics
+                              : analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
   bool fails = !row.metrics.allclose;
   // Each side against the reference (reference = a), as the engine's reference tasks compute
-  // them (the noise rule's metrics only): stored under the eager record's key and the reference
-  // record's.
+  // them (the verdict's metrics, MetricSet::kVerdict): stored under the eager record's key and
+  // the reference record's.
   if (reference && &eager != &compiled && reference->record.tensor.shape == a.shape) {
     const formats::TensorView& r = reference->record.tensor;
     formats::StoredMetrics against_eager{
         eager.record.key, row.tolerances,
-        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_, analyze::MetricSet::kNoise)};
+        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_,
+                                   analyze::MetricSet::kVerdict)};
     formats::StoredMetrics against_compiled{
         reference->record.key, row.tolerances,
-        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_, analyze::MetricSet::kNoise)};
+        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_,
+                                   analyze::MetricSet::kVerdict)};
     const double roundoff = std::max(
         {analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
     const analyze::NoiseMeasure measure = analyze::measure_noise(

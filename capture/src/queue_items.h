@@ -9,6 +9,7 @@
 #include <memory>
 #include <variant>
 
+#include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::capture::detail {
@@ -22,6 +23,15 @@ class HostSnapshot {
   virtual void wait_copied() = 0;
 };
 
+// A pair judged on the caller's side before its records came (Recorder::judge_pair): its
+// metrics, for the pair whose sides are these very bytes, judged with these tolerances.
+struct JudgedPair {
+  const void* eager = nullptr;
+  const void* compiled = nullptr;
+  formats::Tolerances tolerances;
+  formats::TensorMetrics metrics;
+};
+
 // A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to;
 // they are valid once snapshot->wait_copied() has returned. Copies share the snapshot.
 struct RecordItem {
@@ -29,6 +39,8 @@ struct RecordItem {
   std::shared_ptr<HostSnapshot> snapshot;
   std::size_t bytes = 0;
   std::uint64_t batch = 0;  // the background thread's batch that took it from the queue
+  // The pair judge_pair() judged this very tensor in, unchanged since, if any.
+  std::shared_ptr<const JudgedPair> judged;
 };
 struct BeginItem {
   std::int64_t step = 0;

@@ -63,7 +63,21 @@ formats::DType dtype_of(const at::Tensor& tensor) {
   return *dtype;
 }
 
+formats::TensorView view_of(const at::Tensor& tensor) {
+  formats::TensorView view;
+  view.dtype = dtype_of(tensor);
+  view.shape.assign(tensor.sizes().begin(), tensor.sizes().end());
+  view.data = tensor.const_data_ptr();
+  return view;
+}
+
 namespace {
+
+// Whether record() keeps a handed-over `tensor` as it is, without a snapshot copy.
+bool kept_as_is(const at::Tensor& tensor) {
+  return tensor.device().is_cpu() && tensor.is_contiguous() && tensor.layout() == at::kStrided &&
+         !tensor.is_conj() && !tensor.is_neg();
+}
 
 // Bytes of the contiguous host copy of `tensor`.
 std::size_t host_bytes(const at::Tensor& tensor) {
@@ -218,6 +232,14 @@ struct Recorder::Impl {
   std::set<formats::RecordKey> keys;
   std::set<std::string, std::less<>> graph_names;
   std::set<std::string, std::less<>> module_names;
+  // The pairs judge_pair() judged this step: both tensors held, so that no other tensor takes
+  // their memory, with their versions then, so that a change in place is seen.
+  struct EarlyJudged {
+    at::Tensor eager, compiled;
+    std::int64_t eager_version = 0, compiled_version = 0;
+    std::shared_ptr<const detail::JudgedPair> pair;
+  };
+  std::vector<EarlyJudged> early;
 
   detail::SharedState shared;  // with the background thread
   std::thread worker;          // last: starts once everything above exists
@@ -237,6 +259,21 @@ struct Recorder::Impl {
       std::rethrow_exception(shared.step_error);
     }
     return true;
+  }
+  // The pair judge_pair() judged `tensor` (a record's, kept as it is) in, if it is unchanged.
+  std::shared_ptr<const detail::JudgedPair> judged_pair_of(const at::Tensor& tensor) const {
+    const auto same = [&](const at::Tensor& judged, std::int64_t version) {
+      return judged.const_data_ptr() == tensor.const_data_ptr() &&
+             judged.numel() == tensor.numel() && judged.scalar_type() == tensor.scalar_type() &&
+             tensor._version() == version;
+    };
+    for (const EarlyJudged& judged : early) {
+      if (same(judged.eager, judged.eager_version) ||
+          same(judged.compiled, judged.compiled_version)) {
+        return judged.pair;
+      }
+    }
+    return nullptr;
   }
   bool check_step(std::string_view action) {
     require_step(action);
@@ -329,6 +366,7 @@ void Recorder::begin_step(std::int64_t step) {
   impl.keys.clear();
   impl.graph_names.clear();
   impl.module_names.clear();
+  impl.early.clear();
   {
     std::lock_guard lock(impl.shared.mutex);
     impl.shared.step_error = nullptr;
@@ -378,10 +416,10 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
 
   detail::RecordItem item;
-  const bool keep_as_is = handed_over && tensor.device().is_cpu() && tensor.is_contiguous() &&
-                          tensor.layout() == at::kStrided && !tensor.is_conj() && !tensor.is_neg();
+  const bool keep_as_is = handed_over && kept_as_is(tensor);
   Snapshot snapshot =
       keep_as_is ? Snapshot{tensor.detach(), nullptr} : snapshot_of(tensor, *impl.pool);
+  if (keep_as_is) item.judged = impl.judged_pair_of(snapshot.host);
   item.bytes = bytes;
   item.record.key = key;
   item.record.label = std::move(label);
@@ -405,6 +443,33 @@ at::Tensor Recorder::copy(const at::Tensor& tensor) {
   if (source.layout() != at::kStrided) return source.clone();  // sparse stays sparse
   if (!source.device().is_cpu()) return source.clone(at::MemoryFormat::Contiguous);
   return snapshot_of(source, *impl_->pool).host;
+}
+
+formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::Tensor& compiled,
+                                            const formats::Tolerances& tolerances) {
+  Impl& impl = *impl_;
+  {
+    std::lock_guard call(impl.call_mutex);
+    impl.require_step("judge a pair");
+  }
+  const at::Tensor e = eager.detach(), c = compiled.detach();
+  const bool kept = kept_as_is(e) && kept_as_is(c);
+  const at::Tensor e_host = kept ? e : e.cpu().contiguous().resolve_conj().resolve_neg();
+  const at::Tensor c_host = kept ? c : c.cpu().contiguous().resolve_conj().resolve_neg();
+  const formats::TensorView e_view = view_of(e_host), c_view = view_of(c_host);
+  if (e_view.numel() != c_view.numel()) {
+    throw UsageError("judge_pair: the two tensors must have as many elements, but have " +
+                     std::to_string(e_view.numel()) + " and " + std::to_string(c_view.numel()));
+  }
+  formats::TensorMetrics metrics =
+      analyze::compare_in_memory(e_view, c_view, tolerances, impl.options.writer.chunk_bytes);
+  if (kept) {
+    std::lock_guard call(impl.call_mutex);
+    impl.early.push_back({e, c, e._version(), c._version(),
+                          std::make_shared<const detail::JudgedPair>(
+                              detail::JudgedPair{e_view.data, c_view.data, tolerances, metrics})});
+  }
+  return metrics;
 }
 
 void Recorder::record_graph(formats::Graph graph) {
@@ -452,6 +517,7 @@ formats::PendingStep Recorder::finish_step() {
     impl.shared.judged.reset();
   }
   impl.in_step = false;
+  impl.early.clear();  // the step's pairs are judged: their tensors may go
   if (error) std::rethrow_exception(error);
   return pending;
 }

@@ -245,10 +245,10 @@ TEST(Metrics, HistogramOfMostlyEqualTensorsCountsZerosOnceAndLeavesNaNOut) {
   EXPECT_EQ(metrics_of(a, b).histogram, reference);
 }
 
-// A side against the reference gets the noise rule's metrics, the same numbers as the full set's
-// up to the order of the double sums, with torch's NaN/Inf rules; what it does not compute reads
-// as such, never as a pass.
-TEST(Metrics, TheNoiseSetHasTheMetricsTheNoiseRuleReads) {
+// Judging reads the verdict set (each side against the reference, the float32 late-reference
+// decision): the same numbers as the full set's up to the order of the double sums, with torch's
+// NaN/Inf rules and allclose's edges; what it does not compute reads as such.
+TEST(Metrics, TheVerdictSetHasWhatJudgingReads) {
   std::mt19937 rng(5);
   std::normal_distribution<float> gaussian;
   std::vector<float> a(50000), b(50000);
@@ -256,31 +256,37 @@ TEST(Metrics, TheNoiseSetHasTheMetricsTheNoiseRuleReads) {
     a[i] = 1e4f * gaussian(rng);  // gradients of a real loss scale, not values near 1
     b[i] = a[i] * (1 + 1e-3f * gaussian(rng));
   }
-  const TensorMetrics all = metrics_of(a, b);
-  const TensorMetrics noise = metrics_of(a, b, {}, MetricSet::kNoise);
-  EXPECT_EQ(noise.max_abs, all.max_abs);
-  EXPECT_DOUBLE_EQ(noise.rmse, all.rmse);
-  EXPECT_DOUBLE_EQ(noise.rms_eager, all.rms_eager);
-  EXPECT_DOUBLE_EQ(noise.rms_compiled, all.rms_compiled);
-  EXPECT_EQ(noise.elements, a.size());
-  for (double skipped : {noise.mean_abs, noise.max_rel, noise.max_tol_ratio, noise.cosine}) {
+  b[3] = a[3] + (1e-4f + std::fabs(1e-3f * b[3]));  // near allclose's inclusive edge
+  const Tolerances tolerances;
+  const TensorMetrics all = metrics_of(a, b, tolerances);
+  const TensorMetrics verdict = metrics_of(a, b, tolerances, MetricSet::kVerdict);
+  EXPECT_EQ(verdict.max_abs, all.max_abs);
+  EXPECT_DOUBLE_EQ(verdict.rmse, all.rmse);
+  EXPECT_DOUBLE_EQ(verdict.rms_eager, all.rms_eager);
+  EXPECT_DOUBLE_EQ(verdict.rms_compiled, all.rms_compiled);
+  EXPECT_EQ(verdict.elements, a.size());
+  ASSERT_GT(all.mismatches, 0u);
+  EXPECT_EQ(verdict.mismatches, all.mismatches);
+  EXPECT_EQ(verdict.allclose, all.allclose);
+  for (double skipped :
+       {verdict.mean_abs, verdict.max_rel, verdict.max_tol_ratio, verdict.cosine}) {
     EXPECT_TRUE(std::isnan(skipped));
   }
-  EXPECT_FALSE(noise.allclose);
-  EXPECT_EQ(noise.mismatches, 0u);
-  EXPECT_EQ(noise.worst_index, -1);
-  EXPECT_EQ(noise.histogram, Histogram{});
+  EXPECT_EQ(verdict.worst_index, -1);
+  EXPECT_EQ(verdict.histogram, Histogram{});
+  const std::vector<float> close(b.begin(), b.end());
+  EXPECT_TRUE(metrics_of(close, close, tolerances, MetricSet::kVerdict).allclose);
 
   a[7] = kNaN;  // a NaN or an infinity sends the block through the full kernel
   b[9] = kInf;
-  const TensorMetrics nonfinite = metrics_of(a, b, {}, MetricSet::kNoise);
+  const TensorMetrics nonfinite = metrics_of(a, b, tolerances, MetricSet::kVerdict);
   EXPECT_TRUE(std::isnan(nonfinite.max_abs));
   EXPECT_TRUE(std::isnan(nonfinite.rmse));
   EXPECT_EQ(nonfinite.nan_eager, 1u);
   EXPECT_EQ(nonfinite.inf_compiled, 1u);
   EXPECT_EQ(nonfinite.nonfinite_only_compiled, 1u);
+  EXPECT_EQ(nonfinite.mismatches, metrics_of(a, b, tolerances).mismatches);
   EXPECT_TRUE(std::isfinite(nonfinite.rms_eager));
-  EXPECT_EQ(nonfinite.mismatches, 0u);
   EXPECT_TRUE(std::isnan(nonfinite.max_tol_ratio));
 }
 

@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -711,6 +712,58 @@ TEST(Recorder, EveryPairIsJudgedInMemoryAndItsMetricsStored) {
       EXPECT_EQ(m.tolerances.atol, 1e-4);
     }
   }
+}
+
+// A float32 call's late-reference decision judges its parameters' gradient sums during the
+// backward (judge_pair), and collect() records the same sums: the recorder takes those metrics
+// instead of comparing the pair again, but only for the very tensors judged, unchanged since.
+TEST(Recorder, APairJudgedBeforeItIsRecordedIsNotComparedAgainUnlessItChanged) {
+  TempDir dir;
+  RecorderOptions options;
+  options.store = StoreMode::kStats;
+  Recorder recorder(dir.path(), {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
+                    options);
+  EXPECT_THROW(recorder.judge_pair(at::randn({4}), at::randn({4}), {}), UsageError);  // no step
+  recorder.begin_step(0);
+  const formats::Tolerances tolerances{1e-4, 1e-3};
+  const auto pair = [] {
+    const at::Tensor eager = at::randn({300, 1000}).mul(1e3);  // a gradient at a real loss scale
+    return std::pair{eager, eager.add(at::randn({300, 1000}).mul(1e-3))};
+  };
+  auto [kept_eager, kept_compiled] = pair();
+  auto [changed_eager, changed_compiled] = pair();
+  auto [elsewhere_eager, elsewhere_compiled] = pair();
+  const formats::TensorMetrics kept = recorder.judge_pair(kept_eager, kept_compiled, tolerances);
+  const formats::TensorMetrics changed =
+      recorder.judge_pair(changed_eager, changed_compiled, tolerances);
+  recorder.judge_pair(elsewhere_eager, elsewhere_compiled, tolerances);
+  EXPECT_EQ(kept.elements, 300'000u);
+  EXPECT_FALSE(kept.allclose);
+  // Bytes written behind torch's back (no version change): the metrics judged before stand,
+  // which shows they were taken, not computed again.
+  std::memset(kept_compiled.data_ptr(), 0, 4 * 1000);
+  changed_compiled.mul_(0.5);  // a change in place torch sees: compared again
+  const auto param = [](const char* module, Side side) {
+    return RecordKey{0, module, 0, Kind::kParamGrad, 0, side};
+  };
+  recorder.record(param("kept", Side::kEager), kept_eager, "", true);
+  recorder.record(param("kept", Side::kCompiled), kept_compiled, "", true);
+  recorder.record(param("changed", Side::kEager), changed_eager, "", true);
+  recorder.record(param("changed", Side::kCompiled), changed_compiled, "", true);
+  // Each judged, but never as one pair: each compared with its real twin.
+  recorder.record(param("elsewhere", Side::kEager), elsewhere_eager, "", true);
+  recorder.record(param("elsewhere", Side::kCompiled), kept_compiled.clone(), "", true);
+  const fs::path file = recorder.end_step();
+  std::map<std::string, formats::TensorMetrics> stored;
+  const formats::StepReader reader(file);
+  for (const auto& m : reader.stored_metrics()) stored[m.key.module] = m.metrics;
+  ASSERT_EQ(stored.size(), 3u);
+  EXPECT_EQ(stored["kept"].rmse, kept.rmse);
+  EXPECT_EQ(stored["kept"].max_abs, kept.max_abs);
+  EXPECT_EQ(stored["kept"].histogram, kept.histogram);
+  EXPECT_NE(stored["changed"].rmse, changed.rmse);
+  EXPECT_GT(stored["changed"].max_abs, 100.0);    // half of a value of about 1e3
+  EXPECT_GT(stored["elsewhere"].max_abs, 100.0);  // its compiled side is another tensor
 }
 
 RecordKey call_key(std::string module, std::uint32_t call, Kind kind, Side side) {

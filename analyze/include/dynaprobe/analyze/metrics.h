@@ -26,14 +26,14 @@ using formats::Tolerances;
 // Edge i of the |a - b| histogram (formats/metrics.h): 4^(kHistogramFirstPower + i), exactly.
 float histogram_edge(std::size_t i);
 
-// Which metrics a comparison computes. kNoise is what comparing a side with the reference needs
-// (the noise rule and the report's reference fields, judging.h): max_abs, rmse, rms_eager and
-// rms_compiled, the element, NaN and Inf counts. Its other metrics are not computed: mean_abs,
-// max_rel, max_tol_ratio and cosine are NaN, allclose false with no mismatch counted, no worst
-// element (-1), an empty histogram. No division, no histogram, no search for the worst element:
-// about 0.3 of kAll's time, so a bf16 parameter's three comparisons (one kAll, two kNoise) take
-// half the time of three kAll (docs/performance.md).
-enum class MetricSet : std::uint8_t { kAll, kNoise };
+// Which metrics a comparison computes. kAll: every one, for a row a person reads. kVerdict: what
+// judging a pair reads (judging.h: allclose, the fp32 screen, the noise rule, the report's
+// reference fields): allclose and mismatches, max_abs, rmse, rms_eager and rms_compiled, the
+// element, NaN and Inf counts. Its other metrics are not computed: mean_abs, max_rel,
+// max_tol_ratio and cosine are NaN, no worst element (-1), an empty histogram. No division, no
+// histogram, no search for the worst element: about a third of kAll's time. Each side against the
+// reference and the float32 late-reference decision (rows_pass) take it.
+enum class MetricSet : std::uint8_t { kAll, kVerdict };
 
 // Partial results over some elements of a tensor pair; merge() combines partials of disjoint
 // element ranges of the same MetricSet. Sums are kept in double. NaN follows torch: one NaN

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dynaprobe/capture/recorder_options.h"
+#include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/reader.h"
 #include "dynaprobe/formats/record.h"
 #include "dynaprobe/formats/writer.h"
@@ -24,6 +25,8 @@ namespace dynaprobe::capture {
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
 formats::DType dtype_of(const at::Tensor& tensor);
+// A view of a contiguous CPU tensor's values, valid while the tensor lives.
+formats::TensorView view_of(const at::Tensor& tensor);
 
 // Judging in memory: when a step holds both sides (provenance mode single-pass or two-pass), the
 // background thread pairs each eager record with its compiled twin as they arrive, computes
@@ -86,6 +89,15 @@ class Recorder {
   // tensor is copied into the recorder's recycled snapshot memory (no fresh pages to fault in,
   // step after step), a device tensor is cloned on its device. Needs no step.
   at::Tensor copy(const at::Tensor& tensor);
+  // The metrics of a pair (every one, over the chunks the dump stores, as the background thread
+  // judges a pair with `tolerances`), computed now on the caller's thread. When both tensors
+  // are then recorded unchanged (handed_over, each kept as it is) as the two sides of one pair
+  // judged with the same tolerances, the background thread takes these metrics instead of
+  // comparing the pair again: a float32 call's late-reference decision judges its parameters'
+  // gradient sums, which collect() records (docs/performance.md). Holds both tensors until the
+  // step ends, so that no other tensor takes their memory. Throws UsageError outside a step.
+  formats::TensorMetrics judge_pair(const at::Tensor& eager, const at::Tensor& compiled,
+                                    const formats::Tolerances& tolerances);
   // Queue a graph / a module description, written in call order with the records. Names are
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);

@@ -352,13 +352,13 @@ class SinglePass:
 
     def _late_reference(self, call: CheckedCall) -> Callable[[list], Optional[ReferenceRun]]:
         """For a call whose forward got no reference (its outputs passed) but that may want one:
-        given the pairs of its gradients known when its eager backward has run, the reference
-        of the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
-        weight gradient: both sides' rounding is large against the result), run now from the
-        module's state, RNG state and upcast inputs before the training call."""
+        given the pairs of its gradients known when its eager backward has run, the reference of
+        the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
+        weight gradient), run now from the module's state, RNG state and upcast inputs before
+        the training call. The recorder reuses its parameter sums' metrics at collect()."""
         def late(pairs: list) -> Optional[ReferenceRun]:
             try:
-                if _C.rows_pass(call.name, pairs, self.tolerances):
+                if _C.rows_pass(call.name, pairs, self.tolerances, call.step.recorder):
                     return None
                 module = call.target.module
                 state_now, rng_now = ModuleState(module), RngState(call.devices)
