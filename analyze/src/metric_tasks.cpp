@@ -97,7 +97,7 @@ const formats::StoredMetrics* usable_stored_metrics(const Task& task) {
       "capture with dump=\"full\" to judge again with others");
 }
 
-// A row's pair gets every metric; a side against the reference what the noise rule reads.
+// A row's pair gets every metric; a side against the reference what judging reads (kVerdict).
 MetricSet metric_set(const Task& task) {
   return task.target == Target::kRow ? MetricSet::kAll : MetricSet::kVerdict;
 }

@@ -75,25 +75,26 @@ bool rows_pass(const std::string& module,
                                   std::to_string(eager.numel()) + " and " +
                                   std::to_string(compiled.numel()));
     }
-    const at::Tensor e = eager.detach().cpu().contiguous();
-    const at::Tensor c = compiled.detach().cpu().contiguous();
-    const fmt::TensorView eager_view = dynaprobe::capture::view_of(e);
-    const fmt::TensorView compiled_view = dynaprobe::capture::view_of(c);
     const fmt::Kind kind = kind_arg(kind_word);
-    const auto tolerances =
-        judging.row_tolerances(module, kind, eager_view.dtype, compiled_view.dtype);
+    const fmt::DType eager_dtype = dynaprobe::capture::dtype_of(eager);
+    const fmt::DType compiled_dtype = dynaprobe::capture::dtype_of(compiled);
+    const auto tolerances = judging.row_tolerances(module, kind, eager_dtype, compiled_dtype);
     fmt::TensorMetrics metrics;
     {
       py::gil_scoped_release release;
-      metrics = recorder && kind == fmt::Kind::kParamGrad
-                    ? recorder->get().judge_pair(eager, compiled, tolerances)
-                    : dynaprobe::analyze::compare_in_memory(
-                          eager_view, compiled_view, tolerances, fmt::WriterOptions{}.chunk_bytes,
-                          dynaprobe::analyze::MetricSet::kVerdict);
+      if (recorder && kind == fmt::Kind::kParamGrad) {
+        metrics = recorder->get().judge_pair(eager, compiled, tolerances);
+      } else {
+        const at::Tensor e = dynaprobe::capture::host_values(eager);
+        const at::Tensor c = dynaprobe::capture::host_values(compiled);
+        metrics = dynaprobe::analyze::compare_in_memory(
+            dynaprobe::capture::view_of(e), dynaprobe::capture::view_of(c), tolerances,
+            fmt::WriterOptions{}.chunk_bytes, dynaprobe::analyze::MetricSet::kVerdict);
+      }
     }
     if (!metrics.allclose) return false;
     if (std::isfinite(metrics.rms_eager)) magnitude = std::max(magnitude, metrics.rms_eager);
-    judged.push_back({kind, eager_view.dtype, compiled_view.dtype, metrics});
+    judged.push_back({kind, eager_dtype, compiled_dtype, metrics});
   }
   return std::none_of(judged.begin(), judged.end(), [&](const Judged& row) {
     return judging.beyond_screen(module, row.kind, row.eager, row.compiled, row.metrics, magnitude);

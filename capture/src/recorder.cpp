@@ -48,6 +48,13 @@ std::optional<formats::DType> stored_dtype(at::ScalarType type) {
   return formats::parse_dtype(c10::getDtypeNames(type).first);
 }
 
+// Whether `tensor` is its own host values (host_values): record() keeps such a tensor handed over
+// as it is, without a snapshot copy.
+bool kept_as_is(const at::Tensor& tensor) {
+  return tensor.device().is_cpu() && tensor.is_contiguous() && tensor.layout() == at::kStrided &&
+         !tensor.is_conj() && !tensor.is_neg();
+}
+
 [[noreturn]] void throw_bad_dtype(at::ScalarType type) {
   throw UsageError(std::string("cannot record a tensor of dtype ") + c10::toString(type) +
                    ": a dump holds floating-point (float64/32/16, bfloat16, float8), complex "
@@ -63,6 +70,13 @@ formats::DType dtype_of(const at::Tensor& tensor) {
   return *dtype;
 }
 
+at::Tensor host_values(const at::Tensor& tensor) {
+  at::Tensor values = tensor.detach();
+  if (kept_as_is(values)) return values;
+  if (values.layout() != at::kStrided) values = values.to_dense();
+  return values.resolve_conj().resolve_neg().cpu().contiguous();
+}
+
 formats::TensorView view_of(const at::Tensor& tensor) {
   formats::TensorView view;
   view.dtype = dtype_of(tensor);
@@ -72,12 +86,6 @@ formats::TensorView view_of(const at::Tensor& tensor) {
 }
 
 namespace {
-
-// Whether record() keeps a handed-over `tensor` as it is, without a snapshot copy.
-bool kept_as_is(const at::Tensor& tensor) {
-  return tensor.device().is_cpu() && tensor.is_contiguous() && tensor.layout() == at::kStrided &&
-         !tensor.is_conj() && !tensor.is_neg();
-}
 
 // Bytes of the contiguous host copy of `tensor`.
 std::size_t host_bytes(const at::Tensor& tensor) {
@@ -452,11 +460,12 @@ formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::T
     std::lock_guard call(impl.call_mutex);
     impl.require_step("judge a pair");
   }
-  const at::Tensor e = eager.detach(), c = compiled.detach();
-  const bool kept = kept_as_is(e) && kept_as_is(c);
-  const at::Tensor e_host = kept ? e : e.cpu().contiguous().resolve_conj().resolve_neg();
-  const at::Tensor c_host = kept ? c : c.cpu().contiguous().resolve_conj().resolve_neg();
-  const formats::TensorView e_view = view_of(e_host), c_view = view_of(c_host);
+  // Held only when they are the tensors record() would keep as they are: a copy could never
+  // be recorded.
+  const bool kept = kept_as_is(eager) && kept_as_is(compiled);
+  const at::Tensor e = host_values(eager), c = host_values(compiled);
+  const std::int64_t e_version = e._version(), c_version = c._version();  // of what is compared
+  const formats::TensorView e_view = view_of(e), c_view = view_of(c);
   if (e_view.numel() != c_view.numel()) {
     throw UsageError("judge_pair: the two tensors must have as many elements, but have " +
                      std::to_string(e_view.numel()) + " and " + std::to_string(c_view.numel()));
@@ -465,7 +474,7 @@ formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::T
       analyze::compare_in_memory(e_view, c_view, tolerances, impl.options.writer.chunk_bytes);
   if (kept) {
     std::lock_guard call(impl.call_mutex);
-    impl.early.push_back({e, c, e._version(), c._version(),
+    impl.early.push_back({e, c, e_version, c_version,
                           std::make_shared<const detail::JudgedPair>(
                               detail::JudgedPair{e_view.data, c_view.data, tolerances, metrics})});
   }

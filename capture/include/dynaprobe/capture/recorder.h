@@ -25,7 +25,10 @@ namespace dynaprobe::capture {
 
 // formats::DType of a tensor's dtype; throws UsageError for dtypes a dump cannot hold.
 formats::DType dtype_of(const at::Tensor& tensor);
-// A view of a contiguous CPU tensor's values, valid while the tensor lives.
+// `tensor`'s values as a contiguous strided CPU tensor without conjugate or negative bits: itself
+// (detached) when it already is one, else a copy.
+at::Tensor host_values(const at::Tensor& tensor);
+// A view of the values of such a tensor (host_values), valid while the tensor lives.
 formats::TensorView view_of(const at::Tensor& tensor);
 
 // Judging in memory: when a step holds both sides (provenance mode single-pass or two-pass), the
