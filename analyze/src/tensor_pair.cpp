@@ -33,6 +33,7 @@ struct DecodeBuffers {
   std::vector<std::byte> driver_out, follower_out, scratch;
   std::vector<std::byte> follower_bytes;       // the follower's elements of a unit spanning chunks
   std::vector<float> eager_f32, compiled_f32;  // a sub-block of each side as float32
+  std::vector<float> reference_f32;            // and of a reference compared with both
 };
 
 // `count` elements as float32 values (a complex element as two: real, imaginary): a pointer into
@@ -334,39 +335,118 @@ void compare_small_pairs(std::size_t count, const std::function<PairStreams(std:
                              tbb::make_filter<Item, void>(tbb::filter_mode::parallel, compare));
 }
 
+namespace {
+
+// The units compare_in_memory() compares a pair in: PairPlan's, over the chunks the writer would
+// store; the side with fewer chunks drives, each of its chunks is one accumulation.
+std::vector<ChunkExtent> units_in_memory(const formats::TensorView& eager,
+                                         const formats::TensorView& compiled,
+                                         std::size_t chunk_bytes) {
+  auto eager_chunks = formats::chunk_extents(eager.dtype, eager.shape, chunk_bytes);
+  auto compiled_chunks = formats::chunk_extents(compiled.dtype, compiled.shape, chunk_bytes);
+  return eager_chunks.size() <= compiled_chunks.size() ? std::move(eager_chunks)
+                                                       : std::move(compiled_chunks);
+}
+
+bool same_units(const std::vector<ChunkExtent>& x, const std::vector<ChunkExtent>& y) {
+  return std::equal(
+      x.begin(), x.end(), y.begin(), y.end(), [](const ChunkExtent& a, const ChunkExtent& b) {
+        return a.first_element == b.first_element && a.element_count == b.element_count;
+      });
+}
+
+const std::byte* element_bytes(const formats::TensorView& view, std::uint64_t element) {
+  return static_cast<const std::byte*>(view.data) + element * formats::dtype_size(view.dtype);
+}
+
+// `units` compared on every thread of the caller's arena, `compare_unit(unit, part, buffers)`
+// filling the partial results of a unit, merged in element order: the same bits as one unit
+// after the other.
+template <typename Parts, typename CompareUnit>
+void compare_units(const std::vector<ChunkExtent>& units, Parts& parts,
+                   const CompareUnit& compare_unit) {
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
+                    [&](const tbb::blocked_range<std::size_t>& range) {
+                      DecodeBuffers buffers;
+                      for (std::size_t i = range.begin(); i != range.end(); ++i) {
+                        compare_unit(units[i], parts[i], buffers);
+                      }
+                    });
+}
+
+}  // namespace
+
 TensorMetrics compare_in_memory(const formats::TensorView& eager,
                                 const formats::TensorView& compiled, const Tolerances& tolerances,
                                 std::size_t chunk_bytes, MetricSet set) {
-  // PairPlan's units over the chunks the writer would store: the side with fewer chunks drives,
-  // each of its chunks is one accumulation, merged in element order.
-  const auto eager_chunks = formats::chunk_extents(eager.dtype, eager.shape, chunk_bytes);
-  const auto compiled_chunks = formats::chunk_extents(compiled.dtype, compiled.shape, chunk_bytes);
-  const auto& units =
-      eager_chunks.size() <= compiled_chunks.size() ? eager_chunks : compiled_chunks;
-  const auto* eager_bytes = static_cast<const std::byte*>(eager.data);
-  const auto* compiled_bytes = static_cast<const std::byte*>(compiled.data);
-  const std::size_t eager_size = formats::dtype_size(eager.dtype);
-  const std::size_t compiled_size = formats::dtype_size(compiled.dtype);
-  const auto unit_metrics = [&](const ChunkExtent& unit, std::vector<float>& eager_f32,
-                                std::vector<float>& compiled_f32) {
-    return compare_values(eager.dtype, eager_bytes + unit.first_element * eager_size,
-                          compiled.dtype, compiled_bytes + unit.first_element * compiled_size,
-                          unit.element_count, unit.first_element, tolerances, set, eager_f32,
-                          compiled_f32);
-  };
-  // The units on every thread of the caller's arena, merged in element order: the same bits as
-  // one after the other.
+  const std::vector<ChunkExtent> units = units_in_memory(eager, compiled, chunk_bytes);
   std::vector<MetricsAccumulator> parts(units.size(), MetricsAccumulator(set));
-  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, units.size(), 1),
-                    [&](const tbb::blocked_range<std::size_t>& range) {
-                      std::vector<float> eager_f32, compiled_f32;
-                      for (std::size_t i = range.begin(); i != range.end(); ++i) {
-                        parts[i] = unit_metrics(units[i], eager_f32, compiled_f32);
-                      }
-                    });
+  compare_units(units, parts,
+                [&](const ChunkExtent& unit, MetricsAccumulator& part, DecodeBuffers& buffers) {
+                  part = compare_values(eager.dtype, element_bytes(eager, unit.first_element),
+                                        compiled.dtype, element_bytes(compiled, unit.first_element),
+                                        unit.element_count, unit.first_element, tolerances, set,
+                                        buffers.eager_f32, buffers.compiled_f32);
+                });
   MetricsAccumulator total(set);
   for (const MetricsAccumulator& part : parts) total.merge(part);
   return total.result();
+}
+
+ReferenceComparisons compare_with_reference_in_memory(const formats::TensorView& eager,
+                                                      const formats::TensorView& compiled,
+                                                      const formats::TensorView& reference,
+                                                      const Tolerances& tolerances,
+                                                      std::size_t chunk_bytes, bool with_pair) {
+  const std::vector<ChunkExtent> units = units_in_memory(eager, compiled, chunk_bytes);
+  const std::uint64_t values = formats::value_count(eager.dtype);
+  if (!same_units(units, units_in_memory(reference, eager, chunk_bytes)) ||
+      !same_units(units, units_in_memory(reference, compiled, chunk_bytes)) ||
+      formats::value_count(compiled.dtype) != values ||
+      formats::value_count(reference.dtype) != values) {
+    // Chunks that do not line up: three comparisons, each in its own units.
+    ReferenceComparisons apart;
+    if (with_pair) apart.pair = compare_in_memory(eager, compiled, tolerances, chunk_bytes);
+    apart.reference_eager =
+        compare_in_memory(reference, eager, tolerances, chunk_bytes, MetricSet::kVerdict);
+    apart.reference_compiled =
+        compare_in_memory(reference, compiled, tolerances, chunk_bytes, MetricSet::kVerdict);
+    return apart;
+  }
+  // compare_values() for the three at once: each sub-block of each side converted once, and
+  // compared three times while it is in the core's cache.
+  struct Three {
+    MetricsAccumulator pair{MetricSet::kAll};
+    MetricsAccumulator reference_eager{MetricSet::kVerdict};
+    MetricsAccumulator reference_compiled{MetricSet::kVerdict};
+  };
+  std::vector<Three> parts(units.size());
+  const std::uint64_t step = std::max<std::uint64_t>(1, kSubBlockValues / values);
+  compare_units(units, parts, [&](const ChunkExtent& unit, Three& part, DecodeBuffers& buffers) {
+    for (std::uint64_t start = 0; start < unit.element_count; start += step) {
+      const std::uint64_t n = std::min(step, unit.element_count - start);
+      const std::uint64_t first = unit.first_element + start;
+      const float* e = as_float32(eager.dtype, element_bytes(eager, first), n, buffers.eager_f32);
+      const float* c =
+          as_float32(compiled.dtype, element_bytes(compiled, first), n, buffers.compiled_f32);
+      const float* r =
+          as_float32(reference.dtype, element_bytes(reference, first), n, buffers.reference_f32);
+      if (with_pair) part.pair.accumulate(e, c, n * values, first * values, tolerances);
+      part.reference_eager.accumulate(r, e, n * values, first * values, tolerances);
+      part.reference_compiled.accumulate(r, c, n * values, first * values, tolerances);
+    }
+  });
+  Three total;
+  for (const Three& part : parts) {
+    total.pair.merge(part.pair);
+    total.reference_eager.merge(part.reference_eager);
+    total.reference_compiled.merge(part.reference_compiled);
+  }
+  ReferenceComparisons together;
+  if (with_pair) together.pair = total.pair.result();
+  together.reference_eager = total.reference_eager.result();
+  together.reference_compiled = total.reference_compiled.result();
+  return together;
 }
 
 }  // namespace dynaprobe::analyze

@@ -73,22 +73,21 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
                              early->compiled == b.data &&
                              early->tolerances.atol == row.tolerances.atol &&
                              early->tolerances.rtol == row.tolerances.rtol;
-  row.metrics = judged_before ? early->metrics
-                              : analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
-  bool fails = !row.metrics.allclose;
   // Each side against the reference (reference = a), as the engine's reference tasks compute
   // them (the verdict's metrics, MetricSet::kVerdict): stored under the eager record's key and
-  // the reference record's.
-  if (reference && &eager != &compiled && reference->record.tensor.shape == a.shape) {
-    const formats::TensorView& r = reference->record.tensor;
-    formats::StoredMetrics against_eager{
-        eager.record.key, row.tolerances,
-        analyze::compare_in_memory(r, a, row.tolerances, chunk_bytes_,
-                                   analyze::MetricSet::kVerdict)};
-    formats::StoredMetrics against_compiled{
-        reference->record.key, row.tolerances,
-        analyze::compare_in_memory(r, b, row.tolerances, chunk_bytes_,
-                                   analyze::MetricSet::kVerdict)};
+  // the reference record's. The three comparisons go together, each tensor read once.
+  const bool referenced =
+      reference && &eager != &compiled && reference->record.tensor.shape == a.shape;
+  bool fails = false;
+  if (referenced) {
+    analyze::ReferenceComparisons compared = analyze::compare_with_reference_in_memory(
+        a, b, reference->record.tensor, row.tolerances, chunk_bytes_, !judged_before);
+    row.metrics = judged_before ? early->metrics : compared.pair;
+    fails = !row.metrics.allclose;
+    formats::StoredMetrics against_eager{eager.record.key, row.tolerances,
+                                         compared.reference_eager};
+    formats::StoredMetrics against_compiled{reference->record.key, row.tolerances,
+                                            compared.reference_compiled};
     const double roundoff = std::max(
         {analyze::unit_roundoff(a.dtype), analyze::unit_roundoff(b.dtype), cast_roundoff_});
     const analyze::NoiseMeasure measure = analyze::measure_noise(
@@ -96,8 +95,11 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
     if (judging_.reference_decides) fails = measure.divergence;
     metrics_.push_back(std::move(against_eager));
     metrics_.push_back(std::move(against_compiled));
-  } else if (!fails) {
-    fails = judging_.beyond_screen(row.key.module, row.key.kind, a.dtype, b.dtype, row.metrics);
+  } else {
+    row.metrics = judged_before ? early->metrics
+                                : analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
+    fails = !row.metrics.allclose ||
+            judging_.beyond_screen(row.key.module, row.key.kind, a.dtype, b.dtype, row.metrics);
   }
   metrics_.push_back(std::move(row));
   return fails;

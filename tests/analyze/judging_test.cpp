@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "dynaprobe/analyze/engine.h"
@@ -95,6 +96,73 @@ TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
   expect_same_bits(
       one_thread.execute([&] { return compare_in_memory(a, b, tolerances, options.chunk_bytes); }),
       got);
+}
+
+std::vector<std::uint16_t> to_bfloat16(const std::vector<float>& values) {
+  std::vector<std::uint16_t> half(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &values[i], 4);
+    half[i] = static_cast<std::uint16_t>(bits >> 16);  // truncated
+  }
+  return half;
+}
+
+void expect_same_metrics(const TensorMetrics& x, const TensorMetrics& y) {
+  EXPECT_EQ(x.elements, y.elements);
+  EXPECT_EQ(std::memcmp(&x.max_abs, &y.max_abs, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&x.rmse, &y.rmse, sizeof(double)), 0);
+  EXPECT_EQ(x.rms_eager, y.rms_eager);
+  EXPECT_EQ(x.rms_compiled, y.rms_compiled);
+  EXPECT_EQ(std::memcmp(&x.cosine, &y.cosine, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&x.max_rel, &y.max_rel, sizeof(double)), 0);
+  EXPECT_EQ(x.mismatches, y.mismatches);
+  EXPECT_EQ(x.nan_eager, y.nan_eager);
+  EXPECT_EQ(x.inf_compiled, y.inf_compiled);
+  EXPECT_EQ(x.worst_index, y.worst_index);
+  EXPECT_EQ(x.histogram, y.histogram);
+  EXPECT_EQ(x.allclose, y.allclose);
+}
+
+TEST(Judging, APairAndItsReferenceComparedTogetherGiveTheBitsOfThreeComparisons) {
+  // A float32 reference of gradients at a real scale (1e-3), a bfloat16 pair that differs from
+  // it by rounding and in a few elements by more, over several chunks, with a NaN and an
+  // infinity: the fused comparison (the pair's chunks drive all three) and, with a float32 eager
+  // side whose chunks differ from the compiled side's, the comparisons apart.
+  const std::size_t n = 5 * 65536 + 77;
+  auto reference = noise(n, 3, 1e-3f);
+  auto eager = reference, compiled = reference;
+  const auto jitter = noise(n, 4, 1e-5f);
+  for (std::size_t i = 0; i < n; i += 97) compiled[i] += jitter[i];
+  for (std::size_t i = 5; i < n; i += 89) eager[i] -= jitter[i];
+  compiled[70001] = std::numeric_limits<float>::quiet_NaN();
+  eager[200003] = std::numeric_limits<float>::infinity();
+  const auto eager_half = to_bfloat16(eager), compiled_half = to_bfloat16(compiled);
+  const std::vector<std::int64_t> shape = {static_cast<std::int64_t>(n)};
+  const formats::TensorView r{DType::kFloat32, shape, reference.data()};
+  const formats::TensorView c{DType::kBFloat16, shape, compiled_half.data()};
+  const Tolerances tolerances{1e-5, 1.6e-2};
+  const std::size_t chunk_bytes = 64 << 10;
+  for (const formats::TensorView& e :
+       {formats::TensorView{DType::kBFloat16, shape, eager_half.data()},
+        formats::TensorView{DType::kFloat32, shape, eager.data()}}) {
+    SCOPED_TRACE(formats::dtype_name(e.dtype));
+    const ReferenceComparisons together =
+        compare_with_reference_in_memory(e, c, r, tolerances, chunk_bytes);
+    expect_same_metrics(together.pair, compare_in_memory(e, c, tolerances, chunk_bytes));
+    expect_same_metrics(together.reference_eager,
+                        compare_in_memory(r, e, tolerances, chunk_bytes, MetricSet::kVerdict));
+    expect_same_metrics(together.reference_compiled,
+                        compare_in_memory(r, c, tolerances, chunk_bytes, MetricSet::kVerdict));
+    EXPECT_FALSE(together.pair.allclose);
+    EXPECT_EQ(together.reference_compiled.nan_compiled, 1u);
+    EXPECT_GT(together.reference_eager.mismatches, 0u);
+    // A pair judged before: only its reference comparisons, the same bits.
+    const ReferenceComparisons without_pair =
+        compare_with_reference_in_memory(e, c, r, tolerances, chunk_bytes, false);
+    EXPECT_EQ(without_pair.pair.elements, 0u);
+    expect_same_metrics(without_pair.reference_compiled, together.reference_compiled);
+  }
 }
 
 // A dump as PrecisionChecker(dump="stats") writes it: index rows and metrics, no tensors.

@@ -140,6 +140,22 @@ TensorMetrics compare_in_memory(const formats::TensorView& eager,
                                 const formats::TensorView& compiled, const Tolerances& tolerances,
                                 std::size_t chunk_bytes, MetricSet set = MetricSet::kAll);
 
+// The comparisons of a pair with its reference, as compare_in_memory() computes each, the same
+// bits: eager against compiled with every metric (`pair`; not computed, default, unless
+// `with_pair`) and the reference against each side with the verdict's (MetricSet::kVerdict;
+// `reference` is the first tensor of both). Where the three compare in the same chunks (the
+// usual case: a wider reference has more chunks, so the pair's drive all three), each block of
+// each tensor is read and converted once for the three, a third less time than three calls.
+struct ReferenceComparisons {
+  TensorMetrics pair, reference_eager, reference_compiled;
+};
+ReferenceComparisons compare_with_reference_in_memory(const formats::TensorView& eager,
+                                                      const formats::TensorView& compiled,
+                                                      const formats::TensorView& reference,
+                                                      const Tolerances& tolerances,
+                                                      std::size_t chunk_bytes,
+                                                      bool with_pair = true);
+
 // Whether metrics judged at capture with `stored.tolerances` are what judging with `tolerances`
 // gives: the same tolerances, or wider ones for a pair that had no element outside the narrower
 // (closeness only grows with atol and rtol).
