@@ -190,13 +190,19 @@ StepReader::~StepReader() = default;
 StepReader::StepReader(StepReader&&) noexcept = default;
 StepReader& StepReader::operator=(StepReader&&) noexcept = default;
 
-const fs::path& StepReader::path() const { return impl_->path; }
+const fs::path& StepReader::path() const& { return impl_->path; }
+fs::path StepReader::path() && { return impl_->path; }
 std::int64_t StepReader::step() const { return impl_->step; }
-const std::string& StepReader::format_version() const { return impl_->format_version; }
-const Provenance& StepReader::provenance() const { return impl_->provenance; }
-const std::vector<RecordInfo>& StepReader::records() const { return impl_->records; }
-const std::vector<std::string>& StepReader::skipped_records() const { return impl_->skipped; }
-const std::vector<StoredMetrics>& StepReader::stored_metrics() const { return impl_->metrics; }
+const std::string& StepReader::format_version() const& { return impl_->format_version; }
+std::string StepReader::format_version() && { return impl_->format_version; }
+const Provenance& StepReader::provenance() const& { return impl_->provenance; }
+Provenance StepReader::provenance() && { return impl_->provenance; }
+const std::vector<RecordInfo>& StepReader::records() const& { return impl_->records; }
+std::vector<RecordInfo> StepReader::records() && { return impl_->records; }
+const std::vector<std::string>& StepReader::skipped_records() const& { return impl_->skipped; }
+std::vector<std::string> StepReader::skipped_records() && { return impl_->skipped; }
+const std::vector<StoredMetrics>& StepReader::stored_metrics() const& { return impl_->metrics; }
+std::vector<StoredMetrics> StepReader::stored_metrics() && { return impl_->metrics; }
 
 const StoredMetrics* StepReader::find_metrics(const RecordKey& key) const {
   auto found = impl_->metrics_by_key.find(key);

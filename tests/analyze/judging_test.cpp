@@ -44,18 +44,42 @@ formats::Record record(Side side, std::vector<std::int64_t> shape, const void* d
 const formats::Provenance kSinglePass = {
     {"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}};
 
+std::vector<std::uint16_t> to_bfloat16(const std::vector<float>& values) {
+  std::vector<std::uint16_t> half(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &values[i], 4);
+    half[i] = static_cast<std::uint16_t>(bits >> 16);  // truncated
+  }
+  return half;
+}
+
+// Sums in the same order: equal bits (NaN included, where a metric is not computed).
+void expect_same_metrics(const TensorMetrics& x, const TensorMetrics& y) {
+  EXPECT_EQ(x.elements, y.elements);
+  EXPECT_EQ(std::memcmp(&x.max_abs, &y.max_abs, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&x.mean_abs, &y.mean_abs, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&x.rmse, &y.rmse, sizeof(double)), 0);
+  EXPECT_EQ(x.rms_eager, y.rms_eager);
+  EXPECT_EQ(x.rms_compiled, y.rms_compiled);
+  EXPECT_EQ(std::memcmp(&x.cosine, &y.cosine, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&x.max_rel, &y.max_rel, sizeof(double)), 0);
+  EXPECT_EQ(x.mismatches, y.mismatches);
+  EXPECT_EQ(x.nan_eager, y.nan_eager);
+  EXPECT_EQ(x.inf_compiled, y.inf_compiled);
+  EXPECT_EQ(x.worst_index, y.worst_index);
+  EXPECT_EQ(x.histogram, y.histogram);
+  EXPECT_EQ(x.allclose, y.allclose);
+}
+
 TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
   // Several chunks per side, and a bfloat16 side whose chunks hold twice the elements: the
   // accumulation order is the engine's only if the chunking is reproduced.
   const std::size_t n = 3 * 65536 + 123;
   const auto eager = noise(n, 1);
-  std::vector<std::uint16_t> compiled_half(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = eager[i] * (1 + 1e-2f * static_cast<float>(i % 7));
-    std::uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    compiled_half[i] = static_cast<std::uint16_t>(bits >> 16);  // bfloat16, truncated
-  }
+  auto compiled = eager;
+  for (std::size_t i = 0; i < n; ++i) compiled[i] *= 1 + 1e-2f * static_cast<float>(i % 7);
+  const auto compiled_half = to_bfloat16(compiled);
   TempDir dir;
   formats::WriterOptions options;
   options.chunk_bytes = 64 << 10;
@@ -76,52 +100,14 @@ TEST(Judging, InMemoryMetricsAreTheEnginesBitForBit) {
       DType::kBFloat16, {static_cast<std::int64_t>(n)}, compiled_half.data()};
   const Tolerances tolerances = dump_judging(kSinglePass, dir.path())
                                     .row_tolerances("layers.0", Kind::kFwdOutput, a.dtype, b.dtype);
-  // Sums in the same order: equal bits.
-  const auto expect_same_bits = [](const TensorMetrics& x, const TensorMetrics& y) {
-    EXPECT_EQ(std::memcmp(&x.max_abs, &y.max_abs, sizeof(double)), 0);
-    EXPECT_EQ(x.mean_abs, y.mean_abs);
-    EXPECT_EQ(x.rmse, y.rmse);
-    EXPECT_EQ(x.cosine, y.cosine);
-    EXPECT_EQ(x.max_rel, y.max_rel);
-    EXPECT_EQ(x.mismatches, y.mismatches);
-    EXPECT_EQ(x.worst_index, y.worst_index);
-    EXPECT_EQ(x.histogram, y.histogram);
-    EXPECT_EQ(x.allclose, y.allclose);
-  };
   const TensorMetrics got = compare_in_memory(a, b, tolerances, options.chunk_bytes);
-  expect_same_bits(got, expected);
+  expect_same_metrics(got, expected);
   EXPECT_FALSE(got.allclose);
   // Its chunks are compared on every thread of the caller's arena: one thread, the same bits.
   tbb::task_arena one_thread(1);
-  expect_same_bits(
+  expect_same_metrics(
       one_thread.execute([&] { return compare_in_memory(a, b, tolerances, options.chunk_bytes); }),
       got);
-}
-
-std::vector<std::uint16_t> to_bfloat16(const std::vector<float>& values) {
-  std::vector<std::uint16_t> half(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    std::uint32_t bits;
-    std::memcpy(&bits, &values[i], 4);
-    half[i] = static_cast<std::uint16_t>(bits >> 16);  // truncated
-  }
-  return half;
-}
-
-void expect_same_metrics(const TensorMetrics& x, const TensorMetrics& y) {
-  EXPECT_EQ(x.elements, y.elements);
-  EXPECT_EQ(std::memcmp(&x.max_abs, &y.max_abs, sizeof(double)), 0);
-  EXPECT_EQ(std::memcmp(&x.rmse, &y.rmse, sizeof(double)), 0);
-  EXPECT_EQ(x.rms_eager, y.rms_eager);
-  EXPECT_EQ(x.rms_compiled, y.rms_compiled);
-  EXPECT_EQ(std::memcmp(&x.cosine, &y.cosine, sizeof(double)), 0);
-  EXPECT_EQ(std::memcmp(&x.max_rel, &y.max_rel, sizeof(double)), 0);
-  EXPECT_EQ(x.mismatches, y.mismatches);
-  EXPECT_EQ(x.nan_eager, y.nan_eager);
-  EXPECT_EQ(x.inf_compiled, y.inf_compiled);
-  EXPECT_EQ(x.worst_index, y.worst_index);
-  EXPECT_EQ(x.histogram, y.histogram);
-  EXPECT_EQ(x.allclose, y.allclose);
 }
 
 TEST(Judging, APairAndItsReferenceComparedTogetherGiveTheBitsOfThreeComparisons) {

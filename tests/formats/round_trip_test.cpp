@@ -13,6 +13,8 @@
 #include <fstream>
 #include <memory>
 #include <set>
+#include <type_traits>
+#include <utility>
 
 #include "dynaprobe/formats/error.h"
 #include "dynaprobe/formats/filters.h"
@@ -84,6 +86,34 @@ TEST(RoundTrip, EveryDTypeBitForBit) {
     tensors.push_back(make("m_" + std::string(dtype_name(dtype)), dtype, {37, 129}, seed++));
   }
   expect_round_trip(tensors);
+}
+
+// A loop over the index of a reader made for it, `for (auto& info : StepReader(file).records())`,
+// gets a copy: a reference would outlive the reader, which dies before the loop's first step.
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().records())>);
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().stored_metrics())>);
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().skipped_records())>);
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().provenance())>);
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().path())>);
+static_assert(!std::is_reference_v<decltype(std::declval<StepReader>().format_version())>);
+static_assert(std::is_reference_v<decltype(std::declval<const StepReader&>().records())>);
+
+TEST(RoundTrip, ATemporaryReadersIndexOutlivesIt) {
+  TempDir dir;
+  std::vector<Written> tensors = {make("a", DType::kFloat32, {3, 5}, 1),
+                                  make("b", DType::kBFloat16, {7}, 2)};
+  std::vector<Record> records;
+  for (auto& t : tensors) {
+    t.record.tensor.data = t.data.data();
+    records.push_back(t.record);
+  }
+  StepWriter writer(dir.path(), 0, {{"torch_version", "2.13.0"}});
+  writer.write(records);
+  const auto path = writer.commit();
+  std::vector<std::string> modules;
+  for (const RecordInfo& info : StepReader(path).records()) modules.push_back(info.key.module);
+  EXPECT_EQ(modules, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(StepReader(path).provenance().at("torch_version"), "2.13.0");
 }
 
 TEST(RoundTrip, ZeroDimEmptyAndOddShapes) {

@@ -79,19 +79,28 @@ class StepReader {
   StepReader(StepReader&&) noexcept;
   StepReader& operator=(StepReader&&) noexcept;
 
-  const std::filesystem::path& path() const;
+  // The accessors that return a reference into the reader return a copy when the reader is a
+  // temporary: `for (auto& m : StepReader(file).stored_metrics())` would otherwise iterate over
+  // a vector destroyed with the reader before the loop's first step.
+  const std::filesystem::path& path() const&;
+  std::filesystem::path path() &&;
   std::int64_t step() const;
-  const std::string& format_version() const;
-  const Provenance& provenance() const;
-  const std::vector<RecordInfo>& records() const;
+  const std::string& format_version() const&;
+  std::string format_version() &&;
+  const Provenance& provenance() const&;
+  Provenance provenance() &&;
+  const std::vector<RecordInfo>& records() const&;
+  std::vector<RecordInfo> records() &&;
   // Index rows this reader cannot interpret (a kind, side or dtype added by a newer minor
   // version of the format), described for a warning; records() leaves them out.
-  const std::vector<std::string>& skipped_records() const;
+  const std::vector<std::string>& skipped_records() const&;
+  std::vector<std::string> skipped_records() &&;
   // nullptr when the file has no such record.
   const RecordInfo* find(const RecordKey& key) const;
   // The metrics the capture computed in memory (format 1.3), in the order written; checked
   // against their checksum when the file is opened.
-  const std::vector<StoredMetrics>& stored_metrics() const;
+  const std::vector<StoredMetrics>& stored_metrics() const&;
+  std::vector<StoredMetrics> stored_metrics() &&;
   // The stored metrics of the pair whose key is `key`; nullptr when none were stored.
   const StoredMetrics* find_metrics(const RecordKey& key) const;
   std::vector<Graph> graphs() const;
