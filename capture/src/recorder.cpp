@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <memory>
@@ -91,6 +92,13 @@ namespace {
 std::size_t host_bytes(const at::Tensor& tensor) {
   return static_cast<std::size_t>(tensor.numel()) * static_cast<std::size_t>(tensor.element_size());
 }
+
+// Contiguous CPU tensors up to this size are snapshot by a memcpy on the calling thread, not
+// torch's copy_: copy_ runs an OpenMP region on every intra-op thread from 32K elements on, and
+// on a host whose cores other processes also want, each region waits for its slowest thread
+// (two CPU hogs beside a 14.7M bf16 step: 37 ms a step in 91 records, against 1.2 ms quiet).
+// Larger tensors keep torch's parallel copy.
+constexpr std::size_t kPlainCopyBytes = std::size_t{1} << 20;
 
 // Host memory for snapshots, recycled. The background thread frees each snapshot once written,
 // and glibc returns memory freed on another thread to that thread's arena: without recycling,
@@ -201,9 +209,14 @@ Snapshot snapshot_of(const at::Tensor& tensor, SnapshotPool& pool) {
   if (source.layout() != at::kStrided) source = source.to_dense();
   Snapshot snapshot;
   if (source.device().is_cpu()) {
-    // One copy: copy_ into a plain tensor materialises the lazy conj/neg bits of `source`.
     snapshot.host = pool.empty(source.sizes(), source.scalar_type());
-    snapshot.host.copy_(source);
+    const std::size_t bytes = host_bytes(source);
+    if (kept_as_is(source) && bytes <= kPlainCopyBytes) {
+      if (bytes > 0) std::memcpy(snapshot.host.data_ptr(), source.const_data_ptr(), bytes);
+    } else {
+      // One copy: copy_ into a plain tensor materialises the lazy conj/neg bits of `source`.
+      snapshot.host.copy_(source);
+    }
   } else {
     snapshot = device_snapshot(source);
   }
