@@ -11,8 +11,9 @@ and the median of the next --steps is reported:
   inherent    compiled, plus what any single-pass checker must do: an eager forward and backward
               of every block call on its own inputs
   inherent+ref  (--dtype bfloat16) inherent, plus the reference's own arithmetic: a float32 copy
-              of every block run forward and backward on the call's inputs upcast, what the
-              default reference="auto" adds in bf16; "x inherent+ref" compares against it
+              of every block, its weights refreshed, run forward and backward on the call's
+              inputs upcast, what the default reference="auto" adds in bf16; "x inherent+ref"
+              compares against it
   full        dynaprobe's PrecisionChecker, single-pass, dump="full"
   failing     dump="failing"
   stats       dump="stats"
@@ -166,8 +167,9 @@ def backward_of(out):
 
 
 class InherentWithReference(Inherent):
-    """Inherent, plus a float32 copy of every block run forward and backward on the call's
-    inputs upcast: the arithmetic the reference adds, without the checker."""
+    """Inherent, plus a float32 copy of every block, its weights refreshed from the block's
+    (into memory it keeps), run forward and backward on the call's inputs upcast: the arithmetic
+    the reference adds, without the checker."""
 
     def setup(self):
         self.float_copies = {id(module): copy.deepcopy(module).float()
@@ -181,6 +183,10 @@ class InherentWithReference(Inherent):
                           and x.is_floating_point() else x, (args, kwargs))
         upcast[0][0].requires_grad_()
         reference = self.float_copies[id(original.__self__)]
+        with torch.no_grad():
+            for kept, weight in zip(reference.state_dict().values(),
+                                    original.__self__.state_dict().values()):
+                kept.copy_(weight)
         reference.zero_grad(set_to_none=True)
         backward_of(reference(*upcast[0], **upcast[1]))
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from models import FORWARD_FAULT, Chain, compiled_copy
 
 from dynaprobe import _C, PrecisionChecker
+from dynaprobe._mechanics.reference import WeightCopies
 
 
 def _step(x):
@@ -544,3 +545,56 @@ def test_float32_gradients_that_cancel_get_their_reference_when_they_fail(tmp_pa
     faulty, _ = _mobilenet_step(tmp_path / "fault")
     row = next(r for r in faulty.rows if r.module == "stem.1" and r.check_type == "param_grad")
     assert row.status == "FAIL" and row.reference["verdict"] == "divergence", faulty.text()
+
+
+def test_the_reference_follows_the_weights_from_step_to_step(tmp_path):
+    """The reference's upcast weights keep their memory from step to step (WeightCopies): each
+    step's reference runs on the weights as the optimizer left them, not on an earlier step's,
+    after a step under inference_mode too."""
+    model = _bf16_chain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    checker = PrecisionChecker(dump="full", dump_dir=str(tmp_path / "dump"))
+    checker.wrap_all_children(model, depth=0)
+    checker.install(model)
+    x = torch.randn(16, 8).to(torch.bfloat16)
+    with torch.inference_mode():
+        model(x)
+    assert checker.collect(None).all_pass
+    for _ in range(3):
+        lin = model.stage0.lin  # stage0 is tanh(lin(x)), here in float32
+        expected = torch.tanh(F.linear(x.float(), lin.weight.float(), lin.bias.float())).detach()
+        optimizer.zero_grad()
+        loss = model(x)
+        loss.backward()
+        result = checker.collect(loss)
+        optimizer.step()
+        torch.testing.assert_close(_read(result, "stage0", "fwd_output", "reference"), expected,
+                                   rtol=1e-6, atol=1e-7)
+    checker.uninstall()
+
+
+def test_weight_copies_are_refreshed_in_memory_that_stays():
+    """WeightCopies: a copy taken after reclaim() is the same memory with the new values; a
+    graph that saved the old copy fails its backward instead of reading them; memory first taken
+    under inference_mode serves a step in grad mode."""
+    weight = torch.randn(4, 3, dtype=torch.bfloat16)
+    kept = WeightCopies()
+    with torch.inference_mode():
+        assert not kept.take(weight, torch.float32).is_inference()
+    kept.reclaim()
+    first = kept.take(weight, torch.float32).requires_grad_(True)
+    assert torch.equal(first, weight.float())
+    output = (first * first).sum()  # saves `first` for its backward
+    kept.reclaim()
+    weight.add_(1)
+    second = kept.take(weight, torch.float32)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, weight.float())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        output.backward()
+    assert kept.take(weight, torch.float32).data_ptr() != first.data_ptr()  # lent already
+    assert kept.take(weight.t(), torch.float32).stride() == (1, 3)
+    assert kept.take(weight.as_subclass(_Subclass), torch.float32) is None  # copied as before
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (as DTensor is one), whose copies WeightCopies leaves to upcast()."""

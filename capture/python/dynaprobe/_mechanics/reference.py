@@ -173,12 +173,19 @@ def accelerator_draws(dtype: torch.dtype) -> str:
 def upcast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Floating tensors in ``dtype`` (float32 or float64), complex ones in the complex dtype of
     that precision; others as they are. Never narrows a wider tensor."""
+    wide = upcast_dtype(tensor, dtype)
+    return tensor if wide in (None, tensor.dtype) else tensor.to(wide)
+
+
+def upcast_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype ``upcast`` gives ``tensor``; None for one it leaves as it is whatever ``dtype``
+    (not floating, or float64 or complex128 already)."""
+    if tensor.dtype in (torch.float64, torch.complex128) or not (
+            tensor.is_floating_point() or tensor.is_complex()):
+        return None
     if tensor.is_complex():
-        wide = torch.complex128 if dtype == torch.float64 else torch.complex64
-        return tensor if tensor.dtype == torch.complex128 else tensor.to(wide)
-    if not tensor.is_floating_point() or tensor.dtype == torch.float64:
-        return tensor
-    return tensor.to(dtype)
+        return torch.complex128 if dtype == torch.float64 else torch.complex64
+    return dtype
 
 
 def upcast_copy(tensor: torch.Tensor, dtype: torch.dtype, leaf: bool = False) -> torch.Tensor:
@@ -236,13 +243,59 @@ def no_autocast(devices: set):
         yield
 
 
+class WeightCopies:
+    """Memory for the upcast copies of a module's weights that its references run on, reused from
+    step to step. A copy is lent to one call (``take``) and comes back when the step that lent it
+    is over (``reclaim``: every reference backward of the step has run); the next step's calls
+    take the same memory and refresh its values. On the host, memory freed goes back to the
+    system and a new copy page-faults it in again, zeroed: a fresh float32 copy of 18.9M bf16
+    weights took 18 ms against 6 ms into kept memory (docs/performance.md). Only plain CPU tensors
+    are kept: a device's caching allocator already reuses its memory, and a tensor subclass
+    (DTensor) is copied as before. The kept copies are the memory a checked step holds at its
+    peak anyway (every call's reference weights until the backward).
+
+    A copy refreshed in place bumps its version counter, which it shares with what each call
+    got: a graph that still saved an older step's copy fails its backward with autograd's
+    in-place error instead of reading the new values."""
+
+    def __init__(self) -> None:
+        self.free: Dict[tuple, List[torch.Tensor]] = {}
+        self.lent: List[Tuple[tuple, torch.Tensor]] = []
+
+    def take(self, tensor: torch.Tensor, wide: torch.dtype) -> Optional[torch.Tensor]:
+        """A copy of ``tensor`` in ``wide``, detached, in kept memory; None for a tensor this
+        does not keep (the caller makes its copy as before)."""
+        if (type(tensor) not in (torch.Tensor, nn.Parameter) or tensor.device.type != "cpu"
+                or tensor.layout != torch.strided):
+            return None
+        key = (tuple(tensor.shape), tensor.stride(), wide)
+        kept = self.free.get(key)
+        if kept:
+            memory = kept.pop()
+        else:
+            with torch.inference_mode(False):  # a normal tensor, which any later step can use
+                memory = torch.empty_like(tensor, dtype=wide, requires_grad=False)
+            if memory.stride() != tensor.stride():  # overlapping or gapped strides
+                return None
+        memory.copy_(tensor.detach())
+        self.lent.append((key, memory))
+        return memory.detach()  # its own requires_grad, the same storage and version counter
+
+    def reclaim(self) -> None:
+        """The step is over: what it lent is free for the next."""
+        for key, memory in self.lent:
+            self.free.setdefault(key, []).append(memory)
+        self.lent.clear()
+
+
 @contextlib.contextmanager
-def upcast_weights(module: nn.Module, dtype: torch.dtype,
-                   grad_mode: bool) -> Iterator[Dict[int, torch.Tensor]]:
+def upcast_weights(module: nn.Module, dtype: torch.dtype, grad_mode: bool,
+                   kept: Optional[WeightCopies] = None) -> Iterator[Dict[int, torch.Tensor]]:
     """Puts upcast copies of ``module``'s parameters and floating buffers in place of its own
     while the block runs (no deep copy of the module: FSDP2-sharded and other modules that cannot
     be copied get a reference too); yields {id(real parameter): its copy}. The copies of
-    parameters that require grad are leaves of the reference's backward."""
+    parameters that require grad are leaves of the reference's backward. ``kept``: where the
+    copies' memory comes from, if anywhere."""
     copies: Dict[int, torch.Tensor] = {}
     swapped = []
     try:
@@ -252,13 +305,8 @@ def upcast_weights(module: nn.Module, dtype: torch.dtype,
                     if tensor is None:
                         continue
                     if id(tensor) not in copies:
-                        copy = upcast(tensor.detach(), dtype)
-                        is_parameter = table is owner._parameters
-                        if not is_parameter and copy.data_ptr() == tensor.data_ptr():
-                            copy = copy.clone()  # the reference may update a buffer in place
-                        if grad_mode and tensor.requires_grad and is_parameter:
-                            copy.requires_grad_(True)
-                        copies[id(tensor)] = copy
+                        copies[id(tensor)] = _upcast_weight(tensor, dtype, grad_mode, kept,
+                                                            table is owner._parameters)
                     swapped.append((table, name, tensor))
                     table[name] = copies[id(tensor)]
         yield copies
@@ -267,19 +315,36 @@ def upcast_weights(module: nn.Module, dtype: torch.dtype,
             table[name] = tensor
 
 
+def _upcast_weight(tensor: torch.Tensor, dtype: torch.dtype, grad_mode: bool,
+                   kept: Optional[WeightCopies], is_parameter: bool) -> torch.Tensor:
+    """A parameter's or buffer's copy for upcast_weights: a parameter already as wide as
+    ``dtype`` is used as it is, a buffer always copied (the reference may update it in place)."""
+    wide, copy = upcast_dtype(tensor, dtype), None
+    if kept is not None and wide is not None and (wide != tensor.dtype or not is_parameter):
+        copy = kept.take(tensor, wide)
+    if copy is None:
+        copy = upcast(tensor.detach(), dtype)
+        if not is_parameter and copy.data_ptr() == tensor.data_ptr():
+            copy = copy.clone()
+    if grad_mode and tensor.requires_grad and is_parameter:
+        copy.requires_grad_(True)
+    return copy
+
+
 def run_reference(module: nn.Module, forward: Callable, arguments, dtype: torch.dtype,
                   devices: set, grad_mode: bool, requires_grad: Callable[[int], bool],
-                  written: FrozenSet[int], leaves_of: Callable,
-                  map_inputs: Callable) -> Tuple[object, Optional[ReferenceRun]]:
+                  written: FrozenSet[int], leaves_of: Callable, map_inputs: Callable,
+                  kept: Optional[WeightCopies] = None) -> Tuple[object, Optional[ReferenceRun]]:
     """Runs ``forward`` (the module's original, uncompiled forward, a bound method) with the
     module's weights and the ``arguments`` upcast to ``dtype`` and autocast off; returns the
     output and, in grad mode, what the reference backward needs. ``written``: the inputs the
-    training call wrote in place (_isolation.rerun_input)."""
+    training call wrote in place (_isolation.rerun_input); ``kept``: the weights' copies'
+    memory (WeightCopies)."""
     args, kwargs, _ = arguments
     leaves: list = []
     args, kwargs = map_inputs(args, kwargs, rerun_input(grad_mode, requires_grad, written, leaves))
     real = {id(p): p for p in module.parameters() if p.requires_grad}
-    with upcast_weights(module, dtype, grad_mode) as copies, no_autocast(devices), \
+    with upcast_weights(module, dtype, grad_mode, kept) as copies, no_autocast(devices), \
             torch.set_grad_enabled(grad_mode):
         out = forward(*args, **kwargs)
     if not grad_mode:

@@ -258,9 +258,8 @@ class SinglePass:
             if referred:
                 call.rng_before.restore()
                 call.reference = self._reference_call(call)
-            # No reference for this call: its upcast copies go, unless its gradients may still
-            # ask for one (_late_reference; not for FSDP2's full parameters, freed after the
-            # backward)
+            # No reference for this call: its upcast copies go, unless its gradients may ask for one
+            # later (_late_reference; not with FSDP2's full parameters, freed after the backward)
             if call.reference is None and (referred or not call.grad_mode or call.target.shards):
                 call.reference_args = None
         except Exception as error:
@@ -386,7 +385,8 @@ class SinglePass:
             out, run = run_reference(target.module, target.eager, call.reference_args, dtype,
                                      call.devices, call.grad_mode,
                                      lambda index: inputs[index][1].requires_grad,
-                                     call.written, tensor_leaves, map_tensors)
+                                     call.written, tensor_leaves, map_tensors,
+                                     self.session.weight_copies)
         except Exception as error:
             what = f"{type(error).__name__}: {error}"
             step.reference_missing(target.name, what)

@@ -19,7 +19,7 @@ from dynaprobe._C.vocabulary import SIDE_COMPILED, SIDE_EAGER
 from dynaprobe._mechanics import storage as _storage
 from dynaprobe._mechanics.distributed import rank_and_world, rank_dir_name, resolve_dump_dir
 from dynaprobe._mechanics.graphs import GraphRecorder, write_graph_files
-from dynaprobe._mechanics.reference import user_autocast
+from dynaprobe._mechanics.reference import WeightCopies, user_autocast
 from dynaprobe._results.result import CompareResult
 from dynaprobe._steps.step import Step, Target
 
@@ -105,6 +105,8 @@ class StepSession:
         self.writes = _storage.Writes(strict_io)
         self.index = 0  # the next step: collect()/compare()/capture() calls, from 0
         self.step: Optional[Step] = None  # the step begun, until it is finished
+        # The memory of the references' weights, lent to a step's calls until it is over.
+        self.weight_copies = WeightCopies()
         self.recorder = None
         self.mode: Optional[str] = None  # the provenance mode the recorder was opened with
         # install() until uninstall(), outside compare(): a run of steps, whose files are
@@ -158,6 +160,7 @@ class StepSession:
     def abandon(self) -> None:
         """Forgets the step begun, finished or not (a two-pass or captured step that raised)."""
         self.step = None
+        self.weight_copies.reclaim()
 
     def discard(self) -> None:
         """uninstall(): a step begun but never collected is discarded, with its recorder."""
@@ -165,6 +168,7 @@ class StepSession:
             self.step = None
             self.recorder = None
             self.mode = None
+        self.weight_copies = WeightCopies()  # their memory goes back
 
     # ------------------------------------------------------------------ finish
     def collect(self, installation: Installation, loss) -> Optional[CompareResult]:
@@ -192,6 +196,7 @@ class StepSession:
         # training goes on (raises a background error: disk full, ... with strict_io).
         pending = self.recorder.finish_step()
         self.step = None
+        self.weight_copies.reclaim()  # every reference backward of the step has run
         self.index += 1
         commit = self._commit(pending, compare)
         self._keep_budget_and_estimate(step, pending, commit, compare)
