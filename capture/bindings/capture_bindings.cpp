@@ -161,6 +161,19 @@ Args:
   handed_over: the caller gives the tensor up (a private copy nobody changes or reuses): a
     contiguous CPU tensor is then kept as it is, without a snapshot copy.
 )doc")
+      .def(
+          "judge_later",
+          [](Recorder& self, const std::string& module, const at::Tensor& eager,
+             const at::Tensor& compiled, const std::optional<at::Tensor>& reference) {
+            py::gil_scoped_release release;
+            self.judge_later(module, eager, compiled, reference.value_or(at::Tensor()));
+          },
+          py::arg("module"), py::arg("eager"), py::arg("compiled"),
+          py::arg("reference") = py::none(),
+          "Queues the pair of `module`'s parameter gradient (and each side against `reference`) "
+          "to be judged now, in the background; when the same tensors are recorded unchanged "
+          "(handed over) as that row, its metrics are taken, not computed again. CPU tensors "
+          "kept as they are only; returns at once.")
       .def("copy", &Recorder::copy, py::arg("tensor"), py::call_guard<py::gil_scoped_release>(),
            "A private contiguous copy of `tensor` to hand over later (record(..., "
            "handed_over=True)): a CPU tensor goes into the recorder's recycled snapshot memory, "

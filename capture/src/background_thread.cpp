@@ -188,6 +188,7 @@ class BackgroundThread {
                            std::uint64_t batch);
   void publish_judged(std::size_t released, std::size_t count);
   void judge_item(Item& item);
+  void judge_ahead(JudgeItem& item);
   void begin_judging(std::int64_t step);
   void end_judging();
   // Writing.
@@ -368,6 +369,8 @@ void BackgroundThread::judge_item(Item& item) {
           using T = std::decay_t<decltype(value)>;
           if constexpr (std::is_same_v<T, BeginItem>) {
             begin_judging(value.step);
+          } else if constexpr (std::is_same_v<T, JudgeItem>) {
+            judge_ahead(value);
           } else if constexpr (std::is_same_v<T, formats::Graph>) {
             if (judging_.state != JudgingState::kLost) writes_.push_back(std::move(value));
           } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
@@ -392,6 +395,17 @@ void BackgroundThread::judge_item(Item& item) {
     ++shared_.handled;
   }
   shared_.caller_cv.notify_all();
+}
+
+// A pair judged ahead of its records (Recorder::judge_later). One that cannot be judged now is
+// left for its records, which meet the same error where it belongs to the step.
+void BackgroundThread::judge_ahead(JudgeItem& item) {
+  if (judging_.state != JudgingState::kOpen) return;
+  try {
+    judge_arena_.execute([&] { judging_.judge->judge_ahead(item); });
+  } catch (...) {
+    item.pair->judged = false;
+  }
 }
 
 void BackgroundThread::begin_judging(std::int64_t step) {

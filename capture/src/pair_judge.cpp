@@ -59,6 +59,25 @@ void PairJudge::end_step(std::vector<RecordItem>& store, std::vector<RecordItem>
   referenced_modules_.clear();
 }
 
+void PairJudge::judge_ahead(JudgeItem& item) const {
+  JudgedPair& pair = *item.pair;
+  const formats::TensorView& a = item.eager;
+  const formats::TensorView& b = item.compiled;
+  if (a.shape != b.shape) return;  // judged as a shape mismatch when the records come
+  pair.tolerances = judging_.row_tolerances(item.module, item.kind, a.dtype, b.dtype);
+  if (item.reference && item.reference->shape == a.shape) {
+    const analyze::ReferenceComparisons compared = analyze::compare_with_reference_in_memory(
+        a, b, *item.reference, pair.tolerances, chunk_bytes_);
+    pair.metrics = compared.pair;
+    pair.reference_eager = compared.reference_eager;
+    pair.reference_compiled = compared.reference_compiled;
+    pair.reference = item.reference->data;
+  } else {
+    pair.metrics = analyze::compare_in_memory(a, b, pair.tolerances, chunk_bytes_);
+  }
+  pair.judged = true;
+}
+
 bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
                       const RecordItem* reference) {
   const formats::TensorView& a = eager.record.tensor;
@@ -66,11 +85,11 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
   formats::StoredMetrics row;
   row.key = compiled.record.key;
   row.tolerances = judging_.row_tolerances(row.key.module, row.key.kind, a.dtype, b.dtype);
-  // A pair the caller judged already (Recorder::judge_pair), these very bytes with these
+  // A pair judged already (Recorder::judge_pair, judge_ahead), these very bytes with these
   // tolerances and the same chunks: the same metrics, not computed twice.
   const auto& early = compiled.judged;
-  const bool judged_before = early && early == eager.judged && early->eager == a.data &&
-                             early->compiled == b.data &&
+  const bool judged_before = early && early == eager.judged && early->judged &&
+                             early->eager == a.data && early->compiled == b.data &&
                              early->tolerances.atol == row.tolerances.atol &&
                              early->tolerances.rtol == row.tolerances.rtol;
   // Each side against the reference (reference = a), as the engine's reference tasks compute
@@ -80,8 +99,14 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
       reference && &eager != &compiled && reference->record.tensor.shape == a.shape;
   bool fails = false;
   if (referenced) {
-    analyze::ReferenceComparisons compared = analyze::compare_with_reference_in_memory(
-        a, b, reference->record.tensor, row.tolerances, chunk_bytes_, !judged_before);
+    const bool reference_judged_before =
+        judged_before && early->reference == reference->record.tensor.data;
+    const analyze::ReferenceComparisons compared =
+        reference_judged_before
+            ? analyze::ReferenceComparisons{early->metrics, early->reference_eager,
+                                            early->reference_compiled}
+            : analyze::compare_with_reference_in_memory(
+                  a, b, reference->record.tensor, row.tolerances, chunk_bytes_, !judged_before);
     row.metrics = judged_before ? early->metrics : compared.pair;
     fails = !row.metrics.allclose;
     formats::StoredMetrics against_eager{eager.record.key, row.tolerances,

@@ -36,6 +36,10 @@ class PairJudge {
   // held for its twin; a held record may go out later, with another record's call.
   void take(RecordItem item, std::vector<RecordItem>& store, std::vector<RecordItem>& describe);
 
+  // Judges a pair ahead of its records (Recorder::judge_later), as judge() would judge its row,
+  // and fills in its JudgedPair, which the records carry when they come.
+  void judge_ahead(JudgeItem& item) const;
+
   // The step's end: records whose twin never came (single-pass fwd_input and grad_output are
   // recorded once and compared with themselves; others are one-sided rows).
   void end_step(std::vector<RecordItem>& store, std::vector<RecordItem>& describe);

@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <variant>
 
 #include "dynaprobe/formats/metrics.h"
@@ -23,13 +25,18 @@ class HostSnapshot {
   virtual void wait_copied() = 0;
 };
 
-// A pair judged on the caller's side before its records came (Recorder::judge_pair): its
-// metrics, for the pair whose sides are these very bytes, judged with these tolerances.
+// A pair judged before its records came: on the caller's side (Recorder::judge_pair), or by the
+// background thread from a JudgeItem (Recorder::judge_later), which fills it in before it takes
+// any later item. Its metrics, for the pair whose sides are these very bytes, judged with these
+// tolerances; with `reference`, each side against those bytes too.
 struct JudgedPair {
   const void* eager = nullptr;
   const void* compiled = nullptr;
+  const void* reference = nullptr;  // the reference the two comparisons below are against
+  bool judged = false;              // false until the background thread has judged it
   formats::Tolerances tolerances;
   formats::TensorMetrics metrics;
+  formats::TensorMetrics reference_eager, reference_compiled;
 };
 
 // A snapshot waiting for the writer. `snapshot` owns the bytes `record.tensor.data` points to;
@@ -42,10 +49,21 @@ struct RecordItem {
   // The pair judge_pair() judged this very tensor in, unchanged since, if any.
   std::shared_ptr<const JudgedPair> judged;
 };
+// A pair to judge now, ahead of its records (Recorder::judge_later): the background thread
+// compares the views as the pair of `module`'s `kind` rows and fills in `pair`. The caller's
+// side holds the tensors until the step ends.
+struct JudgeItem {
+  std::shared_ptr<JudgedPair> pair;
+  std::string module;
+  formats::Kind kind = formats::Kind::kParamGrad;
+  formats::TensorView eager, compiled;
+  std::optional<formats::TensorView> reference;
+};
 struct BeginItem {
   std::int64_t step = 0;
 };
 struct EndItem {};
-using Item = std::variant<BeginItem, RecordItem, formats::Graph, formats::ModuleInfo, EndItem>;
+using Item =
+    std::variant<BeginItem, RecordItem, JudgeItem, formats::Graph, formats::ModuleInfo, EndItem>;
 
 }  // namespace dynaprobe::capture::detail

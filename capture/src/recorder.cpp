@@ -259,6 +259,7 @@ struct Recorder::Impl {
     at::Tensor eager, compiled;
     std::int64_t eager_version = 0, compiled_version = 0;
     std::shared_ptr<const detail::JudgedPair> pair;
+    at::Tensor reference;  // judge_later()'s, held like the others
   };
   std::vector<EarlyJudged> early;
 
@@ -487,11 +488,40 @@ formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::T
       analyze::compare_in_memory(e_view, c_view, tolerances, impl.options.writer.chunk_bytes);
   if (kept) {
     std::lock_guard call(impl.call_mutex);
-    impl.early.push_back({e, c, e_version, c_version,
-                          std::make_shared<const detail::JudgedPair>(
-                              detail::JudgedPair{e_view.data, c_view.data, tolerances, metrics})});
+    auto pair = std::make_shared<detail::JudgedPair>();
+    pair->eager = e_view.data;
+    pair->compiled = c_view.data;
+    pair->judged = true;
+    pair->tolerances = tolerances;
+    pair->metrics = metrics;
+    impl.early.push_back({e, c, e_version, c_version, std::move(pair), {}});
   }
   return metrics;
+}
+
+void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
+                           const at::Tensor& compiled, const at::Tensor& reference) {
+  Impl& impl = *impl_;
+  std::lock_guard call(impl.call_mutex);
+  if (impl.check_step("judge " + module + " ahead")) return;
+  const at::Tensor e = eager.detach(), c = compiled.detach();
+  const at::Tensor r = reference.defined() ? reference.detach() : at::Tensor();
+  if (!kept_as_is(e) || !kept_as_is(c) || (r.defined() && !kept_as_is(r))) return;
+  if (!stored_dtype(e.scalar_type()) || !stored_dtype(c.scalar_type()) ||
+      (r.defined() && !stored_dtype(r.scalar_type()))) {
+    return;  // left to record(), which says why
+  }
+  if (impl.judged_pair_of(e) && impl.judged_pair_of(e) == impl.judged_pair_of(c)) return;
+  detail::JudgeItem item;
+  item.pair = std::make_shared<detail::JudgedPair>();
+  item.pair->eager = e.const_data_ptr();
+  item.pair->compiled = c.const_data_ptr();
+  item.module = module;
+  item.eager = view_of(e);
+  item.compiled = view_of(c);
+  if (r.defined()) item.reference = view_of(r);
+  impl.early.push_back({e, c, e._version(), c._version(), item.pair, r});
+  impl.shared.push(std::move(item));
 }
 
 void Recorder::record_graph(formats::Graph graph) {

@@ -717,12 +717,18 @@ TEST(Recorder, EveryPairIsJudgedInMemoryAndItsMetricsStored) {
 // A float32 call's late-reference decision judges its parameters' gradient sums during the
 // backward (judge_pair), and collect() records the same sums: the recorder takes those metrics
 // instead of comparing the pair again, but only for the very tensors judged, unchanged since.
-TEST(Recorder, APairJudgedBeforeItIsRecordedIsNotComparedAgainUnlessItChanged) {
-  TempDir dir;
+// A single-pass recorder storing metrics only, judging with atol 1e-4 and rtol 1e-3.
+RecorderOptions stats_only() {
   RecorderOptions options;
   options.store = StoreMode::kStats;
-  Recorder recorder(dir.path(), {{"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}},
-                    options);
+  return options;
+}
+const formats::Provenance kSinglePassTolerances{
+    {"mode", "single_pass"}, {"atol", "0.0001"}, {"rtol", "0.001"}};
+
+TEST(Recorder, APairJudgedBeforeItIsRecordedIsNotComparedAgainUnlessItChanged) {
+  TempDir dir;
+  Recorder recorder(dir.path(), kSinglePassTolerances, stats_only());
   EXPECT_THROW(recorder.judge_pair(at::randn({4}), at::randn({4}), {}), UsageError);  // no step
   recorder.begin_step(0);
   const formats::Tolerances tolerances{1e-4, 1e-3};
@@ -764,6 +770,63 @@ TEST(Recorder, APairJudgedBeforeItIsRecordedIsNotComparedAgainUnlessItChanged) {
   EXPECT_NE(stored["changed"].rmse, changed.rmse);
   EXPECT_GT(stored["changed"].max_abs, 100.0);    // half of a value of about 1e3
   EXPECT_GT(stored["elsewhere"].max_abs, 100.0);  // its compiled side is another tensor
+}
+
+// Single-pass judges a module's parameter gradient sums once its backward is done
+// (judge_later), in the background, each side against the reference too; collect() records the
+// same sums: the recorder takes those metrics, but only for the very tensors judged, unchanged.
+TEST(Recorder, APairJudgedAheadInTheBackgroundIsTakenWhenItsRecordsComeUnchanged) {
+  TempDir dir;
+  Recorder recorder(dir.path(), kSinglePassTolerances, stats_only());
+  EXPECT_THROW(recorder.judge_later("m", at::randn({4}), at::randn({4}), {}), UsageError);
+  recorder.begin_step(0);
+  struct Sums {
+    at::Tensor eager, compiled, reference;
+  };
+  const auto sums = [] {  // bf16 gradients at a real loss scale, and their float32 reference
+    const at::Tensor reference = at::randn({300, 1000}).mul(1e3);
+    return Sums{reference.to(at::kBFloat16),
+                reference.add(at::randn({300, 1000}).mul(3.0)).to(at::kBFloat16), reference};
+  };
+  const Sums kept = sums(), changed = sums(), alone = sums();
+  recorder.judge_later("kept", kept.eager, kept.compiled, kept.reference);
+  recorder.judge_later("changed", changed.eager, changed.compiled, changed.reference);
+  recorder.judge_later("alone", alone.eager, alone.compiled, {});
+  recorder.judge_later("strided", at::randn({4, 4}).t(), at::randn({4, 4}), {});  // ignored
+  recorder.failing_calls();  // waits until the background thread has judged them
+  // Bytes written behind torch's back (no version change): the metrics judged ahead stand,
+  // which shows they were taken, not computed again.
+  std::memset(kept.compiled.data_ptr(), 0, kept.compiled.nbytes());
+  std::memset(alone.compiled.data_ptr(), 0, alone.compiled.nbytes());
+  changed.compiled.mul_(0.5);  // a change in place torch sees: compared again
+  const auto param = [](const char* module, Side side) {
+    return RecordKey{0, module, 0, Kind::kParamGrad, 0, side};
+  };
+  for (const auto& [module, tensors] : {std::pair{"kept", kept}, std::pair{"changed", changed}}) {
+    // The reference first: a module's calls record theirs before its parameters' sums come.
+    recorder.record(param(module, Side::kReference), tensors.reference, "", true);
+    recorder.record(param(module, Side::kEager), tensors.eager, "", true);
+    recorder.record(param(module, Side::kCompiled), tensors.compiled, "", true);
+  }
+  recorder.record(param("alone", Side::kEager), alone.eager, "", true);
+  recorder.record(param("alone", Side::kCompiled), alone.compiled, "", true);
+  const fs::path file = recorder.end_step();
+  std::map<std::pair<std::string, Side>, formats::TensorMetrics> stored;
+  for (const auto& m : formats::StepReader(file).stored_metrics()) {
+    stored[{m.key.module, m.key.side}] = m.metrics;
+  }
+  ASSERT_EQ(stored.size(), 7u);  // each referenced pair's row and its two reference comparisons
+  const auto max_abs = [&](const char* module, Side side) {
+    return stored[std::pair<std::string, Side>(module, side)].max_abs;
+  };
+  // kept: the pair and the compiled side against the reference as judged ahead (about 3 apart),
+  // not as the zeros now there (about 1e3 apart).
+  EXPECT_LT(max_abs("kept", Side::kCompiled), 100.0);
+  EXPECT_LT(max_abs("kept", Side::kReference), 100.0);
+  EXPECT_LT(max_abs("alone", Side::kCompiled), 100.0);
+  EXPECT_GT(max_abs("changed", Side::kCompiled), 100.0);  // half of about 1e3
+  EXPECT_GT(max_abs("changed", Side::kReference), 100.0);
+  EXPECT_LT(max_abs("changed", Side::kEager), 100.0);  // eager against the reference
 }
 
 RecordKey call_key(std::string module, std::uint32_t call, Kind kind, Side side) {

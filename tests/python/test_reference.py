@@ -23,6 +23,7 @@ from models import FORWARD_FAULT, Chain, compiled_copy
 
 from dynaprobe import _C, PrecisionChecker
 from dynaprobe._mechanics.reference import WeightCopies
+from dynaprobe._steps.step import Step
 
 
 def _step(x):
@@ -598,3 +599,41 @@ def test_weight_copies_are_refreshed_in_memory_that_stays():
 
 class _Subclass(torch.Tensor):
     """A tensor subclass (as DTensor is one), whose copies WeightCopies leaves to upcast()."""
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_gradients_judged_during_the_backward_report_as_judged_at_collect(backwards, tmp_path,
+                                                                          monkeypatch):
+    """Single-pass judges a module's parameter gradient sums, and each side against the
+    reference, once its backward is done, while training goes on (Step.judge_ahead); collect()
+    takes those metrics. The reports are the ones of judging everything at collect(), bit for
+    bit, also when the sums grow after being judged (two backwards a step: judged again, and
+    that module is judged at collect() from then on)."""
+    x = torch.randn(16, 8).to(torch.bfloat16)
+
+    def run(name):
+        torch._dynamo.reset()
+        model = _bf16_chain()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        checker = PrecisionChecker(backend=_scaled_gelu_backend(1.05),
+                                   dump_dir=str(tmp_path / name))
+        checker.wrap_all_children(model, depth=0)
+        checker.install(model)
+        reports = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            for _ in range(backwards):
+                loss = model(x)
+                loss.backward()
+            reports.append(checker.collect(loss).csv())
+            optimizer.step()
+        judging_ahead = {t.judge_ahead for t in checker._installation.targets}
+        checker.uninstall()
+        return reports, judging_ahead
+
+    ahead, judging_ahead = run("ahead")
+    # where the sums grew after being judged, judged at collect() from the second step on
+    assert judging_ahead == {backwards == 1}
+    monkeypatch.setattr(Step, "judge_ahead", lambda self, target: None)
+    assert ahead == run("at_collect")[0]
+    assert "param_grad" in ahead[0] and "FAIL" in ahead[0]

@@ -101,6 +101,16 @@ class Recorder {
   // step ends, so that no other tensor takes their memory. Throws UsageError outside a step.
   formats::TensorMetrics judge_pair(const at::Tensor& eager, const at::Tensor& compiled,
                                     const formats::Tolerances& tolerances);
+  // Has the background thread judge the pair of `module`'s parameter gradient `eager` and
+  // `compiled` (with `reference`, if defined, each side against it too) ahead of its records,
+  // as it would judge their row, and returns at once. When the three are then recorded
+  // unchanged (handed_over, kept as they are) as one row, the background thread takes those
+  // metrics instead of comparing them again: single-pass judges a module's parameter gradient
+  // sums once its backward is done, while training goes on, not at collect(). Only for CPU
+  // tensors the recorder can keep as they are, and not for a pair judge_pair() judged already;
+  // holds the tensors until the step ends. Throws UsageError outside a step.
+  void judge_later(const std::string& module, const at::Tensor& eager, const at::Tensor& compiled,
+                   const at::Tensor& reference);
   // Queue a graph / a module description, written in call order with the records. Names are
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);

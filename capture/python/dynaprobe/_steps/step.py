@@ -40,6 +40,9 @@ class Target:
         # FSDP2/DTensor-sharded parameters by name: this rank's shard, to cut gradients to.
         self.shards = {n: s for n, s in ((n, Shard.of(p)) for n, p in self.params) if s}
         self.calls = 0
+        # Single-pass: its parameters' gradient sums are judged once its backward is done
+        # (Step.judge_ahead), until a step adds to them after that (gradient accumulation).
+        self.judge_ahead = True
 
 
 class Step:
@@ -62,6 +65,8 @@ class Step:
         # Single-pass, by module: [eager backwards run, reference backwards run]. A parameter's
         # reference sum stands for the module only when every call's backward had a reference.
         self.backwards: Dict[str, List[int]] = {}
+        # Single-pass, by id(parameter): the (eager, compiled) sums judged ahead (judge_ahead).
+        self.judged_ahead: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.shards: Dict[int, Shard] = {}  # id(full parameter) -> this rank's shard (FSDP2)
         self.notes: Dict[str, Tuple[str, str]] = {}
         self.attributes: Dict[str, Dict[str, str]] = {}  # per module, for /modules
@@ -109,6 +114,36 @@ class Step:
             sums[key] = sums[key] + grad
         else:
             sums[key] = grad if owned and shard is None else self.recorder.copy(grad)
+
+    def judge_ahead(self, target: Target) -> None:
+        """Single-pass: once every call of ``target`` so far has run its eager backward, the
+        recorder judges its parameters' gradient sums in the background while training goes on
+        (Recorder.judge_later), each side against the reference too where every call had one,
+        instead of at collect(). collect() records the same sums unless a later call added to
+        them, and the recorder then takes those metrics. A target whose sums grow after being
+        judged (several backwards a step: gradient accumulation) is judged at collect() from
+        then on (here, and record_shared_param_grads)."""
+        if not target.judge_ahead or self.error is not None or any(
+                p.target is target and not p.done for p in self.pending):
+            return
+        if any(id(param) in self.judged_ahead for _, param in target.params):
+            target.judge_ahead = False
+            return
+        counts = self.backwards.get(target.name, [0, 0])
+        try:
+            with self.lock:
+                for _, param in target.params:
+                    key = id(param)
+                    eager = self.param_grads[SIDE_EAGER].get(key)
+                    compiled = self.param_grads[SIDE_COMPILED].get(key)
+                    if eager is None or compiled is None or not self.by_call.get(key, False):
+                        continue  # by_call: its compiled sum is final only after the backward
+                    reference = self.param_grads[SIDE_REFERENCE].get(key) \
+                        if counts[1] == counts[0] else None
+                    self.recorder.judge_later(target.name, eager, compiled, reference)
+                    self.judged_ahead[key] = (eager, compiled)
+        except Exception as error:  # the step is lost: reported by collect(), training goes on
+            self.error = error
 
     def record_param_grads(self, pairs) -> None:
         """The summed parameter gradients of each target. ``pairs``: (target name,
@@ -222,6 +257,7 @@ class PendingBackward:
             counts[1] += 1
         self.eager_outputs = self.eager_left = self.leaves = self.params = []
         self.reference = None
+        self.step.judge_ahead(self.target)
 
     def _gradient_pairs(self, grads, params: list) -> list:
         """(kind, eager, compiled) of this call's gradients known now: its grad_outputs (both
@@ -311,7 +347,15 @@ def run_pending(step: Step, unreached: str) -> None:
 
 def record_shared_param_grads(step: Step, targets: List[Target]) -> None:
     """Single-pass and whole-model mode: the summed parameter gradients of ``targets``, every
-    side's sum keyed by the real parameter."""
+    side's sum keyed by the real parameter. A target whose sums were judged ahead and added to
+    since (several backwards a step) is no longer judged ahead: that judging was wasted."""
+    sums = step.param_grads
+    for target in targets:
+        for _, param in target.params:
+            judged = step.judged_ahead.get(id(param))
+            if judged is not None and (judged[0] is not sums[SIDE_EAGER].get(id(param))
+                                       or judged[1] is not sums[SIDE_COMPILED].get(id(param))):
+                target.judge_ahead = False
     step.record_param_grads([(t.name, [(n, p, p, p) for n, p in t.params]) for t in targets])
 
 
