@@ -172,9 +172,12 @@ class InherentWithReference(Inherent):
     the reference adds, without the checker."""
 
     def setup(self):
-        self.float_copies = {id(module): copy.deepcopy(module).float()
-                             for module in self.model.modules()
-                             if isinstance(module, block_type())}
+        self.float_copies, self.weights = {}, {}
+        for module in self.model.modules():
+            if isinstance(module, block_type()):
+                reference = self.float_copies[id(module)] = copy.deepcopy(module).float()
+                self.weights[id(module)] = list(zip(reference.state_dict().values(),
+                                                    module.state_dict().values()))
         super().setup()
 
     def rerun(self, original, args, kwargs):
@@ -184,8 +187,7 @@ class InherentWithReference(Inherent):
         upcast[0][0].requires_grad_()
         reference = self.float_copies[id(original.__self__)]
         with torch.no_grad():
-            for kept, weight in zip(reference.state_dict().values(),
-                                    original.__self__.state_dict().values()):
+            for kept, weight in self.weights[id(original.__self__)]:
                 kept.copy_(weight)
         reference.zero_grad(set_to_none=True)
         backward_of(reference(*upcast[0], **upcast[1]))

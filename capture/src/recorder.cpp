@@ -26,6 +26,7 @@
 #include <set>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -253,8 +254,9 @@ struct Recorder::Impl {
   std::set<formats::RecordKey> keys;
   std::set<std::string, std::less<>> graph_names;
   std::set<std::string, std::less<>> module_names;
-  // The pairs judge_pair() judged this step: both tensors held, so that no other tensor takes
-  // their memory, with their versions then, so that a change in place is seen.
+  // The pairs judge_pair() and judge_later() judged this step: the tensors held, so that no
+  // other tensor takes their memory, with their versions then, so that a change in place is
+  // seen; found by either side's data (one lookup a record, however many pairs were judged).
   struct EarlyJudged {
     at::Tensor eager, compiled;
     std::int64_t eager_version = 0, compiled_version = 0;
@@ -262,6 +264,17 @@ struct Recorder::Impl {
     at::Tensor reference;  // judge_later()'s, held like the others
   };
   std::vector<EarlyJudged> early;
+  std::unordered_map<const void*, std::size_t> early_by_data;  // into `early`, the latest
+
+  void remember_judged(EarlyJudged judged) {
+    early_by_data[judged.eager.const_data_ptr()] = early.size();
+    early_by_data[judged.compiled.const_data_ptr()] = early.size();
+    early.push_back(std::move(judged));
+  }
+  void forget_judged() {
+    early.clear();
+    early_by_data.clear();
+  }
 
   detail::SharedState shared;  // with the background thread
   std::thread worker;          // last: starts once everything above exists
@@ -289,13 +302,13 @@ struct Recorder::Impl {
              judged.numel() == tensor.numel() && judged.scalar_type() == tensor.scalar_type() &&
              tensor._version() == version;
     };
-    for (const EarlyJudged& judged : early) {
-      if (same(judged.eager, judged.eager_version) ||
-          same(judged.compiled, judged.compiled_version)) {
-        return judged.pair;
-      }
-    }
-    return nullptr;
+    const auto found = early_by_data.find(tensor.const_data_ptr());
+    if (found == early_by_data.end()) return nullptr;
+    const EarlyJudged& judged = early[found->second];
+    return same(judged.eager, judged.eager_version) ||
+                   same(judged.compiled, judged.compiled_version)
+               ? judged.pair
+               : nullptr;
   }
   bool check_step(std::string_view action) {
     require_step(action);
@@ -388,7 +401,7 @@ void Recorder::begin_step(std::int64_t step) {
   impl.keys.clear();
   impl.graph_names.clear();
   impl.module_names.clear();
-  impl.early.clear();
+  impl.forget_judged();
   {
     std::lock_guard lock(impl.shared.mutex);
     impl.shared.step_error = nullptr;
@@ -494,7 +507,7 @@ formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::T
     pair->judged = true;
     pair->tolerances = tolerances;
     pair->metrics = metrics;
-    impl.early.push_back({e, c, e_version, c_version, std::move(pair), {}});
+    impl.remember_judged({e, c, e_version, c_version, std::move(pair), {}});
   }
   return metrics;
 }
@@ -511,7 +524,8 @@ void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
       (r.defined() && !stored_dtype(r.scalar_type()))) {
     return;  // left to record(), which says why
   }
-  if (impl.judged_pair_of(e) && impl.judged_pair_of(e) == impl.judged_pair_of(c)) return;
+  const auto judged = impl.judged_pair_of(e);
+  if (judged && judged == impl.judged_pair_of(c)) return;  // by judge_pair() already
   detail::JudgeItem item;
   item.pair = std::make_shared<detail::JudgedPair>();
   item.pair->eager = e.const_data_ptr();
@@ -520,7 +534,7 @@ void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
   item.eager = view_of(e);
   item.compiled = view_of(c);
   if (r.defined()) item.reference = view_of(r);
-  impl.early.push_back({e, c, e._version(), c._version(), item.pair, r});
+  impl.remember_judged({e, c, e._version(), c._version(), item.pair, r});
   impl.shared.push(std::move(item));
 }
 
@@ -569,7 +583,7 @@ formats::PendingStep Recorder::finish_step() {
     impl.shared.judged.reset();
   }
   impl.in_step = false;
-  impl.early.clear();  // the step's pairs are judged: their tensors may go
+  impl.forget_judged();  // the step's pairs are judged: their tensors may go
   if (error) std::rethrow_exception(error);
   return pending;
 }
