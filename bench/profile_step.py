@@ -43,7 +43,14 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scale_bench import Compiled, Dynaprobe, Inherent, InherentWithReference, gpt2  # noqa: E402
+from scale_bench import (  # noqa: E402
+    Compiled,
+    Dynaprobe,
+    Inherent,
+    InherentWithReference,
+    gpt2,
+    recorder_cpu_seconds,
+)
 
 import dynaprobe._modes.single_pass as single_pass  # noqa: E402
 
@@ -88,22 +95,6 @@ def timed_steps(config, ids, steps: int) -> float:
         times.append(time.perf_counter() - start)
         config.settle()
     return statistics.median(times)
-
-
-def recorder_cpu_seconds() -> float:
-    """CPU time so far of this process's threads named dynaprobe-rec (the recorder's background
-    thread and the TBB workers it started, which inherit the name)."""
-    total = 0
-    for thread in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{thread}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended
-            continue
-        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("dynaprobe-rec"):
-            fields = stat[stat.rindex(")") + 2:].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 class WithoutParamGrads(Dynaprobe):

@@ -91,6 +91,22 @@ def stolen_seconds() -> float:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
+def recorder_cpu_seconds() -> float:
+    """CPU time so far of this process's threads named dynaprobe-rec (the recorder's background
+    thread and the TBB workers it started, which inherit the name)."""
+    total = 0
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{thread}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        if stat[stat.index("(") + 1:stat.rindex(")")].startswith("dynaprobe-rec"):
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -99,10 +115,11 @@ def reset_peak_rss() -> None:
 class Config:
     """One configuration: a model copy and how a step runs on it."""
 
-    def __init__(self, name, model, dump_dir=None):
+    def __init__(self, name, model, dump_dir=None, backend="aot_eager"):
         self.name = name
         self.model = model
         self.dump_dir = dump_dir
+        self.backend = backend  # what the blocks are compiled with
         self.times, self.growth, self.bytes, self.stolen = [], [], [], []
 
     def setup(self):
@@ -127,7 +144,7 @@ class Compiled(Config):
     def setup(self):
         for module in self.model.modules():
             if isinstance(module, block_type()):
-                module.forward = torch.compile(module.forward, backend="aot_eager")
+                module.forward = torch.compile(module.forward, backend=self.backend)
 
 
 class Inherent(Compiled):
@@ -138,7 +155,7 @@ class Inherent(Compiled):
         for module in self.model.modules():
             if isinstance(module, block_type()):
                 original = module.forward
-                compiled = torch.compile(original, backend="aot_eager")
+                compiled = torch.compile(original, backend=self.backend)
 
                 def forward(*args, _compiled=compiled, _original=original, **kwargs):
                     out = _compiled(*args, **kwargs)
@@ -194,11 +211,12 @@ class InherentWithReference(Inherent):
 
 
 class Dynaprobe(Config):
-    def __init__(self, name, model, dump_dir, dump, replay=None, reference="auto"):
-        super().__init__(name, model, dump_dir)
+    def __init__(self, name, model, dump_dir, dump, replay=None, reference="auto",
+                 backend="aot_eager"):
+        super().__init__(name, model, dump_dir, backend)
         self.results = []
-        self.checker = PrecisionChecker(dump=dump, dump_dir=dump_dir, replay=replay,
-                                        reference=reference)
+        self.checker = PrecisionChecker(backend=backend, dump=dump, dump_dir=dump_dir,
+                                        replay=replay, reference=reference)
         self.checker.wrap_by_policy(model, (block_type(),))
 
     def setup(self):

@@ -235,10 +235,11 @@ if ((dry_run)); then
   # The GPU tests skip without CUDA: their CPU variant runs instead (the main job included).
   export DYNAPROBE_TEST_DEVICE=cpu
   select=()
-  pytest_cap=900; bench_args=(--device cpu --layers 2 --width 128 --seq 64 --steps 2); bench_cap=600
+  pytest_cap=900; bench_args=(--device cpu --layers 2 --width 128 --seq 64 --steps 2 --profile)
+  bench_cap=600
 else
   select=()
-  pytest_cap=220; bench_args=(); bench_cap=110
+  pytest_cap=220; bench_args=(--profile); bench_cap=200
 fi
 step "pytest -m gpu tests/python/test_gpu.py ${select[*]} (at most $pytest_cap s)"
 timeout -k 10 "$pytest_cap" "$python" -m pytest -m gpu -p no:cacheprovider -v -rs --durations=0 \
