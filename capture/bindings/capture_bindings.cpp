@@ -172,8 +172,8 @@ Args:
           py::arg("reference") = py::none(),
           "Queues the pair of `module`'s parameter gradient (and each side against `reference`) "
           "to be judged now, in the background; when the same tensors are recorded unchanged "
-          "(handed over) as that row, its metrics are taken, not computed again. CPU tensors "
-          "kept as they are only; returns at once.")
+          "(handed over) as that row, its metrics are taken, not computed again, and a side judged "
+          "in a copy (a device tensor, a strided one) is recorded from that copy; returns at once.")
       .def("copy", &Recorder::copy, py::arg("tensor"), py::call_guard<py::gil_scoped_release>(),
            "A private contiguous copy of `tensor` to hand over later (record(..., "
            "handed_over=True)): a CPU tensor goes into the recorder's recycled snapshot memory, "

@@ -402,6 +402,7 @@ void BackgroundThread::judge_item(Item& item) {
 void BackgroundThread::judge_ahead(JudgeItem& item) {
   if (judging_.state != JudgingState::kOpen) return;
   try {
+    for (const auto& copy : item.copies) copy->wait_copied();
     judge_arena_.execute([&] { judging_.judge->judge_ahead(item); });
   } catch (...) {
     item.pair->judged = false;

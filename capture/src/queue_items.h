@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/record.h"
@@ -51,13 +52,15 @@ struct RecordItem {
 };
 // A pair to judge now, ahead of its records (Recorder::judge_later): the background thread
 // compares the views as the pair of `module`'s `kind` rows and fills in `pair`. The caller's
-// side holds the tensors until the step ends.
+// side holds the tensors until the step ends. A view into a copy (a device tensor's, a strided
+// one's) is valid once its snapshot in `copies` has landed.
 struct JudgeItem {
   std::shared_ptr<JudgedPair> pair;
   std::string module;
   formats::Kind kind = formats::Kind::kParamGrad;
   formats::TensorView eager, compiled;
   std::optional<formats::TensorView> reference;
+  std::vector<std::shared_ptr<HostSnapshot>> copies;
 };
 struct BeginItem {
   std::int64_t step = 0;

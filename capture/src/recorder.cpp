@@ -231,6 +231,7 @@ class TensorSnapshot final : public detail::HostSnapshot {
   void wait_copied() override {
     if (snapshot_.copied) snapshot_.copied->synchronize();
   }
+  const at::Tensor& host() const { return snapshot_.host; }
 
  private:
   Snapshot snapshot_;
@@ -256,24 +257,49 @@ struct Recorder::Impl {
   std::set<std::string, std::less<>> module_names;
   // The pairs judge_pair() and judge_later() judged this step: the tensors held, so that no
   // other tensor takes their memory, with their versions then, so that a change in place is
-  // seen; found by either side's data (one lookup a record, however many pairs were judged).
+  // seen; found by any side's data (one lookup a record, however many pairs were judged). A
+  // side the recorder could not keep as it is (on a device, strided) was judged in a copy
+  // (judge_later), which its record reuses: no second copy, and the bytes judged are the bytes
+  // stored.
+  struct JudgedSide {
+    at::Tensor tensor;
+    std::int64_t version = 0;
+    std::shared_ptr<TensorSnapshot> copy;  // null: judged as it is
+  };
   struct EarlyJudged {
-    at::Tensor eager, compiled;
-    std::int64_t eager_version = 0, compiled_version = 0;
+    JudgedSide eager, compiled, reference;  // reference: judge_later()'s, if any
     std::shared_ptr<const detail::JudgedPair> pair;
-    at::Tensor reference;  // judge_later()'s, held like the others
   };
   std::vector<EarlyJudged> early;
   std::unordered_map<const void*, std::size_t> early_by_data;  // into `early`, the latest
+  std::size_t early_copied_bytes = 0;                          // judge_later()'s copies this step
 
   void remember_judged(EarlyJudged judged) {
-    early_by_data[judged.eager.const_data_ptr()] = early.size();
-    early_by_data[judged.compiled.const_data_ptr()] = early.size();
+    for (const JudgedSide* side : {&judged.eager, &judged.compiled, &judged.reference}) {
+      if (side->tensor.defined()) early_by_data[side->tensor.const_data_ptr()] = early.size();
+    }
     early.push_back(std::move(judged));
   }
   void forget_judged() {
     early.clear();
     early_by_data.clear();
+    early_copied_bytes = 0;
+  }
+  // The side of a pair judged this step that `tensor` is, unchanged since; null if none.
+  const JudgedSide* judged_side_of(const at::Tensor& tensor) const {
+    const auto found = early_by_data.find(tensor.const_data_ptr());
+    if (found == early_by_data.end()) return nullptr;
+    const EarlyJudged& judged = early[found->second];
+    for (const JudgedSide* side : {&judged.eager, &judged.compiled, &judged.reference}) {
+      if (side->tensor.defined() && side->tensor.const_data_ptr() == tensor.const_data_ptr() &&
+          side->tensor.numel() == tensor.numel() &&
+          side->tensor.scalar_type() == tensor.scalar_type() &&
+          side->tensor.sizes() == tensor.sizes() && side->tensor.strides() == tensor.strides() &&
+          side->tensor.device() == tensor.device() && tensor._version() == side->version) {
+        return side;
+      }
+    }
+    return nullptr;
   }
 
   detail::SharedState shared;  // with the background thread
@@ -295,20 +321,12 @@ struct Recorder::Impl {
     }
     return true;
   }
-  // The pair judge_pair() judged `tensor` (a record's, kept as it is) in, if it is unchanged.
+  // The pair judged this step with `tensor` as its eager or compiled side, unchanged since.
   std::shared_ptr<const detail::JudgedPair> judged_pair_of(const at::Tensor& tensor) const {
-    const auto same = [&](const at::Tensor& judged, std::int64_t version) {
-      return judged.const_data_ptr() == tensor.const_data_ptr() &&
-             judged.numel() == tensor.numel() && judged.scalar_type() == tensor.scalar_type() &&
-             tensor._version() == version;
-    };
-    const auto found = early_by_data.find(tensor.const_data_ptr());
-    if (found == early_by_data.end()) return nullptr;
-    const EarlyJudged& judged = early[found->second];
-    return same(judged.eager, judged.eager_version) ||
-                   same(judged.compiled, judged.compiled_version)
-               ? judged.pair
-               : nullptr;
+    const JudgedSide* side = judged_side_of(tensor);
+    if (side == nullptr) return nullptr;
+    const EarlyJudged& judged = early[early_by_data.at(tensor.const_data_ptr())];
+    return side == &judged.reference ? nullptr : judged.pair;
   }
   bool check_step(std::string_view action) {
     require_step(action);
@@ -451,18 +469,26 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
   }
 
   detail::RecordItem item;
-  const bool keep_as_is = handed_over && kept_as_is(tensor);
-  Snapshot snapshot =
-      keep_as_is ? Snapshot{tensor.detach(), nullptr} : snapshot_of(tensor, *impl.pool);
-  if (keep_as_is) item.judged = impl.judged_pair_of(snapshot.host);
+  // A tensor handed over as judged ahead, unchanged: recorded from the bytes it was judged in.
+  const Impl::JudgedSide* judged = handed_over ? impl.judged_side_of(tensor) : nullptr;
+  std::shared_ptr<TensorSnapshot> snapshot;
+  if (judged != nullptr && judged->copy) {
+    snapshot = judged->copy;
+  } else if (handed_over && kept_as_is(tensor)) {
+    snapshot = std::make_shared<TensorSnapshot>(Snapshot{tensor.detach(), nullptr});
+  } else {
+    snapshot = std::make_shared<TensorSnapshot>(snapshot_of(tensor, *impl.pool));
+  }
+  if (judged != nullptr) item.judged = impl.judged_pair_of(tensor);
+  const at::Tensor& host = snapshot->host();
   item.bytes = bytes;
   item.record.key = key;
   item.record.label = std::move(label);
-  item.record.tensor.dtype = dtype_of(snapshot.host);
-  const auto sizes = snapshot.host.sizes();
+  item.record.tensor.dtype = dtype_of(host);
+  const auto sizes = host.sizes();
   item.record.tensor.shape.assign(sizes.begin(), sizes.end());
-  item.record.tensor.data = snapshot.host.const_data_ptr();
-  item.snapshot = std::make_shared<TensorSnapshot>(std::move(snapshot));
+  item.record.tensor.data = host.const_data_ptr();
+  item.snapshot = std::move(snapshot);
   {
     std::lock_guard lock(impl.shared.mutex);
     impl.shared.queued_bytes += bytes;
@@ -507,7 +533,7 @@ formats::TensorMetrics Recorder::judge_pair(const at::Tensor& eager, const at::T
     pair->judged = true;
     pair->tolerances = tolerances;
     pair->metrics = metrics;
-    impl.remember_judged({e, c, e_version, c_version, std::move(pair), {}});
+    impl.remember_judged({{e, e_version, nullptr}, {c, c_version, nullptr}, {}, std::move(pair)});
   }
   return metrics;
 }
@@ -519,22 +545,40 @@ void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
   if (impl.check_step("judge " + module + " ahead")) return;
   const at::Tensor e = eager.detach(), c = compiled.detach();
   const at::Tensor r = reference.defined() ? reference.detach() : at::Tensor();
-  if (!kept_as_is(e) || !kept_as_is(c) || (r.defined() && !kept_as_is(r))) return;
-  if (!stored_dtype(e.scalar_type()) || !stored_dtype(c.scalar_type()) ||
-      (r.defined() && !stored_dtype(r.scalar_type()))) {
-    return;  // left to record(), which says why
+  std::size_t copied_bytes = 0;
+  for (const at::Tensor* side : {&e, &c, &r}) {
+    if (!side->defined()) continue;
+    if (side->layout() != at::kStrided || side->is_meta() ||
+        side->key_set().has(c10::DispatchKey::Python) || !stored_dtype(side->scalar_type())) {
+      return;  // left to record(), which says why
+    }
+    if (!kept_as_is(*side)) copied_bytes += host_bytes(*side);
   }
   const auto judged = impl.judged_pair_of(e);
   if (judged && judged == impl.judged_pair_of(c)) return;  // by judge_pair() already
+  // Copies (device tensors, strided ones) are held until the step ends, within a quarter of the
+  // memory budget; past it the pair is judged at collect() as before.
+  if (impl.early_copied_bytes + copied_bytes > impl.options.memory_budget_bytes / 4) return;
+  impl.early_copied_bytes += copied_bytes;
   detail::JudgeItem item;
+  const auto side_of = [&](const at::Tensor& tensor, formats::TensorView& view) {
+    Impl::JudgedSide side{tensor, tensor._version(), nullptr};
+    if (kept_as_is(tensor)) {
+      view = view_of(tensor);
+    } else {
+      side.copy = std::make_shared<TensorSnapshot>(snapshot_of(tensor, *impl.pool));
+      view = view_of(side.copy->host());
+      item.copies.push_back(side.copy);
+    }
+    return side;
+  };
   item.pair = std::make_shared<detail::JudgedPair>();
-  item.pair->eager = e.const_data_ptr();
-  item.pair->compiled = c.const_data_ptr();
   item.module = module;
-  item.eager = view_of(e);
-  item.compiled = view_of(c);
-  if (r.defined()) item.reference = view_of(r);
-  impl.remember_judged({e, c, e._version(), c._version(), item.pair, r});
+  Impl::EarlyJudged early{side_of(e, item.eager), side_of(c, item.compiled), {}, item.pair};
+  item.pair->eager = item.eager.data;
+  item.pair->compiled = item.compiled.data;
+  if (r.defined()) early.reference = side_of(r, item.reference.emplace());
+  impl.remember_judged(std::move(early));
   impl.shared.push(std::move(item));
 }
 

@@ -792,7 +792,6 @@ TEST(Recorder, APairJudgedAheadInTheBackgroundIsTakenWhenItsRecordsComeUnchanged
   recorder.judge_later("kept", kept.eager, kept.compiled, kept.reference);
   recorder.judge_later("changed", changed.eager, changed.compiled, changed.reference);
   recorder.judge_later("alone", alone.eager, alone.compiled, {});
-  recorder.judge_later("strided", at::randn({4, 4}).t(), at::randn({4, 4}), {});  // ignored
   recorder.failing_calls();  // waits until the background thread has judged them
   // Bytes written behind torch's back (no version change): the metrics judged ahead stand,
   // which shows they were taken, not computed again.
@@ -827,6 +826,58 @@ TEST(Recorder, APairJudgedAheadInTheBackgroundIsTakenWhenItsRecordsComeUnchanged
   EXPECT_GT(max_abs("changed", Side::kCompiled), 100.0);  // half of about 1e3
   EXPECT_GT(max_abs("changed", Side::kReference), 100.0);
   EXPECT_LT(max_abs("changed", Side::kEager), 100.0);  // eager against the reference
+}
+
+// A side the recorder cannot keep as it is (a device tensor; here a strided one) is judged
+// ahead in a copy taken at once, and its record reuses that copy: the bytes judged are the bytes
+// stored, and nothing is copied twice. Such copies take at most a quarter of the memory budget
+// a step; past it a pair is judged when its records come.
+TEST(Recorder, ASideJudgedAheadInACopyIsRecordedFromThatCopy) {
+  TempDir dir;
+  const std::int64_t rows = 300, columns = 1000;
+  const std::size_t copy_bytes = rows * columns * sizeof(float);
+  RecorderOptions options;                       // full: every tensor is stored
+  options.memory_budget_bytes = 4 * copy_bytes;  // one copy fits in a quarter, not two
+  Recorder recorder(dir.path(), kSinglePassTolerances, options);
+  recorder.begin_step(0);
+  const auto pair = [&] {  // a transposed eager sum at a real loss scale, a contiguous compiled
+    const at::Tensor eager = at::randn({columns, rows}).mul(1e3).t();
+    return std::pair{eager, eager.add(at::randn({rows, columns}).mul(3.0)).contiguous()};
+  };
+  const auto [copied_eager, copied_compiled] = pair();
+  const auto [over_eager, over_compiled] = pair();
+  ASSERT_FALSE(copied_eager.is_contiguous());
+  ASSERT_TRUE(copied_compiled.is_contiguous());
+  const at::Tensor judged_values = copied_eager.clone();
+  recorder.judge_later("copied", copied_eager, copied_compiled, {});
+  recorder.judge_later("over", over_eager, over_compiled, {});  // past the budget's quarter
+  recorder.failing_calls();  // waits until the background thread has judged them
+  // Zeros behind torch's back (no version change): a record that copied the tensor now would
+  // store and compare them.
+  for (const at::Tensor& eager : {copied_eager, over_eager}) {
+    std::memset(eager.data_ptr(), 0, eager.nbytes());
+  }
+  const auto param = [](const char* module, Side side) {
+    return RecordKey{0, module, 0, Kind::kParamGrad, 0, side};
+  };
+  for (const auto& [module, eager, compiled] : {std::tuple{"copied", copied_eager, copied_compiled},
+                                                std::tuple{"over", over_eager, over_compiled}}) {
+    recorder.record(param(module, Side::kEager), eager, "", true);
+    recorder.record(param(module, Side::kCompiled), compiled, "", true);
+  }
+  const fs::path file = recorder.end_step();
+  formats::StepReader reader(file);
+  std::map<std::string, formats::TensorMetrics> stored;
+  for (const auto& m : reader.stored_metrics()) stored[m.key.module] = m.metrics;
+  ASSERT_EQ(stored.size(), 2u);
+  EXPECT_LT(stored["copied"].max_abs, 100.0);  // judged ahead: about 3 apart
+  EXPECT_GT(stored["over"].max_abs, 100.0);    // judged now, against the zeros: about 1e3
+  const formats::RecordInfo* copied = reader.find(param("copied", Side::kEager));
+  ASSERT_NE(copied, nullptr);
+  EXPECT_EQ(reader.read(*copied), contiguous_bytes(judged_values));
+  const formats::RecordInfo* over = reader.find(param("over", Side::kEager));
+  ASSERT_NE(over, nullptr);
+  EXPECT_EQ(reader.read(*over), std::vector<std::byte>(copy_bytes));  // zeros
 }
 
 RecordKey call_key(std::string module, std::uint32_t call, Kind kind, Side side) {

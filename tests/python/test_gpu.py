@@ -26,6 +26,7 @@ from models import Block, ConvBN, TinyTransformer, rsqrt_too_large
 from test_examples import run_example
 
 from dynaprobe import PrecisionChecker
+from dynaprobe._steps.step import Step
 
 DEVICE = os.environ.get("DYNAPROBE_TEST_DEVICE", "cuda")
 DEVICE_TYPE = torch.device(DEVICE).type
@@ -93,6 +94,38 @@ def test_a_fault_inside_a_generated_kernel_is_found_at_its_module(dtype, tmp_pat
             assert "beyond fp32-reference noise" in result.root_cause["next"], result.text()
         assert result.modules["blocks.0"]["compiled_functions"]
     checker.uninstall()
+
+
+def test_parameter_gradients_judged_during_the_backward_report_as_judged_at_collect(
+        tmp_path, monkeypatch):
+    """Single-pass judges each block's parameter gradient sums during the backward, from copies
+    to the host taken then (Recorder.judge_later: on the device, asynchronously, on a side
+    stream), and records them at collect() from those copies: the report is the one of judging
+    everything at collect(), bit for bit, with the fault inside the generated kernel, in bf16,
+    the loss scaled by 1e-3."""
+    inductor_config.post_grad_custom_post_pass = rsqrt_too_large
+    ids, targets = lm_batch()
+
+    def run(name):
+        torch._dynamo.reset()
+        seed()
+        model = TinyTransformer().to(DEVICE, torch.bfloat16)
+        checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path / name))
+        checker.wrap_by_policy(model, (Block,))
+        checker.install(model)
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss(model, ids, targets, 1e-3)
+        loss.backward()
+        report = checker.collect(loss).csv()
+        judging_ahead = {target.judge_ahead for target in checker._installation.targets}
+        checker.uninstall()
+        return report, judging_ahead
+
+    ahead, judging_ahead = run("ahead")
+    assert judging_ahead == {True}
+    monkeypatch.setattr(Step, "judge_ahead", lambda self, target: None)
+    assert ahead == run("at_collect")[0]
+    assert "param_grad" in ahead and "FAIL" in ahead
 
 
 # --------------------------------------------------------------------------- c. clean steps pass

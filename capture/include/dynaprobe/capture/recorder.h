@@ -106,9 +106,11 @@ class Recorder {
   // as it would judge their row, and returns at once. When the three are then recorded
   // unchanged (handed_over, kept as they are) as one row, the background thread takes those
   // metrics instead of comparing them again: single-pass judges a module's parameter gradient
-  // sums once its backward is done, while training goes on, not at collect(). Only for CPU
-  // tensors the recorder can keep as they are, and not for a pair judge_pair() judged already;
-  // holds the tensors until the step ends. Throws UsageError outside a step.
+  // sums once its backward is done, while training goes on, not at collect(). Holds the
+  // tensors until the step ends; a side it cannot keep as it is (a device tensor, a strided one)
+  // is judged in a copy taken now (a device's asynchronously, as record() takes it), which its
+  // record then reuses, within a quarter of the memory budget a step (past it, and for a pair
+  // judge_pair() judged already, nothing is done). Throws UsageError outside a step.
   void judge_later(const std::string& module, const at::Tensor& eager, const at::Tensor& compiled,
                    const at::Tensor& reference);
   // Queue a graph / a module description, written in call order with the records. Names are
