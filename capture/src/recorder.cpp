@@ -285,10 +285,18 @@ struct Recorder::Impl {
     early_by_data.clear();
     early_copied_bytes = 0;
   }
-  // The side of a pair judged this step that `tensor` is, unchanged since; null if none.
-  const JudgedSide* judged_side_of(const at::Tensor& tensor) const {
+  // The pair judged this step that `tensor` is a side of, unchanged since, and which side.
+  struct JudgedAs {
+    const EarlyJudged* judged = nullptr;
+    const JudgedSide* side = nullptr;  // null: none
+    // The pair's metrics, for its eager or compiled side (a record carries them).
+    std::shared_ptr<const detail::JudgedPair> pair() const {
+      return side != nullptr && side != &judged->reference ? judged->pair : nullptr;
+    }
+  };
+  JudgedAs judged_as(const at::Tensor& tensor) const {
     const auto found = early_by_data.find(tensor.const_data_ptr());
-    if (found == early_by_data.end()) return nullptr;
+    if (found == early_by_data.end()) return {};
     const EarlyJudged& judged = early[found->second];
     for (const JudgedSide* side : {&judged.eager, &judged.compiled, &judged.reference}) {
       if (side->tensor.defined() && side->tensor.const_data_ptr() == tensor.const_data_ptr() &&
@@ -296,10 +304,10 @@ struct Recorder::Impl {
           side->tensor.scalar_type() == tensor.scalar_type() &&
           side->tensor.sizes() == tensor.sizes() && side->tensor.strides() == tensor.strides() &&
           side->tensor.device() == tensor.device() && tensor._version() == side->version) {
-        return side;
+        return {&judged, side};
       }
     }
-    return nullptr;
+    return {};
   }
 
   detail::SharedState shared;  // with the background thread
@@ -320,13 +328,6 @@ struct Recorder::Impl {
       std::rethrow_exception(shared.step_error);
     }
     return true;
-  }
-  // The pair judged this step with `tensor` as its eager or compiled side, unchanged since.
-  std::shared_ptr<const detail::JudgedPair> judged_pair_of(const at::Tensor& tensor) const {
-    const JudgedSide* side = judged_side_of(tensor);
-    if (side == nullptr) return nullptr;
-    const EarlyJudged& judged = early[early_by_data.at(tensor.const_data_ptr())];
-    return side == &judged.reference ? nullptr : judged.pair;
   }
   bool check_step(std::string_view action) {
     require_step(action);
@@ -470,16 +471,16 @@ void Recorder::record(formats::RecordKey key, const at::Tensor& tensor, std::str
 
   detail::RecordItem item;
   // A tensor handed over as judged ahead, unchanged: recorded from the bytes it was judged in.
-  const Impl::JudgedSide* judged = handed_over ? impl.judged_side_of(tensor) : nullptr;
+  const Impl::JudgedAs judged = handed_over ? impl.judged_as(tensor) : Impl::JudgedAs{};
   std::shared_ptr<TensorSnapshot> snapshot;
-  if (judged != nullptr && judged->copy) {
-    snapshot = judged->copy;
+  if (judged.side != nullptr && judged.side->copy) {
+    snapshot = judged.side->copy;
   } else if (handed_over && kept_as_is(tensor)) {
     snapshot = std::make_shared<TensorSnapshot>(Snapshot{tensor.detach(), nullptr});
   } else {
     snapshot = std::make_shared<TensorSnapshot>(snapshot_of(tensor, *impl.pool));
   }
-  if (judged != nullptr) item.judged = impl.judged_pair_of(tensor);
+  item.judged = judged.pair();
   const at::Tensor& host = snapshot->host();
   item.bytes = bytes;
   item.record.key = key;
@@ -554,8 +555,8 @@ void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
     }
     if (!kept_as_is(*side)) copied_bytes += host_bytes(*side);
   }
-  const auto judged = impl.judged_pair_of(e);
-  if (judged && judged == impl.judged_pair_of(c)) return;  // by judge_pair() already
+  const auto judged = impl.judged_as(e).pair();
+  if (judged && judged == impl.judged_as(c).pair()) return;  // by judge_pair() already
   // Copies (device tensors, strided ones) are held until the step ends, within a quarter of the
   // memory budget; past it the pair is judged at collect() as before.
   if (impl.early_copied_bytes + copied_bytes > impl.options.memory_budget_bytes / 4) return;

@@ -39,6 +39,19 @@ def dynaprobe_cli():
     return cli
 
 
+def zero_eager_sums_behind_torchs_back(checker) -> None:
+    """Single-pass, after the step's backward: once the recorder has judged what was queued,
+    zeros the eager side's parameter gradient sums without a version change torch would see.
+    A report that still shows their metrics took the ones judged during the backward
+    (Step.judge_ahead), from the sums as they were then, and did not read them again."""
+    from dynaprobe._C.vocabulary import SIDE_EAGER
+
+    step = checker._installation.session.step
+    step.recorder.failing_calls()  # returns once the background thread has judged the queue
+    for grad in step.param_grads[SIDE_EAGER].values():
+        grad.data.zero_()  # .data has a version counter of its own: the sum's stays
+
+
 @pytest.fixture
 def fresh_inductor():
     """Dynamo reset before and after the test, and no inductor post-grad pass left behind: for

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import zero_eager_sums_behind_torchs_back
 from models import FORWARD_FAULT, Chain, compiled_copy
 
 from dynaprobe import _C, PrecisionChecker
@@ -615,7 +616,7 @@ def test_gradients_judged_during_the_backward_report_as_judged_at_collect(backwa
     gradients are small, under a faulty backend and under inductor."""
     x = torch.randn(16, 8).to(torch.bfloat16)
 
-    def run(name):
+    def run(name, scramble=False):
         torch._dynamo.reset()
         model = _bf16_chain()
         optimizer = torch.optim.SGD(model.parameters(), lr=100.0)
@@ -630,13 +631,18 @@ def test_gradients_judged_during_the_backward_report_as_judged_at_collect(backwa
             for _ in range(backwards):
                 loss = model(x) * 1e-3
                 loss.backward()
+            if scramble:
+                zero_eager_sums_behind_torchs_back(checker)
             reports.append(checker.collect(loss).csv())
             optimizer.step()
         judging_ahead = {t.judge_ahead for t in checker._installation.targets}
         checker.uninstall()
         return reports, judging_ahead
 
-    ahead, judging_ahead = run("ahead")
+    # With one backward a step, the eager sums zeroed behind torch's back after the backward
+    # change nothing: what is reported was judged during it. (With two, a step's sums grow after
+    # being judged, so they are judged at collect(), as the scrambled sums would show.)
+    ahead, judging_ahead = run("ahead", scramble=backwards == 1)
     # where the sums grew after being judged, judged at collect() from the second step on
     assert judging_ahead == {backwards == 1}
     monkeypatch.setattr(Step, "judge_ahead", lambda self, target: None)
