@@ -4,7 +4,7 @@
 // and whether each target is met.
 //
 //   format_bench [--mib N] [--reps N] [--tensors N] [--threads N] [--dir PATH] [--steps N]
-//                [--default-malloc]
+//                [--zstd-level N] [--default-malloc]
 //
 // Cases: (a) Gaussian float32, (b) float32 rounded to bfloat16 precision (the low 16 bits zero,
 // as activations of mixed-precision training are), (c) native bfloat16 (2-byte values), each
@@ -52,7 +52,9 @@ namespace fmt = dynaprobe::formats;
 using namespace dynaprobe::bench;
 
 constexpr int kZstdFilterId = 32015;
-constexpr unsigned kZstdLevel = 1;  // WriterOptions' default, so both sides compress alike
+// Plain HDF5's level: the fastest positive one, what an h5py user picks for speed. dynaprobe's
+// writer takes --zstd-level (default WriterOptions', zstd's fast mode with Huffman literals).
+constexpr unsigned kPlainZstdLevel = 1;
 constexpr std::int64_t kColumns = 4096;
 constexpr std::size_t kTensorsPerModule = 100;
 
@@ -64,6 +66,7 @@ struct Options {
   int threads = 0;
   fs::path dir;
   std::size_t steps = 0;
+  int zstd_level = fmt::kDefaultZstdLevel;
   bool default_malloc = false;
 };
 
@@ -71,7 +74,7 @@ struct Options {
   std::fprintf(stderr,
                "format_bench: %s\n"
                "usage: format_bench [--mib N] [--reps N] [--tensors N] [--threads N] [--dir PATH]\n"
-               "                    [--steps N] [--default-malloc]\n"
+               "                    [--steps N] [--zstd-level N] [--default-malloc]\n"
                "  --mib N      size of each large case in MiB (default 256)\n"
                "  --reps N     repetitions, the best is reported (default 3)\n"
                "  --tensors N  number of 4 KiB tensors in the small-tensor case (default 10000)\n"
@@ -79,8 +82,10 @@ struct Options {
                "  --dir PATH   where the temporary files go (default: the system temp folder)\n"
                "  --steps N    also write (b) N times in a row into one folder, as a run's steps;\n"
                "               report the median step (default 0: not measured)\n"
+               "  --zstd-level N  dynaprobe's zstd level (default: the writer's, %d); plain\n"
+               "               HDF5 compresses at level 1\n"
                "  --default-malloc  keep glibc's adaptive heap (see tune_malloc in the source)\n",
-               message);
+               message, fmt::kDefaultZstdLevel);
   std::exit(2);
 }
 
@@ -103,7 +108,13 @@ Options parse_options(int argc, char** argv) {
       }
       return parsed;
     };
-    if (flag == "--mib") {
+    if (flag == "--zstd-level") {
+      char* end = nullptr;
+      options.zstd_level = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (end == value.c_str() || *end != '\0') {
+        usage(("--zstd-level needs an integer, got '" + value + "'").c_str());
+      }
+    } else if (flag == "--mib") {
       options.mib = static_cast<std::size_t>(number());
     } else if (flag == "--reps") {
       options.reps = static_cast<int>(number());
@@ -204,7 +215,7 @@ fmt::h5::Handle plain_dcpl(const std::vector<hsize_t>& chunk) {
   fmt::h5::check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()),
                  "setting chunk", where);
   fmt::h5::check(H5Pset_shuffle(dcpl.get()), "setting shuffle", where);
-  fmt::h5::check(H5Pset_filter(dcpl.get(), kZstdFilterId, H5Z_FLAG_OPTIONAL, 1, &kZstdLevel),
+  fmt::h5::check(H5Pset_filter(dcpl.get(), kZstdFilterId, H5Z_FLAG_OPTIONAL, 1, &kPlainZstdLevel),
                  "setting zstd", where);
   return dcpl;
 }
@@ -364,6 +375,7 @@ void run_steps(const Options& options, const fs::path& root, const std::vector<s
                                            kColumns};
   fmt::WriterOptions writer_options;
   writer_options.threads = options.threads;
+  writer_options.zstd_level = options.zstd_level;
   const fs::path dump = root / "steps";
   std::vector<double> seconds;
   for (std::size_t step = 0; step < options.steps; ++step) {
@@ -397,6 +409,7 @@ Result run_large(const Options& options, const fs::path& root, const std::string
   const hid_t plain_type = dtype == fmt::DType::kFloat32 ? H5T_IEEE_F32LE : H5T_STD_U16LE;
   fmt::WriterOptions writer_options;
   writer_options.threads = options.threads;
+  writer_options.zstd_level = options.zstd_level;
 
   Result result;
   result.name = name;
@@ -471,6 +484,7 @@ Result run_small(const Options& options, const fs::path& root) {
   }
   fmt::WriterOptions writer_options;
   writer_options.threads = options.threads;
+  writer_options.zstd_level = options.zstd_level;
 
   Result result;
   result.name = "(d) " + std::to_string(options.tensors) + " x " +
@@ -639,10 +653,12 @@ int main(int argc, char** argv) {
     const std::size_t bytes = options.mib << 20;
     std::printf(
         "format_bench: %zu MiB per large case, %zu x %zu B small tensors, best of %d "
-        "undisturbed repetitions, %d threads, zstd level %u, %s malloc, files in %s\n",
+        "undisturbed repetitions, %d threads, zstd level %d (plain HDF5: %u), %s malloc, files in "
+        "%s\n",
         options.mib, options.tensors, options.tensor_bytes, options.reps,
-        options.threads > 0 ? options.threads : tbb::info::default_concurrency(), kZstdLevel,
-        options.default_malloc ? "default" : "tuned", temp.path.c_str());
+        options.threads > 0 ? options.threads : tbb::info::default_concurrency(),
+        options.zstd_level, kPlainZstdLevel, options.default_malloc ? "default" : "tuned",
+        temp.path.c_str());
 
     std::vector<Result> results;
     const auto large = [&](const std::string& name, fmt::DType dtype, std::vector<std::byte> data) {

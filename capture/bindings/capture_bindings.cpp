@@ -222,7 +222,8 @@ hold them); without it, with the tolerances the provenance names, as a dump's re
 )doc");
   recorder
       .def(py::init(&open_recorder), py::arg("dump_dir"), py::arg("provenance"),
-           py::arg("memory_budget_bytes") = std::size_t{1} << 30, py::arg("zstd_level") = 1,
+           py::arg("memory_budget_bytes") = std::size_t{1} << 30,
+           py::arg("zstd_level") = fmt::kDefaultZstdLevel,
            py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("store") = "full",
            py::arg("strict_io") = true, py::arg("judging") = py::none())
       .def("begin_step", &Recorder::begin_step, py::arg("step"),

@@ -250,7 +250,8 @@ void bind_formats(py::module_& m) {
            std::to_string(fmt::schema::kFormatMinor);
   });
   m.def("write_step", &write_step, py::arg("dump_dir"), py::arg("step"), py::arg("provenance"),
-        py::arg("records"), py::arg("graphs") = py::list(), py::arg("zstd_level") = 1,
+        py::arg("records"), py::arg("graphs") = py::list(),
+        py::arg("zstd_level") = fmt::kDefaultZstdLevel,
         py::arg("chunk_bytes") = std::size_t{1} << 20, py::arg("modules") = py::list());
   m.def("step_of_file_name", &fmt::step_of_file_name, py::arg("file"),
         "The step a committed step file's name says (\"step_00000042.h5\": 42), None for "

@@ -2,10 +2,7 @@
 // compressing one chunk.
 #include "chunk_pipeline.h"
 
-#include <zstd.h>
-
 #include <cstring>
-#include <memory>
 
 #include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/schema.h"
@@ -13,31 +10,18 @@
 namespace dynaprobe::formats {
 namespace {
 
-// A compressor for ZSTD_compress2 at `level`. Every frame carries zstd's content checksum: without
-// it a damaged chunk (a bad sector, a bit flip in transit) whose bytes fall in raw literals
-// decompresses without error into silent garbage; with it any zstd decoder (ours, hdf5plugin, the
-// HDF5 reference plugin) reports the corruption. Costs 4 bytes per chunk and one XXH64 pass over
-// the uncompressed chunk when writing and when reading.
-ZSTD_CCtx* thread_compressor(int level) {
-  thread_local std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> context(ZSTD_createCCtx(),
-                                                                            ZSTD_freeCCtx);
-  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_compressionLevel, level);
-  ZSTD_CCtx_setParameter(context.get(), ZSTD_c_checksumFlag, 1);
-  return context.get();
-}
-
 // Whether zstd can be expected to shrink a chunk, once shuffled, by `min_ratio`, judged from a
 // sample: four windows of 1,024 elements spread over the chunk, their bytes taken plane by plane
 // as the shuffle would order them, compressed together. That costs about 2% of compressing a
 // 1 MiB chunk, and a chunk stored as it is is never shuffled; chunks under 16 times the sample
 // are judged by compressing them.
-bool shrinks_enough(ZSTD_CCtx* compressor, const std::byte* raw, std::size_t size,
-                    std::size_t element_size, double min_ratio, std::vector<std::byte>& work) {
+bool shrinks_enough(int level, const std::byte* raw, std::size_t size, std::size_t element_size,
+                    double min_ratio, std::vector<std::byte>& work) {
   constexpr std::size_t kWindows = 4, kWindowElements = 1024;
   const std::size_t elements = size / element_size;
   const std::size_t sample_bytes = kWindows * kWindowElements * element_size;
   if (min_ratio <= 1.0 || size < 16 * sample_bytes) return true;
-  work.resize(sample_bytes + ZSTD_compressBound(sample_bytes));
+  work.resize(sample_bytes + zstd_bound(sample_bytes));
   std::byte* sample = work.data();
   for (std::size_t p = 0; p < element_size; ++p) {
     for (std::size_t w = 0; w < kWindows; ++w) {
@@ -47,9 +31,9 @@ bool shrinks_enough(ZSTD_CCtx* compressor, const std::byte* raw, std::size_t siz
       for (std::size_t i = 0; i < kWindowElements; ++i) out[i] = window[i * element_size];
     }
   }
-  const std::size_t compressed = ZSTD_compress2(compressor, work.data() + sample_bytes,
-                                                work.size() - sample_bytes, sample, sample_bytes);
-  return !ZSTD_isError(compressed) &&
+  const std::size_t compressed = zstd_compress(
+      level, sample, sample_bytes, work.data() + sample_bytes, work.size() - sample_bytes);
+  return compressed != 0 &&
          static_cast<double>(compressed) * min_ratio <= static_cast<double>(sample_bytes);
 }
 
@@ -91,9 +75,8 @@ void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_rati
     std::memset(work.padded.data() + valid_bytes, 0, chunk_bytes - valid_bytes);
     raw = work.padded.data();
   }
-  ZSTD_CCtx* compressor = thread_compressor(zstd_level);
-  std::size_t size = chunk_bytes;
-  if (shrinks_enough(compressor, raw, chunk_bytes, element_size, min_compression_ratio,
+  std::size_t size = 0;  // not compressed
+  if (shrinks_enough(zstd_level, raw, chunk_bytes, element_size, min_compression_ratio,
                      work.compressed)) {
     const std::byte* input = raw;
     if (element_size > 1) {
@@ -101,11 +84,11 @@ void compress_chunk(ChunkItem& item, int zstd_level, double min_compression_rati
       shuffle_bytes(raw, work.shuffled.data(), chunk_bytes, element_size);
       input = work.shuffled.data();
     }
-    work.compressed.resize(ZSTD_compressBound(chunk_bytes));
-    size = ZSTD_compress2(compressor, work.compressed.data(), work.compressed.size(), input,
-                          chunk_bytes);
+    work.compressed.resize(zstd_bound(chunk_bytes));
+    size = zstd_compress(zstd_level, input, chunk_bytes, work.compressed.data(),
+                         work.compressed.size());
   }
-  if (ZSTD_isError(size) ||
+  if (size == 0 ||
       static_cast<double>(size) * min_compression_ratio >= static_cast<double>(chunk_bytes)) {
     // not worth it: store the bytes as they are
     item.payload = raw;

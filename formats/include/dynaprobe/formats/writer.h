@@ -7,18 +7,20 @@
 #include <memory>
 #include <span>
 
+#include "dynaprobe/formats/filters.h"
 #include "dynaprobe/formats/metrics.h"
 #include "dynaprobe/formats/record.h"
 
 namespace dynaprobe::formats {
 
 struct WriterOptions {
-  int zstd_level = 1;                 // negative levels are zstd's fast modes
-  std::size_t chunk_bytes = 1 << 20;  // target uncompressed bytes per chunk (HDF5 chunk size)
+  int zstd_level = kDefaultZstdLevel;  // negative levels are zstd's fast modes
+  std::size_t chunk_bytes = 1 << 20;   // target uncompressed bytes per chunk (HDF5 chunk size)
   // A chunk is stored compressed only if zstd shrinks it by this factor (judged first from a
   // sample of it), else as it is. Compression that saves little costs more than it saves: zstd
-  // level 1 takes ~0.85 ms of CPU per MiB of float32 activations, which it shrinks by ~16%, and
-  // reading them back pays decompression on top. 1.0: whenever it shrinks at all.
+  // takes ~0.5 ms of CPU per MiB of float32 activations at the default level (~1 ms at level 1),
+  // which it shrinks by ~16%, and reading them back pays decompression on top. 1.0: whenever it
+  // shrinks at all.
   double min_compression_ratio = 1.25;
   int threads = 0;  // compression threads; 0: TBB's default (all cores)
   // Scheduling niceness of the threads compressing and writing (0: unchanged). A capture running
