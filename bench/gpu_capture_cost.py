@@ -1,19 +1,21 @@
 """Capture cost on a GPU (issues 46 and 56): GPT-2 124M (transformers' GPT2Config default sizes,
-random init, no downloads, dropout off) trained in bfloat16 with its blocks compiled by inductor,
-side by side in one process (scale_bench.py's configurations, on the device):
+random init, no downloads, dropout off) trained in bfloat16 (or --dtype float32) with its blocks
+compiled by inductor, side by side in one process (scale_bench.py's configurations, on the device):
 
   compiled      the GPT2Blocks compiled, no checker
   inherent      compiled, plus an eager forward and backward of every block call on its inputs
-  inherent+ref  inherent, plus the float32 reference's own arithmetic: a float32 copy of every
-                block, its weights refreshed, run forward and backward on the inputs upcast
-  full, stats   PrecisionChecker(backend="inductor", dump=...), single-pass, the default float32
-                reference
+  inherent+ref  (bf16) inherent, plus the float32 reference's own arithmetic: a float32 copy of
+                every block, its weights refreshed, run forward and backward on the inputs upcast
+  full, stats   PrecisionChecker(backend="inductor", dump=...), single-pass, the default reference
+                (bf16: float32 for every call; float32: float64 for the calls whose outputs or
+                gradients fail, decided on the host during the step)
 
 Each configuration trains its own copy of the model, one step each in turn, a round that compiles
 and then --steps measured rounds; medians. Per configuration: the step, synchronised with the
 device, and for the checked ones its training (forward and backward) and collect() apart, with
 the CPU time of the recorder's threads (judging and writing) in each; the step against
-inherent+ref (issue 46's targets: 1.15x in full, 1.05x in stats) and against compiled; the peak
+inherent+ref, or inherent in float32 (issue 46's targets: 1.15x in full, 1.05x in stats) and
+against compiled; the peak
 device memory of the step and what it adds to the compiled step's; the dump per step.
 --profile: one more `stats` step under torch.profiler, its ops by self device time and by self
 CPU time, so that one run on a GPU says where a checked step's time goes.
@@ -21,7 +23,8 @@ CPU time, so that one run on a GPU says where a checked step's time goes.
 Figures, not assertions: written as JSON after each phase (a time limit keeps what was measured)
 and printed.
 
-    python bench/gpu_capture_cost.py [--device cuda] [--steps 3] [--profile] [--json FILE]
+    python bench/gpu_capture_cost.py [--device cuda] [--dtype float32] [--steps 3] [--profile]
+        [--json FILE]
     python bench/gpu_capture_cost.py --device cpu --layers 2 --width 128 --seq 64   (a smoke run)
 """
 
@@ -49,7 +52,9 @@ from scale_bench import (  # noqa: E402
     recorder_cpu_seconds,
 )
 
-BASELINE = "inherent+ref"  # what issue 46's targets are ratios to
+# What issue 46's targets are ratios to: the inherent work of a check, with the reference's
+# arithmetic where every call has a reference (bf16).
+BASELINES = {torch.bfloat16: "inherent+ref", torch.float32: "inherent"}
 
 
 def sync(device: str) -> None:
@@ -105,7 +110,7 @@ def summarize(figures: dict, rounds: dict, dump_bytes: dict, last_results: dict)
     and a checked one's last verdict, into ``figures``; returns the summaries."""
     rows = {name: summary(rounds[name], dump_bytes[name]) for name in rounds}
     for name, row in rows.items():
-        for against in ("compiled", "inherent", BASELINE):
+        for against in dict.fromkeys(("compiled", "inherent", figures["baseline"])):
             row[f"x_{against}"] = round(row["step_s"] / rows[against]["step_s"], 3)
         if row["peak_mib"] is not None:
             row["peak_added_mib"] = round(row["peak_mib"] - rows["compiled"]["peak_mib"], 1)
@@ -117,13 +122,13 @@ def summarize(figures: dict, rounds: dict, dump_bytes: dict, last_results: dict)
     return rows
 
 
-def print_table(rows: dict) -> None:
-    print(f"{'config':>13} {'step ms':>9} {'x ' + BASELINE:>15} {'x compiled':>11} "
+def print_table(rows: dict, baseline: str) -> None:
+    print(f"{'config':>13} {'step ms':>9} {'x ' + baseline:>15} {'x compiled':>11} "
           f"{'train ms':>9} {'collect ms':>11} {'rec CPU s':>10} {'peak +MiB':>10} "
           f"{'dump MiB':>9}")
     for name, row in rows.items():
         added = row.get("peak_added_mib")
-        print(f"{name:>13} {1e3 * row['step_s']:9.1f} {row['x_' + BASELINE]:15.2f} "
+        print(f"{name:>13} {1e3 * row['step_s']:9.1f} {row['x_' + baseline]:15.2f} "
               f"{row['x_compiled']:11.2f} {1e3 * row['train_s']:9.1f} "
               f"{1e3 * row['collect_s']:11.1f} "
               f"{row['train_recorder_cpu_s'] + row['collect_recorder_cpu_s']:10.3f} "
@@ -157,6 +162,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="what the model trains in (default bfloat16)")
     parser.add_argument("--steps", type=int, default=3, help="measured rounds")
     parser.add_argument("--profile", action="store_true",
                         help="one more stats step under torch.profiler, its top ops printed")
@@ -173,14 +180,16 @@ def main() -> None:
     config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     torch.manual_seed(0)
-    template = transformers.GPT2LMHeadModel(config).to(torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    baseline = BASELINES[dtype]
+    template = transformers.GPT2LMHeadModel(config).to(dtype)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
     figures = {
         "model": f"GPT-2 ({sum(p.numel() for p in template.parameters()) / 1e6:.0f}M parameters, "
-                 f"{args.layers} layers, width {args.width}), bf16, batch {args.batch} x {args.seq}",
+                 f"{args.layers} layers, width {args.width}), {args.dtype}, batch {args.batch} x {args.seq}",
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "measured_rounds": args.steps, "configs": {},
+        "measured_rounds": args.steps, "baseline": baseline, "configs": {},
     }
 
     def save():
@@ -194,8 +203,9 @@ def main() -> None:
         return copy.deepcopy(template).to(device)
 
     configs = [Compiled("compiled", model_copy(), backend=backend),
-               Inherent("inherent", model_copy(), backend=backend),
-               InherentWithReference(BASELINE, model_copy(), backend=backend)]
+               Inherent("inherent", model_copy(), backend=backend)]
+    if dtype == torch.bfloat16:
+        configs.append(InherentWithReference(baseline, model_copy(), backend=backend))
     configs += [Dynaprobe(dump, model_copy(), os.path.join(dump_root, dump), dump, backend=backend)
                 for dump in ("full", "stats")]
     rounds = {c.name: [] for c in configs}
@@ -222,7 +232,7 @@ def main() -> None:
             save()
         print(f"round {round_} of {args.steps} done", flush=True)
     print(save(), flush=True)
-    print_table(rows)
+    print_table(rows, baseline)
 
     if args.profile:
         stats = next(c for c in configs if c.name == "stats")

@@ -2,8 +2,8 @@
 # The GPU path, run for real (issue 56): on a bare GPU machine with the prepared .gpu/ beside the
 # checkout (scripts/gpu_prepare.sh), builds dynaprobe against that machine's own torch from the
 # prepared prefix only, installs the package into the build folder (never into the system), runs
-# the GPU checks (pytest -m gpu tests/python/test_gpu.py) and the capture-cost figures
-# (bench/gpu_capture_cost.py), and writes a log and the figures into the out folder.
+# the GPU checks (pytest -m gpu tests/python/test_gpu.py) and the capture-cost figures in bf16 and
+# float32 (bench/gpu_capture_cost.py), and writes a log and the figures into the out folder.
 #
 #   bash scripts/gpu_check.sh --out DIR            on the GPU machine (python3 with CUDA torch)
 #   bash scripts/gpu_check.sh --dry-run --out DIR  here, on the CPU: the same build from the prefix
@@ -11,13 +11,14 @@
 #        tests (the GPU ones on the CPU where they can), and a compile-only check of the torch-facing
 #        translation units against torch 2.11's headers (build-gpu-torch211/, gpu_prepare.sh)
 # Options: --prefix DIR (default .gpu/prefix)  --jobs N  --python PATH  --keep-build
-# Files in DIR (flat): gpu_check.log, gpu_pytest.xml, gpu_capture_cost.json, main_job.txt.
+# Files in DIR (flat): gpu_check.log, gpu_pytest.xml, gpu_capture_cost.json (bf16),
+#   gpu_capture_cost_float32.json, main_job.txt.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
 dry_run=0; out=""; prefix="$repo/.gpu/prefix"; jobs=""; python=""; keep_build=0
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -236,10 +237,11 @@ if ((dry_run)); then
   export DYNAPROBE_TEST_DEVICE=cpu
   select=()
   pytest_cap=900; bench_args=(--device cpu --layers 2 --width 128 --seq 64 --steps 2 --profile)
-  bench_cap=600
+  bench_cap=600; fp32_cap=300
 else
+  # Within one device command's 600 s: the build took 44-51 s, pytest 80-90 s, on 2026-12-04.
   select=()
-  pytest_cap=220; bench_args=(--profile); bench_cap=200
+  pytest_cap=200; bench_args=(--profile); bench_cap=180; fp32_cap=110
 fi
 step "pytest -m gpu tests/python/test_gpu.py ${select[*]} (at most $pytest_cap s)"
 timeout -k 10 "$pytest_cap" "$python" -m pytest -m gpu -p no:cacheprovider -v -rs --durations=0 \
@@ -248,6 +250,10 @@ timeout -k 10 "$pytest_cap" "$python" -m pytest -m gpu -p no:cacheprovider -v -r
 step "bench/gpu_capture_cost.py ${bench_args[*]} (at most $bench_cap s)"
 timeout -k 10 "$bench_cap" "$python" "$repo/bench/gpu_capture_cost.py" "${bench_args[@]}" \
   --dump-dir "$tmp/bench" --json "$out/gpu_capture_cost.json" || status=1
+# float32: the reference only for failing calls, decided on the host during the step.
+step "bench/gpu_capture_cost.py --dtype float32 ${bench_args[*]} (at most $fp32_cap s)"
+timeout -k 10 "$fp32_cap" "$python" "$repo/bench/gpu_capture_cost.py" --dtype float32 \
+  "${bench_args[@]}" --dump-dir "$tmp/bench32" --json "$out/gpu_capture_cost_float32.json" || status=1
 rm -rf "$tmp"
 step "$mode: $([ "$status" = 0 ] && echo PASSED || echo FAILED) (build $build_s s, total $((SECONDS - start)) s); files in $out: $(ls "$out" | tr '\n' ' ')"
 exit "$status"
