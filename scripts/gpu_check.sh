@@ -18,7 +18,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
 dry_run=0; out=""; prefix="$repo/.gpu/prefix"; jobs=""; python=""; keep_build=0
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; }  # the comment block above
 while (($#)); do
   case "$1" in
     --dry-run) dry_run=1 ;;
