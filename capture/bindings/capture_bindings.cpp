@@ -56,7 +56,7 @@ namespace {
 // of the rows given, as the engine judges a module's rows of one pass. reference="failing" asks
 // this, so that it decides with the report's rules, never with a judge of its own. With the
 // step's `recorder`, parameter gradient rows are judged through it (Recorder::judge_pair: every
-// metric, kept for when collect() records the same sums).
+// metric, kept for when collect() records the same sums, or taken from its background thread).
 bool rows_pass(const std::string& module,
                const std::vector<std::tuple<std::string, at::Tensor, at::Tensor>>& rows,
                const dynaprobe::analyze::Judging& judging,
@@ -269,7 +269,8 @@ void bind_capture(py::module_& m) {
         "then allclose; and, for a float32 pair without a reference, within fp32 noise relative "
         "to eager's magnitude (the screen), unless at the rounding level of the rows given. "
         "With the step's `recorder`, param_grad rows are judged through it, with every metric, "
-        "which it reuses when the same tensors are recorded (handed over) as that pair.");
+        "which it reuses when the same tensors are recorded (handed over) as that pair; a pair "
+        "it judges in the background already (judge_later) is taken from there, waited for.");
   // The words of PrecisionChecker(dump=...), as the Recorder's `store` takes them: STORE_MODES,
   // and STORE_FULL = "full", STORE_FAILING, STORE_STATS.
   auto vocabulary = m.attr("vocabulary").cast<py::module_>();

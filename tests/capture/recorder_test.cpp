@@ -828,6 +828,36 @@ TEST(Recorder, APairJudgedAheadInTheBackgroundIsTakenWhenItsRecordsComeUnchanged
   EXPECT_LT(max_abs("changed", Side::kEager), 100.0);  // eager against the reference
 }
 
+// A float32 call's late-reference decision comes at the end of the backward pass, once
+// judge_later() has queued its parameters' gradient sums: judge_pair() takes the background
+// thread's metrics of that very pair, waiting for them, when they were judged with the same
+// tolerances, and computes the pair itself otherwise.
+TEST(Recorder, APairJudgedAheadIsTakenByJudgePairWithTheSameTolerances) {
+  TempDir dir;
+  Recorder recorder(dir.path(), kSinglePassTolerances, stats_only());
+  recorder.begin_step(0);
+  const at::Tensor eager = at::randn({300, 1000}).mul(1e3);  // float32 sums at a real loss scale
+  const at::Tensor compiled = eager.add(at::randn({300, 1000}).mul(1e-3));
+  const at::Tensor waited_eager = eager.clone(), waited_compiled = compiled.clone();
+  recorder.judge_later("m", eager, compiled, {});
+  recorder.judge_later("waited", waited_eager, waited_compiled, {});
+  const formats::Tolerances same{1e-4, 1e-3};
+  // Right after queueing it: judge_pair() waits for the background thread's metrics.
+  const formats::TensorMetrics waited = recorder.judge_pair(waited_eager, waited_compiled, same);
+  recorder.failing_calls();  // waits until the background thread has judged them
+  // Bytes written behind torch's back (no version change): the metrics judged ahead stand,
+  // which shows they were taken, not computed again, unless the tolerances differ.
+  std::memset(compiled.data_ptr(), 0, compiled.nbytes());
+  const formats::TensorMetrics taken = recorder.judge_pair(eager, compiled, same);
+  const formats::TensorMetrics computed = recorder.judge_pair(eager, compiled, {1e-2, 1e-3});
+  EXPECT_LT(taken.max_abs, 1.0);             // about 4e-3 apart as judged ahead
+  EXPECT_GT(computed.max_abs, 1e3);          // the zeros now there
+  EXPECT_EQ(waited.max_abs, taken.max_abs);  // the same values, judged the same way
+  EXPECT_EQ(waited.rmse, taken.rmse);
+  EXPECT_EQ(waited.histogram, taken.histogram);
+  recorder.end_step();
+}
+
 // A side the recorder cannot keep as it is (a device tensor; here a strided one) is judged
 // ahead in a copy taken at once, and its record reuses that copy: the bytes judged are the bytes
 // stored, and nothing is copied twice. Such copies take at most a quarter of the memory budget

@@ -549,6 +549,37 @@ def test_float32_gradients_that_cancel_get_their_reference_when_they_fail(tmp_pa
     assert row.status == "FAIL" and row.reference["verdict"] == "divergence", faulty.text()
 
 
+@pytest.mark.usefixtures("fresh_inductor")
+def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_path, monkeypatch):
+    """A float32 call whose gradients may fail is decided when the backward pass ends, not call
+    by call during it: meanwhile the recorder judges the parameters' gradient sums on its
+    background thread, and the decision takes those verdicts. The float64 references (the
+    batch norms' whose weight gradients cancel) run after the backward reached the input."""
+    events = []
+    batch_norm = F.batch_norm
+
+    def logged(input, *args, **kwargs):
+        if input.dtype == torch.float64:
+            events.append("reference")
+        return batch_norm(input, *args, **kwargs)
+
+    monkeypatch.setattr(F, "batch_norm", logged)
+    model, x = _mobilenet()
+    x.requires_grad_(True).register_hook(lambda grad: events.append("input"))
+    checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path))
+    checker.wrap_by_policy(model, _LEAVES)
+    checker.install(model)
+    loss = F.cross_entropy(model(x), torch.tensor([3, 7]))
+    assert events == []  # every call's outputs passed: no reference in the forward
+    loss.backward()
+    result = checker.collect(loss)
+    checker.uninstall()
+    assert "reference" in events and events.index("input") < events.index("reference"), events
+    assert any(r.reference and r.reference["verdict"] == "noise" for r in result.rows
+               if r.check_type == "param_grad"), result.text()
+    assert result.all_pass, result.text()
+
+
 def test_the_reference_follows_the_weights_from_step_to_step(tmp_path):
     """The reference's upcast weights keep their memory from step to step (WeightCopies): each
     step's reference runs on the weights as the optimizer left them, not on an earlier step's,

@@ -93,7 +93,9 @@ class Recorder {
   // step after step), a device tensor is cloned on its device. Needs no step.
   at::Tensor copy(const at::Tensor& tensor);
   // The metrics of a pair (every one, over the chunks the dump stores, as the background thread
-  // judges a pair with `tolerances`), computed now on the caller's thread. When both tensors
+  // judges a pair with `tolerances`). A pair judge_later() queued, both tensors unchanged since,
+  // is taken from the background thread once it has judged it (waiting for it) when judged with
+  // the same tolerances; any other is computed now on the caller's thread. When both tensors
   // are then recorded unchanged (handed_over, each kept as it is) as the two sides of one pair
   // judged with the same tolerances, the background thread takes these metrics instead of
   // comparing the pair again: a float32 call's late-reference decision judges its parameters'

@@ -45,6 +45,7 @@ class ReplayKeeping:
         background thread: ``Recorder.failing_calls``). A passing call whose backward shows only
         in parameter gradients (no input needs a gradient) waits for collect(), which judges
         them. A call that cannot be kept is said in a warning and checks nothing less."""
+        step.decide_late_references()  # a late reference can clear a call as noise
         ready = [(key, candidate) for key, candidate in step.replay_candidates.items()
                  if final or candidate.ready()]
         if not ready:

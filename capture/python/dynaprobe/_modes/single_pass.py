@@ -353,8 +353,8 @@ class SinglePass:
         """For a call whose forward got no reference (its outputs passed) but that may want one:
         given the pairs of its gradients known when its eager backward has run, the reference of
         the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
-        weight gradient), run now from the module's state, RNG state and upcast inputs before
-        the training call. The recorder reuses its parameter sums' metrics at collect()."""
+        weight gradient), run from the module's state, RNG state and upcast inputs before the
+        training call when the backward pass ends (Step.defer_late_reference)."""
         def late(pairs: list) -> Optional[ReferenceRun]:
             try:
                 if _C.rows_pass(call.name, pairs, self.tolerances, call.step.recorder):

@@ -73,6 +73,9 @@ class Step:
         # (module, call) -> its replay data, held until decided (SinglePass.decide_replays)
         self.replay_candidates: Dict[Tuple[str, int], object] = {}
         self.decision_queued = False  # a decision waits for the end of the backward pass
+        # Single-pass, float32: calls whose late reference is decided at the end of the backward
+        # pass, with the pairs of gradients to decide it from (PendingBackward.run)
+        self.late_decisions: List[Tuple[PendingBackward, Callable, list]] = []
         self.error: Optional[BaseException] = None
         # Backward hooks may run on autograd's device threads; the recorder takes one call at a
         # time.
@@ -166,6 +169,31 @@ class Step:
                         self.record(name, 0, KIND_PARAM_GRAD, index, side, grad, label,
                                     handed_over=True)
 
+    def defer_late_reference(self, pending: PendingBackward, late: Callable[[list], object],
+                             pairs: list) -> None:
+        """Decides ``pending``'s late reference from ``pairs`` when this backward pass ends (now
+        outside one). Meanwhile the recorder judges the parameters' gradient sums on its
+        background thread (judge_ahead), so that the decision takes those verdicts
+        (Recorder.judge_pair) instead of judging them on the training thread, call by call.
+        Decided now while another call of its module waits for its backward: its sums are not
+        final, so none are judged ahead, and the pairs would hold them."""
+        if any(p.target is pending.target and not p.done for p in self.pending):
+            pending.decide_late_reference(late, pairs)
+            return
+        self.late_decisions.append((pending, late, pairs))
+        if len(self.late_decisions) > 1:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.decide_late_references)
+        except RuntimeError:  # not inside a backward pass
+            self.decide_late_references()
+
+    def decide_late_references(self) -> None:
+        """Decides the late references deferred so far (defer_late_reference), in call order."""
+        decisions, self.late_decisions = self.late_decisions, []
+        for pending, late, pairs in decisions:
+            pending.decide_late_reference(late, pairs)
+
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
 
@@ -249,7 +277,8 @@ class PendingBackward:
                     self.step.add_param_grad(SIDE_EAGER, param, grad,
                                              owned=not shares_storage(grad, grad_outputs))
             if self.reference is None and self.late_reference is not None:
-                self.reference = self.late_reference(self._gradient_pairs(grads, params))
+                self.step.defer_late_reference(self, self.late_reference,
+                                               self._gradient_pairs(grads, params))
         self.late_reference = None
         counts = self.step.backwards.setdefault(self.target.name, [0, 0])
         counts[0] += 1
@@ -258,6 +287,14 @@ class PendingBackward:
         self.eager_outputs = self.eager_left = self.leaves = self.params = []
         self.reference = None
         self.step.judge_ahead(self.target)
+
+    def decide_late_reference(self, late: Callable[[list], object], pairs: list) -> None:
+        """A call without a reference whose eager backward has run: its reference, run now with
+        its backward, if any of ``pairs`` fails (``late``: SinglePass._late_reference)."""
+        self.reference = late(pairs)
+        if self.reference is not None and self._run_reference():
+            self.step.backwards.setdefault(self.target.name, [0, 0])[1] += 1
+        self.reference = None
 
     def _gradient_pairs(self, grads, params: list) -> list:
         """(kind, eager, compiled) of this call's gradients known now: its grad_outputs (both
@@ -343,6 +380,7 @@ def run_pending(step: Step, unreached: str) -> None:
             continue
         pending.run()
     step.pending.clear()
+    step.decide_late_references()
 
 
 def record_shared_param_grads(step: Step, targets: List[Target]) -> None:
