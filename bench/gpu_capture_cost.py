@@ -7,8 +7,9 @@ compiled by inductor, side by side in one process (scale_bench.py's configuratio
   inherent+ref  (bf16) inherent, plus the float32 reference's own arithmetic: a float32 copy of
                 every block, its weights refreshed, run forward and backward on the inputs upcast
   full, stats   PrecisionChecker(backend="inductor", dump=...), single-pass, the default reference
-                (bf16: float32 for every call; float32: float64 for the calls whose outputs or
-                gradients fail, decided on the host during the step)
+                (bf16: float32 for every call; float32: float64 for the calls whose outputs
+                fail, decided on the host in each call's forward, or whose gradients fail,
+                decided when the backward ends from the recorder's verdicts)
 
 Each configuration trains its own copy of the model, one step each in turn, a round that compiles
 and then --steps measured rounds; medians. Per configuration: the step, synchronised with the
@@ -18,7 +19,8 @@ inherent+ref, or inherent in float32 (issue 46's targets: 1.15x in full, 1.05x i
 against compiled; the peak
 device memory of the step and what it adds to the compiled step's; the dump per step.
 --profile: one more `stats` step under torch.profiler, its ops by self device time and by self
-CPU time, so that one run on a GPU says where a checked step's time goes.
+CPU time, and the calls in which the host waited for the device (synchronisations, values read
+back), so that one run on a GPU says where a checked step's time goes.
 
 Figures, not assertions: written as JSON after each phase (a time limit keeps what was measured)
 and printed.
@@ -136,9 +138,14 @@ def print_table(rows: dict, baseline: str) -> None:
               flush=True)
 
 
+# The profiler's names of the calls in which the host waits for the device.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "aten::_local_scalar_dense")
+
+
 def profile_checked_step(config: Dynaprobe, ids: torch.Tensor, device: str, limit: int) -> dict:
     """One more checked step under torch.profiler: the ops with the most self device time (on
-    a GPU) and self CPU time, as torch's tables."""
+    a GPU) and self CPU time, as torch's tables, and the host's waits for the device."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
@@ -149,9 +156,13 @@ def profile_checked_step(config: Dynaprobe, ids: torch.Tensor, device: str, limi
         sync(device)
     config.settle()
     averages = profiler.key_averages()
-    tables = {"self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=limit)}
+    tables = {"by self CPU time": averages.table(sort_by="self_cpu_time_total", row_limit=limit)}
     if cuda:
-        tables["self_device"] = averages.table(sort_by="self_cuda_time_total", row_limit=limit)
+        tables["by self device time"] = averages.table(sort_by="self_cuda_time_total",
+                                                       row_limit=limit)
+    waits = [f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms"
+             for event in averages if event.key in HOST_WAITS]
+    tables["the host waiting for the device"] = "\n".join(waits) or "none recorded"
     return tables
 
 
@@ -239,7 +250,7 @@ def main() -> None:
         figures["profile"] = profile_checked_step(stats, ids, device, limit=25)
         save()
         for title, table in figures["profile"].items():
-            print(f"\nA checked stats step under torch.profiler, by {title} time:\n{table}",
+            print(f"\nA checked stats step under torch.profiler, {title}:\n{table}",
                   flush=True)
     for config in configs:
         if isinstance(config, Dynaprobe):
