@@ -550,11 +550,14 @@ def test_float32_gradients_that_cancel_get_their_reference_when_they_fail(tmp_pa
 
 
 @pytest.mark.usefixtures("fresh_inductor")
-def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_scale", [1.0, 1e-3])
+def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_path, monkeypatch,
+                                                                          loss_scale):
     """A float32 call whose gradients may fail is decided when the backward pass ends, not call
     by call during it: meanwhile the recorder judges the parameters' gradient sums on its
     background thread, and the decision takes those verdicts. The float64 references (the
-    batch norms' whose weight gradients cancel) run after the backward reached the input."""
+    batch norms' whose weight gradients cancel) run after the backward reached the input, with
+    the loss as it is and scaled down (gradients a thousand times smaller)."""
     events = []
     batch_norm = F.batch_norm
 
@@ -569,7 +572,7 @@ def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_pa
     checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path))
     checker.wrap_by_policy(model, _LEAVES)
     checker.install(model)
-    loss = F.cross_entropy(model(x), torch.tensor([3, 7]))
+    loss = F.cross_entropy(model(x), torch.tensor([3, 7])) * loss_scale
     assert events == []  # every call's outputs passed: no reference in the forward
     loss.backward()
     result = checker.collect(loss)

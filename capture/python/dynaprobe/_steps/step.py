@@ -118,6 +118,11 @@ class Step:
         else:
             sums[key] = grad if owned and shard is None else self.recorder.copy(grad)
 
+    def awaits_backward(self, target: Target) -> bool:
+        """Whether a call of ``target`` still waits for its eager backward: its parameters'
+        gradient sums are not final."""
+        return any(p.target is target and not p.done for p in self.pending)
+
     def judge_ahead(self, target: Target) -> None:
         """Single-pass: once every call of ``target`` so far has run its eager backward, the
         recorder judges its parameters' gradient sums in the background while training goes on
@@ -126,8 +131,7 @@ class Step:
         them, and the recorder then takes those metrics. A target whose sums grow after being
         judged (several backwards a step: gradient accumulation) is judged at collect() from
         then on (here, and record_shared_param_grads)."""
-        if not target.judge_ahead or self.error is not None or any(
-                p.target is target and not p.done for p in self.pending):
+        if not target.judge_ahead or self.error is not None or self.awaits_backward(target):
             return
         if any(id(param) in self.judged_ahead for _, param in target.params):
             target.judge_ahead = False
@@ -177,7 +181,7 @@ class Step:
         (Recorder.judge_pair) instead of judging them on the training thread, call by call.
         Decided now while another call of its module waits for its backward: its sums are not
         final, so none are judged ahead, and the pairs would hold them."""
-        if any(p.target is pending.target and not p.done for p in self.pending):
+        if self.awaits_backward(pending.target):
             pending.decide_late_reference(late, pairs)
             return
         self.late_decisions.append((pending, late, pairs))
