@@ -8,8 +8,8 @@ compiled by inductor, side by side in one process (scale_bench.py's configuratio
                 every block, its weights refreshed, run forward and backward on the inputs upcast
   full, stats   PrecisionChecker(backend="inductor", dump=...), single-pass, the default reference
                 (bf16: float32 for every call; float32: float64 for the calls whose outputs
-                fail, decided on the host in each call's forward, or whose gradients fail,
-                decided when the backward ends from the recorder's verdicts)
+                or gradients fail, decided when the backward ends from the verdicts of the
+                recorder's background thread)
 
 Each configuration trains its own copy of the model, one step each in turn, a round that compiles
 and then --steps measured rounds; medians. Per configuration: the step, synchronised with the

@@ -250,7 +250,7 @@ timeout -k 10 "$pytest_cap" "$python" -m pytest -m gpu -p no:cacheprovider -v -r
 step "bench/gpu_capture_cost.py ${bench_args[*]} (at most $bench_cap s)"
 timeout -k 10 "$bench_cap" "$python" "$repo/bench/gpu_capture_cost.py" "${bench_args[@]}" \
   --dump-dir "$tmp/bench" --json "$out/gpu_capture_cost.json" || status=1
-# float32: the reference only for failing calls, decided on the host during the step.
+# float32: the reference only for failing calls, decided on the host when the backward ends.
 step "bench/gpu_capture_cost.py --dtype float32 ${bench_args[*]} (at most $fp32_cap s)"
 timeout -k 10 "$fp32_cap" "$python" "$repo/bench/gpu_capture_cost.py" --dtype float32 \
   "${bench_args[@]}" --dump-dir "$tmp/bench32" --json "$out/gpu_capture_cost_float32.json" || status=1

@@ -174,6 +174,20 @@ Args:
           "to be judged now, in the background; when the same tensors are recorded unchanged "
           "(handed over) as that row, its metrics are taken, not computed again, and a side judged "
           "in a copy (a device tensor, a strided one) is recorded from that copy; returns at once.")
+      .def("hold_for_reference", &Recorder::hold_for_reference, py::arg("module"), py::arg("call"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Single-pass: the pairs of `module`'s call `call` (parameter gradients aside) wait "
+           "for a reference decided later, each judged in the background as soon as both sides "
+           "are in; call it before the call's first record.")
+      .def("settle_reference", &Recorder::settle_reference, py::arg("module"), py::arg("call"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The reference of a call held by hold_for_reference() is recorded, or none will be: "
+           "its pairs still waiting are judged without one.")
+      .def("fails_before_reference", &Recorder::fails_before_reference, py::arg("module"),
+           py::arg("call"), py::call_guard<py::gil_scoped_release>(),
+           "Whether a pair of a call held by hold_for_reference(), queued so far, fails without "
+           "the reference, as the report would judge it; waits until every record queued so far "
+           "is judged.")
       .def("copy", &Recorder::copy, py::arg("tensor"), py::call_guard<py::gil_scoped_release>(),
            "A private contiguous copy of `tensor` to hand over later (record(..., "
            "handed_over=True)): a CPU tensor goes into the recorder's recycled snapshot memory, "

@@ -189,6 +189,8 @@ class BackgroundThread {
   void publish_judged(std::size_t released, std::size_t count);
   void judge_item(Item& item);
   void judge_ahead(JudgeItem& item);
+  void judge_reference(const ReferenceItem& item);
+  void add_judged(std::vector<RecordItem>& store, std::vector<RecordItem>& describe);
   void begin_judging(std::int64_t step);
   void end_judging();
   // Writing.
@@ -290,12 +292,7 @@ void BackgroundThread::judge_records(std::vector<RecordItem>& batch) {
           judging_.judge->take(std::move(r), store, describe);
         }
       });
-      add_pending(judging_.pending, store, true);
-      add_pending(judging_.pending, describe, false);
-      for (RecordItem& r : describe) {  // only their index rows are written
-        r.snapshot.reset();
-        r.record.tensor.data = nullptr;
-      }
+      add_judged(store, describe);
       // The rest of the batch (held for a twin, described only) is released now.
       publish_judged(bytes - queue_writes(store, describe, this_batch), count);
       return;
@@ -310,6 +307,18 @@ void BackgroundThread::judge_records(std::vector<RecordItem>& batch) {
     shared_.handled += count;
   }
   shared_.caller_cv.notify_all();
+}
+
+// Judged records join the step: `store` to be written, `describe` as index rows only, whose
+// snapshots go now.
+void BackgroundThread::add_judged(std::vector<RecordItem>& store,
+                                  std::vector<RecordItem>& describe) {
+  add_pending(judging_.pending, store, true);
+  add_pending(judging_.pending, describe, false);
+  for (RecordItem& r : describe) {
+    r.snapshot.reset();
+    r.record.tensor.data = nullptr;
+  }
 }
 
 // Cuts judged records into operations of about kWriteOpBytes, never between the sides of a pair
@@ -354,6 +363,8 @@ void BackgroundThread::publish_judged(std::size_t released, std::size_t count) {
   {
     std::lock_guard lock(shared_.mutex);
     for (auto& call : judging_.judge->take_failing()) shared_.failing.insert(std::move(call));
+    for (auto& call : judging_.judge->take_failing_before_reference())
+      shared_.failing_before_reference.insert(std::move(call));
     shared_.held_bytes = judging_.judge->held_bytes();
     shared_.queued_bytes -= released;
     shared_.handled += count;
@@ -371,6 +382,8 @@ void BackgroundThread::judge_item(Item& item) {
             begin_judging(value.step);
           } else if constexpr (std::is_same_v<T, JudgeItem>) {
             judge_ahead(value);
+          } else if constexpr (std::is_same_v<T, ReferenceItem>) {
+            judge_reference(value);
           } else if constexpr (std::is_same_v<T, formats::Graph>) {
             if (judging_.state != JudgingState::kLost) writes_.push_back(std::move(value));
           } else if constexpr (std::is_same_v<T, formats::ModuleInfo>) {
@@ -409,6 +422,22 @@ void BackgroundThread::judge_ahead(JudgeItem& item) {
   }
 }
 
+// A call's reference to be decided later (Recorder::hold_for_reference): its pairs wait for it;
+// or decided (settle_reference): those still waiting are judged without one.
+void BackgroundThread::judge_reference(const ReferenceItem& item) {
+  if (judging_.state != JudgingState::kOpen) return;
+  if (!item.settled) {
+    judging_.judge->hold_for_reference(item.module, item.call);
+    return;
+  }
+  std::vector<RecordItem> store, describe;
+  judge_arena_.execute(
+      [&] { judging_.judge->settle_reference(item.module, item.call, store, describe); });
+  add_judged(store, describe);
+  queue_writes(store, describe, 0);  // held records: their queued bytes went when they came
+  publish_judged(0, 0);
+}
+
 void BackgroundThread::begin_judging(std::int64_t step) {
   judging_.step = step;
   judging_.state = JudgingState::kOpen;
@@ -423,6 +452,7 @@ void BackgroundThread::begin_judging(std::int64_t step) {
   {
     std::lock_guard lock(shared_.mutex);
     shared_.failing.clear();
+    shared_.failing_before_reference.clear();
   }
   writes_.push_back(BeginWrite{step});
 }
@@ -436,8 +466,7 @@ void BackgroundThread::end_judging() {
     try {
       std::vector<RecordItem> store, describe;
       judge_arena_.execute([&] { judging_.judge->end_step(store, describe); });
-      add_pending(judging_.pending, store, true);
-      add_pending(judging_.pending, describe, false);
+      add_judged(store, describe);
       writes_.push_back(RecordsWrite{std::move(store), std::move(describe), 0});
       commit.metrics = judging_.judge->take_metrics();
       judging_.pending.metrics = commit.metrics;

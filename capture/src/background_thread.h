@@ -31,6 +31,9 @@ struct SharedState {
   std::uint64_t pushed = 0;       // items queued so far
   std::uint64_t handled = 0;      // items the background thread has judged or handled
   std::set<CallKey> failing;      // of the current step (PairJudge::take_failing)
+  // Calls of the current step whose pairs, held for a reference, fail without one
+  // (PairJudge::take_failing_before_reference).
+  std::set<CallKey> failing_before_reference;
   // The current step once the background thread has judged its EndItem.
   std::optional<formats::PendingStep> judged;
   bool stopping = false;  // the recorder is going: stop, writing only the steps already ended

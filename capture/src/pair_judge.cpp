@@ -20,7 +20,51 @@ PairJudge::PairJudge(analyze::Judging judging, const formats::Provenance& proven
 
 bool PairJudge::expects_reference(const formats::RecordKey& key) const {
   if (key.kind == formats::Kind::kParamGrad) return referenced_modules_.count(key.module) > 0;
-  return referenced_calls_.count({key.module, key.call}) > 0;
+  const CallKey call{key.module, key.call};
+  return referenced_calls_.count(call) > 0 || held_calls_.count(call) > 0;
+}
+
+void PairJudge::hold_for_reference(const std::string& module, std::uint32_t call) {
+  if (active_) held_calls_.emplace(module, call);
+}
+
+void PairJudge::settle_reference(const std::string& module, std::uint32_t call,
+                                 std::vector<RecordItem>& store,
+                                 std::vector<RecordItem>& describe) {
+  if (held_calls_.erase({module, call}) == 0) return;
+  std::vector<PairKey> settled;
+  for (const auto& [pair, slot] : pending_) {
+    if (std::get<0>(pair) == module && std::get<1>(pair) == call && slot.eager && slot.compiled &&
+        !slot.reference) {
+      settled.push_back(pair);
+    }
+  }
+  for (const PairKey& pair : settled) finish(pair, store, describe);
+}
+
+void PairJudge::judge_held(const formats::RecordKey& key, Slot& slot,
+                           std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
+  const formats::TensorView& a = slot.eager->record.tensor;
+  const formats::TensorView& b = slot.compiled->record.tensor;
+  bool fails = a.shape != b.shape;
+  if (!fails) {
+    auto pair = std::make_shared<JudgedPair>();
+    pair->eager = a.data;
+    pair->compiled = b.data;
+    pair->tolerances = judging_.row_tolerances(key.module, key.kind, a.dtype, b.dtype);
+    pair->metrics = analyze::compare_in_memory(a, b, pair->tolerances, chunk_bytes_);
+    pair->judged = true;
+    fails = !pair->metrics.allclose ||
+            judging_.beyond_screen(key.module, key.kind, a.dtype, b.dtype, pair->metrics);
+    slot.eager->judged = slot.compiled->judged = std::move(pair);
+  }
+  if (fails) failing_before_reference_.emplace_back(key.module, key.call);
+  slot.listed = true;
+  if (mode_ == StoreMode::kFull) return;  // stored when they came
+  const bool store_them = mode_ == StoreMode::kFailing && fails;
+  for (const RecordItem* side : {&*slot.eager, &*slot.compiled}) {
+    (store_them ? store : describe).push_back(*side);
+  }
 }
 
 void PairJudge::take(RecordItem item, std::vector<RecordItem>& store,
@@ -38,6 +82,7 @@ void PairJudge::take(RecordItem item, std::vector<RecordItem>& store,
   if (mode_ == StoreMode::kFull) store.push_back(item);
   const PairKey pair = pair_key(key);
   const bool waits_for_reference = expects_reference(key);
+  const bool held = held_calls_.count({key.module, key.call}) > 0;
   Slot& slot = pending_[pair];
   held_bytes_ += item.bytes;
   const formats::Side side = key.side;
@@ -47,14 +92,17 @@ void PairJudge::take(RecordItem item, std::vector<RecordItem>& store,
   order_.push_back(pair);
   if (slot.eager && slot.compiled && (slot.reference || !waits_for_reference)) {
     finish(pair, store, describe);
+  } else if (slot.eager && slot.compiled && held) {
+    judge_held(slot.compiled->record.key, slot, store, describe);
   }
-  spill_over_cap(store);
+  spill_over_cap(store, describe);
 }
 
 void PairJudge::end_step(std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
   while (!pending_.empty()) finish(pending_.begin()->first, store, describe);
   order_.clear();
   spilled_.clear();
+  held_calls_.clear();
   referenced_calls_.clear();
   referenced_modules_.clear();
 }
@@ -151,18 +199,23 @@ void PairJudge::finish(const PairKey& pair, std::vector<RecordItem>& store,
   for (std::optional<RecordItem>* side : {&slot.eager, &slot.compiled, &slot.reference}) {
     if (!*side) continue;
     held_bytes_ -= (*side)->bytes;
-    if (mode_ == StoreMode::kFull) continue;  // stored when it came
+    if (mode_ == StoreMode::kFull) continue;               // stored when it came
+    if (slot.listed && side != &slot.reference) continue;  // handed on by judge_held()
     const bool store_it = mode_ == StoreMode::kFailing && keep_tensors;
     (store_it ? store : describe).push_back(std::move(**side));
   }
 }
 
-void PairJudge::spill_over_cap(std::vector<RecordItem>& store) {
+void PairJudge::spill_over_cap(std::vector<RecordItem>& store, std::vector<RecordItem>& describe) {
   while (held_bytes_ > hold_cap_ && !order_.empty()) {
     const PairKey pair = order_.front();
     order_.pop_front();
     auto found = pending_.find(pair);
     if (found == pending_.end()) continue;
+    if (found->second.listed) {  // judged and handed on already: finished without its reference
+      finish(pair, store, describe);
+      continue;
+    }
     for (std::optional<RecordItem>* side :
          {&found->second.eager, &found->second.compiled, &found->second.reference}) {
       if (!*side) continue;
@@ -172,6 +225,8 @@ void PairJudge::spill_over_cap(std::vector<RecordItem>& store) {
     pending_.erase(found);
     spilled_.insert(pair);
     failing_.emplace_back(std::get<0>(pair), std::get<1>(pair));  // judged later, from the dump
+    if (held_calls_.count({std::get<0>(pair), std::get<1>(pair)}) > 0)
+      failing_before_reference_.emplace_back(std::get<0>(pair), std::get<1>(pair));
   }
 }
 

@@ -62,11 +62,20 @@ struct JudgeItem {
   std::optional<formats::TensorView> reference;
   std::vector<std::shared_ptr<HostSnapshot>> copies;
 };
+// Single-pass: a call whose reference is decided later (float32, when its backward has run).
+// Until `settled`, its pairs other than parameter gradients wait for that reference, judged as
+// soon as both sides are in (PairJudge::hold_for_reference); once settled, those still waiting
+// are finished without one.
+struct ReferenceItem {
+  std::string module;
+  std::uint32_t call = 0;
+  bool settled = false;
+};
 struct BeginItem {
   std::int64_t step = 0;
 };
 struct EndItem {};
-using Item =
-    std::variant<BeginItem, RecordItem, JudgeItem, formats::Graph, formats::ModuleInfo, EndItem>;
+using Item = std::variant<BeginItem, RecordItem, JudgeItem, ReferenceItem, formats::Graph,
+                          formats::ModuleInfo, EndItem>;
 
 }  // namespace dynaprobe::capture::detail

@@ -599,6 +599,29 @@ void Recorder::judge_later(const std::string& module, const at::Tensor& eager,
   impl.shared.push(std::move(item));
 }
 
+void Recorder::hold_for_reference(const std::string& module, std::uint32_t call) {
+  Impl& impl = *impl_;
+  std::lock_guard lock(impl.call_mutex);
+  if (impl.check_step("hold " + module + " for its reference")) return;
+  impl.shared.push(detail::ReferenceItem{module, call, false});
+}
+
+void Recorder::settle_reference(const std::string& module, std::uint32_t call) {
+  Impl& impl = *impl_;
+  std::lock_guard lock(impl.call_mutex);
+  if (impl.check_step("settle the reference of " + module)) return;
+  impl.shared.push(detail::ReferenceItem{module, call, true});
+}
+
+bool Recorder::fails_before_reference(const std::string& module, std::uint32_t call) {
+  Impl& impl = *impl_;
+  std::lock_guard lock(impl.call_mutex);
+  impl.require_step("ask whether " + module + " fails");
+  impl.wait_handled();
+  std::lock_guard shared(impl.shared.mutex);
+  return impl.shared.failing_before_reference.count({module, call}) > 0;
+}
+
 void Recorder::record_graph(formats::Graph graph) {
   Impl& impl = *impl_;
   std::lock_guard call(impl.call_mutex);

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -942,6 +943,69 @@ TEST(Recorder, FailingCallsAreTheCallsWithAPairOutsideItsTolerances) {
     EXPECT_TRUE(recorder.failing_calls().empty());
     recorder.end_step();
   }
+}
+
+// Single-pass decides a float32 call's reference once its backward has run. Until then its pairs
+// wait for that reference, each judged as soon as both sides are in, so that the decision can ask
+// for their verdicts, and a reference that comes later is judged with them, in stats mode too,
+// where no tensor is kept for later.
+TEST(Recorder, ACallHeldForItsReferenceIsJudgedWithTheReferenceThatComesLater) {
+  TempDir dir;
+  Recorder recorder(dir.path(), kSinglePassTolerances, stats_only());
+  EXPECT_THROW(recorder.hold_for_reference("m", 0), UsageError);  // outside a step
+  EXPECT_THROW(recorder.fails_before_reference("m", 0), UsageError);
+  recorder.begin_step(0);
+  const at::Tensor x = at::randn({64, 64}).mul(1e3);  // activations of a real model's scale
+  const auto record = [&](const char* module, Kind kind, Side side, const at::Tensor& tensor) {
+    recorder.record(call_key(module, 0, kind, side), tensor);
+  };
+  for (const char* module : {"referred", "failing", "passing"}) {
+    recorder.hold_for_reference(module, 0);
+    record(module, Kind::kFwdOutput, Side::kEager, x);
+    record(module, Kind::kFwdInput, Side::kCompiled, x);  // recorded once: waits for the step end
+  }
+  record("referred", Kind::kFwdOutput, Side::kCompiled, x.add(2));
+  record("failing", Kind::kFwdOutput, Side::kCompiled, x.add(2));
+  record("passing", Kind::kFwdOutput, Side::kCompiled, x);
+  record("passing", Kind::kGradInput, Side::kCompiled, x.mul(1e-3));
+  record("passing", Kind::kGradInput, Side::kEager, x.mul(1e-3));
+  record("after", Kind::kFwdOutput, Side::kCompiled, x);  // a call not held, recorded later
+  record("after", Kind::kFwdOutput, Side::kEager, x);
+  EXPECT_TRUE(recorder.fails_before_reference("referred", 0));
+  EXPECT_TRUE(recorder.fails_before_reference("failing", 0));
+  EXPECT_FALSE(recorder.fails_before_reference("passing", 0));
+  EXPECT_TRUE(recorder.failing_calls().empty());  // judged, but still waiting for a reference
+  record("referred", Kind::kFwdOutput, Side::kReference, x.add(1));
+  for (const char* module : {"referred", "failing", "passing"}) {
+    recorder.settle_reference(module, 0);  // "referred"'s reference came; the others get none
+  }
+  const std::vector<CallKey> failing = recorder.failing_calls();
+  EXPECT_NE(std::find(failing.begin(), failing.end(), CallKey{"failing", 0}), failing.end());
+  EXPECT_EQ(std::find(failing.begin(), failing.end(), CallKey{"passing", 0}), failing.end());
+  const fs::path file = recorder.end_step();
+  // Listed in the order they came, though judged with their reference later: the report's
+  // modules are in execution order.
+  std::vector<std::string> listed;
+  for (const auto& r : formats::StepReader(file).records()) {
+    if (r.key.kind == Kind::kFwdOutput && r.key.side == Side::kCompiled)
+      listed.push_back(r.key.module);
+  }
+  EXPECT_EQ(listed, (std::vector<std::string>{"referred", "failing", "passing", "after"}));
+  std::map<std::pair<std::string, Kind>, std::set<Side>> sides;
+  std::map<std::string, formats::TensorMetrics> rows;
+  for (const auto& m : formats::StepReader(file).stored_metrics()) {
+    if (m.key.kind == Kind::kFwdInput) continue;
+    sides[{m.key.module, m.key.kind}].insert(m.key.side);
+    if (m.key.side == Side::kCompiled) rows[m.key.module] = m.metrics;
+  }
+  // The row, and each side against the reference that came after the row was judged.
+  EXPECT_EQ(sides[std::pair("referred", Kind::kFwdOutput)],
+            (std::set<Side>{Side::kCompiled, Side::kEager, Side::kReference}));
+  EXPECT_EQ(sides[std::pair("failing", Kind::kFwdOutput)], std::set<Side>{Side::kCompiled});
+  EXPECT_EQ(sides[std::pair("passing", Kind::kGradInput)], std::set<Side>{Side::kCompiled});
+  EXPECT_NEAR(rows["referred"].max_abs, 2.0, 1e-3);  // float32 sums of values near 1e3
+  EXPECT_FALSE(rows["failing"].allclose);
+  EXPECT_TRUE(rows["passing"].allclose);
 }
 
 TEST(Recorder, StoreModesKeepTheTensorsTheyPromise) {

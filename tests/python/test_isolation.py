@@ -383,6 +383,47 @@ def test_gradient_through_what_a_call_leaves_in_its_arguments_reaches_its_eager_
     assert cache.keys[0].shape == (2, 8, 6)  # appended once per call, not by the re-run
 
 
+class CachedGelu(nn.Module):
+    """Leaves its keys in the cache it is given, through a GELU (what FORWARD_FAULT breaks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(6, 6)
+
+    def forward(self, x, cache: KeyCache):
+        keys = cache.update(0, nn.functional.gelu(self.k(x)))
+        return x * keys.mean(1, keepdim=True)
+
+
+def test_a_failing_float32_call_that_leaves_tensors_gets_its_reference_with_their_twins(
+        tmp_path):
+    """A float32 call's reference is decided once its backward has run, except for a call that
+    leaves tensors in its arguments: its reference needs the twins of what it left, found at
+    the end of its forward, so it is decided there, from its outputs' verdicts. Called twice
+    with one cache, the first call's gradient flows back through what it left; the reference's
+    backward, seeded with it too, stands for eager's: eager's gradient is within rounding of it,
+    and the outputs (the GELU made 1% larger) are a divergence."""
+    from models import FORWARD_FAULT
+
+    torch.manual_seed(0)
+    model = CachedGelu()
+    checker = PrecisionChecker(backend=FORWARD_FAULT, dump_dir=str(tmp_path / "dump"))
+    checker.wrap(model)
+    checker.install(model)
+    cache = KeyCache()
+    x = torch.randn(2, 4, 6, requires_grad=True)
+    loss = model(model(x, cache), cache).square().sum()
+    loss.backward()
+    result = checker.collect(loss)
+    checker.uninstall()
+    referenced = {(r.call, r.check_type): r.reference for r in result.rows if r.reference}
+    assert referenced[(0, "fwd_output")]["verdict"] == "divergence", result.text()
+    assert referenced[(0, "fwd_output")]["dtype"] == "fp64"
+    # eager's own error against the reference's gradient is float32 rounding: the reference's
+    # backward was seeded through what it left too (without, it misses the second call's path)
+    assert referenced[(0, "grad_input")]["eager_rmse"] < 1e-6, result.text()
+
+
 class _ScaleIgnoringWeight(torch.autograd.Function):
     """Returns no gradient for ``weight``: autograd calls its hooks with None (AXK2's case)."""
 

@@ -17,10 +17,11 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import zero_eager_sums_behind_torchs_back
-from models import FORWARD_FAULT, Chain, compiled_copy
+from models import FORWARD_FAULT, RSQRT_PASS, Chain, RMSNormMLP, compiled_copy
 
 from dynaprobe import _C, PrecisionChecker
 from dynaprobe._mechanics.reference import WeightCopies
@@ -541,12 +542,25 @@ def test_float32_gradients_that_cancel_get_their_reference_when_they_fail(tmp_pa
     for got, want in zip(state, unchecked):
         assert torch.equal(got, want)
 
-    import torch._inductor.config as inductor_config
-
     inductor_config.post_grad_custom_post_pass = _scale_weight_gradients
     faulty, _ = _mobilenet_step(tmp_path / "fault")
     row = next(r for r in faulty.rows if r.module == "stem.1" and r.check_type == "param_grad")
     assert row.status == "FAIL" and row.reference["verdict"] == "divergence", faulty.text()
+
+
+def _float64_calls(monkeypatch, function: str) -> list:
+    """A list that gets "reference" each time ``torch.nn.functional.<function>`` runs on a
+    float64 input (a float32 call's reference), patched for the test."""
+    events = []
+    original = getattr(F, function)
+
+    def logged(input, *args, **kwargs):
+        if input.dtype == torch.float64:
+            events.append("reference")
+        return original(input, *args, **kwargs)
+
+    monkeypatch.setattr(F, function, logged)
+    return events
 
 
 @pytest.mark.usefixtures("fresh_inductor")
@@ -558,15 +572,7 @@ def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_pa
     background thread, and the decision takes those verdicts. The float64 references (the
     batch norms' whose weight gradients cancel) run after the backward reached the input, with
     the loss as it is and scaled down (gradients a thousand times smaller)."""
-    events = []
-    batch_norm = F.batch_norm
-
-    def logged(input, *args, **kwargs):
-        if input.dtype == torch.float64:
-            events.append("reference")
-        return batch_norm(input, *args, **kwargs)
-
-    monkeypatch.setattr(F, "batch_norm", logged)
+    events = _float64_calls(monkeypatch, "batch_norm")
     model, x = _mobilenet()
     x.requires_grad_(True).register_hook(lambda grad: events.append("input"))
     checker = PrecisionChecker(backend="inductor", dump_dir=str(tmp_path))
@@ -581,6 +587,42 @@ def test_late_references_are_decided_once_the_training_backward_has_ended(tmp_pa
     assert any(r.reference and r.reference["verdict"] == "noise" for r in result.rows
                if r.check_type == "param_grad"), result.text()
     assert result.all_pass, result.text()
+
+
+@pytest.mark.usefixtures("fresh_inductor")
+@pytest.mark.parametrize("dump", ["stats", "full"])
+@pytest.mark.parametrize("backward", [True, False])
+def test_float32_outputs_are_judged_off_the_training_thread_and_referenced_after(
+        tmp_path, monkeypatch, dump, backward):
+    """A float32 call's outputs are not judged during its forward (on a device, the training
+    thread would wait for it, call after call): the recorder judges them in the background and
+    holds the pairs, and the call's float64 reference runs once the backward pass has ended (at
+    collect() for a call whose backward never runs), from the state before the call. Its verdict
+    decides the row, with dump="stats" too, which keeps no tensor: a fault inside inductor's
+    kernel (a post-grad pass making rsqrt 5% too large) is a divergence, the loss scaled by
+    1e-3."""
+    events = _float64_calls(monkeypatch, "linear")
+    inductor_config.post_grad_custom_post_pass = RSQRT_PASS
+    torch.manual_seed(0)
+    model = nn.Sequential(RMSNormMLP(), nn.Tanh())
+    x = torch.randn(4, 16, requires_grad=True)
+    x.register_hook(lambda grad: events.append("input"))
+    checker = PrecisionChecker(backend="inductor", dump=dump, dump_dir=str(tmp_path))
+    checker.wrap(model[0])
+    checker.install(model)
+    loss = model(x).square().mean() * 1e-3
+    assert events == []  # its outputs fail, yet nothing judged them or ran its reference yet
+    if backward:
+        loss.backward()
+        assert events == ["input", "reference"]
+    result = checker.collect(loss)
+    checker.uninstall()
+    assert events[-1] == "reference"
+    row = next(r for r in result.rows if r.module == "0" and r.check_type == "fwd_output")
+    assert row.status == "FAIL" and row.reference["dtype"] == "fp64", result.text()
+    assert row.reference["verdict"] == "divergence", result.text()
+    if backward:
+        assert any(r.reference for r in result.rows if r.check_type == "param_grad")
 
 
 def test_the_reference_follows_the_weights_from_step_to_step(tmp_path):

@@ -115,6 +115,20 @@ class Recorder {
   // judge_pair() judged already, nothing is done). Throws UsageError outside a step.
   void judge_later(const std::string& module, const at::Tensor& eager, const at::Tensor& compiled,
                    const at::Tensor& reference);
+  // Single-pass, a call whose reference is decided after its records (float32: once its
+  // backward has run, from its outputs' and gradients' verdicts): until settle_reference(), the
+  // pairs of `module`'s call `call` other than parameter gradients wait for that reference, each
+  // judged on the background thread as soon as both sides are in; fails_before_reference() says
+  // whether one fails without it. Call it before the call's first record; settle it once the
+  // reference has been recorded, or when none will be (pairs still waiting are then judged
+  // without one). Throws UsageError outside a step.
+  void hold_for_reference(const std::string& module, std::uint32_t call);
+  void settle_reference(const std::string& module, std::uint32_t call);
+  // Whether a pair of a call held for its reference, queued so far, fails its tolerances or the
+  // screen without the reference (or was held beyond half the budget), as the report would judge
+  // it without one. Waits until the background thread has judged every record queued before.
+  // Throws UsageError outside a step.
+  bool fails_before_reference(const std::string& module, std::uint32_t call);
   // Queue a graph / a module description, written in call order with the records. Names are
   // checked here (UsageError for a bad or repeated name), the rest by the background thread.
   void record_graph(formats::Graph graph);

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -12,7 +12,8 @@ from dynaprobe._C.vocabulary import KIND_FWD_OUTPUT, SIDE_COMPILED, SIDE_EAGER, 
 from dynaprobe._mechanics.capture import RngState, devices_of, input_leaves
 from dynaprobe._mechanics.isolation import InputWrites, LeftInArguments, ModuleState, counterparts
 from dynaprobe._mechanics.reference import CallReference, ReferenceRun
-from dynaprobe._steps.step import CallShares, Step, Target
+from dynaprobe._steps.shares import CallShares
+from dynaprobe._steps.step import Step, Target
 
 
 class CheckedCall:
@@ -48,6 +49,11 @@ class CheckedCall:
         self.written_out: list = []  # record_written_results: (compiled, eager, reference)
         self.candidate = None  # its replay data, until decided
         self.reference: Optional[ReferenceRun] = None
+        # float32, grad mode: its reference is decided once its backward has run, from its
+        # verdicts (held: CallReferences.late), the recorder holding its pairs meanwhile
+        self.holds_reference = False
+        self.held: Optional[Callable[[list], Optional[ReferenceRun]]] = None
+        self.left_found: list = []  # left_in_arguments: (path, tensor) of what it left
         self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
 
     @property
@@ -83,42 +89,51 @@ class CheckedCall:
     def left_in_arguments(self) -> Tuple[list, list]:
         """The inputs the training call wrote and does not return (``written_out``), then what it
         left in its arguments (LeftInArguments), that require grad, and their twins in the eager
-        re-run's copies (and the reference's): ``(compiled, eager)`` lists of (index, tensor),
-        indexed after the call's returned tensors. A later use of them sends gradient back into
-        this call: it seeds the eager backward too."""
+        re-run's copies (and the reference's, left_in_reference): ``(compiled, eager)`` lists of
+        (index, tensor), indexed after the call's returned tensors. A later use of them sends
+        gradient back into this call: it seeds the eager backward too."""
         first = len(self.compiled_leaves)
-        compiled, eager, reference = [], [], []
-        for at, (tensor, twin, wide) in enumerate(self.written_out, first):
+        compiled, eager = [], []
+        for at, (tensor, twin, _) in enumerate(self.written_out, first):
             if tensor.requires_grad and twin.requires_grad:
                 compiled.append((at, tensor))
                 eager.append((at, twin))
-                if wide is not None and wide.requires_grad:
-                    reference.append((at, wide))
         first += len(self.written_out)
         found = [] if self.left_watch is None else self.left_watch.find(
             self.args, self.kwargs, [t for _, t in self.compiled_leaves],
             [t for _, t in input_leaves(self.args, self.kwargs)])
+        self.left_found = found
         if found:
             twins = [(first + position, twin)
                      for position, twin in counterparts(found, self.eager_args, self.eager_kwargs)]
             eager += twins
-            if self.reference is not None:
-                args, kwargs, _ = self.reference_args
-                reference += [(first + position, twin)
-                              for position, twin in counterparts(found, args, kwargs)]
             paired = {index for index, _ in twins}
             compiled += [(first + p, t) for p, (_, t) in enumerate(found) if first + p in paired]
         if self.reference is not None:
-            self.reference.left = reference
+            self.left_in_reference()
         return compiled, eager
 
+    def left_in_reference(self) -> None:
+        """The reference's twins of what the call left (left_in_arguments, which found them):
+        the inputs it wrote, as the reference ran on them, and what the reference left in its
+        copies of the arguments."""
+        first = len(self.compiled_leaves)
+        left = [(at, wide) for at, (tensor, twin, wide) in enumerate(self.written_out, first)
+                if tensor.requires_grad and twin.requires_grad and wide is not None
+                and wide.requires_grad]
+        first += len(self.written_out)
+        args, kwargs, _ = self.reference_args
+        left += [(first + position, twin)
+                 for position, twin in counterparts(self.left_found, args, kwargs)]
+        self.reference.left = left
+
     def for_reference(self) -> "CheckedCall":
-        """What running its reference later (SinglePass._late_reference) needs of this call:
+        """What running its reference later (CallReferences.late) needs of this call:
         without the training call's arguments and outputs, the eager re-run's copies and replay
         data, which it does not."""
         kept = copy.copy(self)
         kept.args, kept.kwargs, kept.eager_args, kept.eager_kwargs = (), {}, (), {}
         kept.compiled_leaves, kept.eager_leaves, kept.leaves, kept.params = [], [], [], []
-        kept.graph_calls = []
+        kept.graph_calls, kept.left_found = [], []
         kept.candidate = kept.left_watch = kept.watched = kept.shares = kept.writes = None
         return kept

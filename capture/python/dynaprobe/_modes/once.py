@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import warnings
 
+# The stacklevel of a warning said during a checked call, counted from OnceWarnings through the
+# phase (or a phase's helper) saying it and SinglePass._checked_call: it names a frame above the
+# patched forward.
+IN_CALL = 6
+
 
 class OnceWarnings:
     """``warn(module, topic, message, stacklevel)`` says ``message`` the first time only."""

@@ -19,7 +19,6 @@ from dynaprobe._C.vocabulary import (
     KIND_GRAD_OUTPUT,
     SIDE_COMPILED,
     SIDE_EAGER,
-    SIDE_REFERENCE,
 )
 from dynaprobe._mechanics import replay_store
 from dynaprobe._mechanics.capture import (
@@ -43,21 +42,19 @@ from dynaprobe._mechanics.isolation import (
 )
 from dynaprobe._mechanics.reference import (
     ReferencePolicy,
-    ReferenceRun,
     accelerator_draws,
     copy_reference_arguments,
     outputs_differ,
-    run_reference,
-    shapes_differ,
 )
+from dynaprobe._modes.call_references import CallReferences
 from dynaprobe._modes.checked_call import CheckedCall
-from dynaprobe._modes.once import OnceWarnings
+from dynaprobe._modes.once import IN_CALL, OnceWarnings
 from dynaprobe._modes.replays import ReplayKeeping
 from dynaprobe._steps.compiling import Compiler
 from dynaprobe._steps.planning import Plan, warn_nested_fully_shard
 from dynaprobe._steps.session import StepSession
+from dynaprobe._steps.shares import CallShares
 from dynaprobe._steps.step import (
-    CallShares,
     PendingBackward,
     Step,
     Target,
@@ -80,12 +77,6 @@ def install(model: torch.nn.Module, plan: Plan, session: StepSession, compiler: 
         # said to the caller of PrecisionChecker.install()
         warn_nested_fully_shard(plan.modules, display, module, stacklevel=4)
     return SinglePass(targets, session, compiler, **options)
-
-
-# The stacklevel of a warning said during a checked call, counted from _warn_once through the
-# phase (or a phase's helper) saying it and _checked_call: it names a frame above the patched
-# forward.
-_IN_CALL = 6
 
 
 class SinglePass:
@@ -111,6 +102,7 @@ class SinglePass:
         self.restore: List[Callable[[], None]] = []
         self.hooked: Dict[object, torch.Tensor] = {}  # parameters given hooks
         self._warn_once = OnceWarnings()
+        self.references = CallReferences(tolerances, session, self._warn_once)
         self.replays = ReplayKeeping(replay, backend, cast_dtype, self.graphs, self._warn_once)
         for target in targets:
             self.restore.append(patch_forward(target.module, self._forward(target)))
@@ -202,7 +194,7 @@ class SinglePass:
         except Exception as error:
             self._warn_once(call.name, "left", f"dynaprobe: {call.name}: the tensors its calls "
                             f"leave in their arguments are not followed ({type(error).__name__}: "
-                            f"{error})", stacklevel=_IN_CALL)
+                            f"{error})", stacklevel=IN_CALL)
 
     def _run_compiled(self, call: CheckedCall):
         """The training call: compiled, under cast_dtype's autocast; with replay, the runs of
@@ -252,14 +244,21 @@ class SinglePass:
             if call.reference_args is not None and call.rng_before.accelerator_drawn():
                 call.step.reference_missing(call.name, accelerator_draws(call.wanted))
                 call.reference_args = None
-            referred = call.reference_args is not None and call.decision.dtype(
-                lambda: outputs_differ(call.eager_out, compiled_out, tensor_leaves, call.name,
-                                       self.tolerances)) is not None
+            # A float32 training call's reference is decided once its backward has run, from the
+            # verdicts of its outputs and gradients (_record_outputs holds it): not here, where
+            # judging its outputs would wait for a device.
+            call.holds_reference = (call.reference_args is not None and call.grad_mode
+                                    and not call.target.shards and not call.written
+                                    and call.decision.up_front is None)
+            referred = (call.reference_args is not None and not call.holds_reference
+                        and call.decision.dtype(lambda: outputs_differ(
+                            call.eager_out, compiled_out, tensor_leaves, call.name,
+                            self.tolerances)) is not None)
             if referred:
                 call.rng_before.restore()
-                call.reference = self._reference_call(call)
+                call.reference = self.references.run(call)
             # No reference for this call: its upcast copies go, unless its gradients may ask for one
-            # later (_late_reference; not with FSDP2's full parameters, freed after the backward)
+            # later (CallReferences.late; not with FSDP2's full parameters, freed after the backward)
             if call.reference is None and (referred or not call.grad_mode or call.target.shards):
                 call.reference_args = None
         except Exception as error:
@@ -276,7 +275,7 @@ class SinglePass:
                     f"module-level names ({', '.join(rebound)}): a global side effect. dynaprobe "
                     "put back what the eager re-run changed; other global effects (files, "
                     "in-place changes to module-level objects) it cannot undo.",
-                    stacklevel=_IN_CALL)
+                    stacklevel=IN_CALL)
         return True
 
     def _record_outputs(self, call: CheckedCall, compiled_out) -> Tuple[list, list]:
@@ -284,6 +283,9 @@ class SinglePass:
         (CheckedCall.record_written_results); returns what the compiled call and the eager
         re-run left in their arguments (CheckedCall.left_in_arguments)."""
         step, name = call.step, call.name
+        if call.holds_reference:  # its pairs wait for the decision (CallReferences.late)
+            late = self.references.late(call.for_reference())
+            call.held = late if step.hold_for_reference(name, call.index, late) else None
         compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
         for index, (label, tensor) in enumerate(compiled_leaves):
@@ -295,13 +297,20 @@ class SinglePass:
         except Exception as error:  # never break training because of the checker
             self._warn_once(call.name, "written", f"dynaprobe: {call.name}: the inputs its "
                             f"calls write in place are not compared ({type(error).__name__}: "
-                            f"{error})", stacklevel=_IN_CALL)
+                            f"{error})", stacklevel=IN_CALL)
         return self._left_in_arguments(call)
 
     def _await_backward(self, call: CheckedCall, compiled_out, left: list, eager_left: list):
         """Grad mode: the eager backward waits (PendingBackward) for the grad_output the
         compiled outputs receive, through probes on them; returns the probed outputs."""
         step = call.step
+        if call.held is not None and eager_left:
+            # Its reference would need the twins of what it left, found only now: decided at
+            # once, from its outputs' verdicts, and run as its forward's reference.
+            call.reference, call.held = call.held([]), None
+            step.settle_reference(call.name, call.index)  # later pairs wait for its reference
+            if call.reference is not None:
+                call.left_in_reference()
         eager_outputs = [(i, t) for i, (_, t) in enumerate(call.eager_leaves) if t.requires_grad]
         pending = PendingBackward(step, call.target, call.index, eager_outputs, call.leaves,
                                   call.params, call.reference, eager_left)
@@ -313,10 +322,12 @@ class SinglePass:
                 call.candidate.pending = pending
         self._split_param_grads(call, left)
         if call.reference is None and call.reference_args is not None:
-            if eager_left:  # its reference would need the twins of what it left: none late
+            if call.held is not None:
+                pending.late_reference = call.held
+            elif eager_left:  # its reference would need the twins of what it left: none late
                 call.reference_args = None
             else:
-                pending.late_reference = self._late_reference(call.for_reference())
+                pending.late_reference = self.references.late(call.for_reference())
         probed = probe_outputs(compiled_out,
                                lambda index: self._grad_output_hook(step, pending, index))
         self._hook_outputs_themselves(step, pending, call.compiled_leaves, call.args,
@@ -337,7 +348,7 @@ class SinglePass:
             self._warn_once(call.name, "shares", f"dynaprobe: {call.name}: its parameters' "
                             "gradients are compared as the training backward sums them, uses "
                             f"outside the module included ({type(error).__name__}: {error})",
-                            stacklevel=_IN_CALL)
+                            stacklevel=IN_CALL)
 
     def _left_in_arguments(self, call: CheckedCall) -> Tuple[list, list]:
         """CheckedCall.left_in_arguments, or nothing followed when that fails (said once)."""
@@ -346,64 +357,8 @@ class SinglePass:
         except Exception as error:  # never break training because of the checker
             self._warn_once(call.name, "left", f"dynaprobe: {call.name}: the tensors its calls "
                             f"leave in their arguments are not followed ({type(error).__name__}: "
-                            f"{error})", stacklevel=_IN_CALL)
+                            f"{error})", stacklevel=IN_CALL)
             return [], []
-
-    def _late_reference(self, call: CheckedCall) -> Callable[[list], Optional[ReferenceRun]]:
-        """For a call whose forward got no reference (its outputs passed) but that may want one:
-        given the pairs of its gradients known when its eager backward has run, the reference of
-        the call if any pair fails (a gradient that sums terms which cancel, as a batch norm's
-        weight gradient), run from the module's state, RNG state and upcast inputs before the
-        training call when the backward pass ends (Step.defer_late_reference)."""
-        def late(pairs: list) -> Optional[ReferenceRun]:
-            try:
-                if _C.rows_pass(call.name, pairs, self.tolerances, call.step.recorder):
-                    return None
-                module = call.target.module
-                state_now, rng_now = ModuleState(module), RngState(call.devices)
-                try:
-                    call.state_before.apply()
-                    call.rng_before.restore()
-                    return self._reference_call(call)
-                finally:
-                    state_now.apply()
-                    rng_now.restore()
-            except Exception as error:  # never break the training backward because of the checker
-                call.step.reference_missing(call.name, f"{type(error).__name__}: {error}")
-                return None
-            finally:
-                call.reference_args = None
-
-        return late
-
-    def _reference_call(self, call: CheckedCall) -> Optional[ReferenceRun]:
-        """Runs and records the reference of this call in the dtype it wants; what its backward
-        needs. A reference that cannot run (an op without a kernel for the dtype, ...) is a
-        NO_REFERENCE row of the report and a warning."""
-        step, target, dtype, inputs = call.step, call.target, call.wanted, call.inputs
-        try:
-            out, run = run_reference(target.module, target.eager, call.reference_args, dtype,
-                                     call.devices, call.grad_mode,
-                                     lambda index: inputs[index][1].requires_grad,
-                                     call.written, tensor_leaves, map_tensors,
-                                     self.session.weight_copies)
-        except Exception as error:
-            what = f"{type(error).__name__}: {error}"
-            step.reference_missing(target.name, what)
-            self._warn_once(target.name, "reference",
-                            f"dynaprobe: {target.name}: the {dtype} reference could not run "
-                            f"({what}); its rows are judged by the tolerances alone",
-                            stacklevel=_IN_CALL)
-            return None
-        leaves = tensor_leaves(out)
-        differ = shapes_differ([t for _, t in leaves],
-                               [t for _, t in tensor_leaves(call.eager_out)])
-        if differ:
-            step.reference_missing(target.name, differ)
-            return None
-        for index, (label, tensor) in enumerate(leaves):
-            step.record(target.name, call.index, KIND_FWD_OUTPUT, index, SIDE_REFERENCE, tensor, label)
-        return run
 
     def _warn_shared_arguments(self, step: Step, name: str, shared: List[str]) -> None:
         """An argument the eager re-run could not get a copy of: what it does to it, training
@@ -415,7 +370,7 @@ class SinglePass:
                 name, what, f"dynaprobe: {name}: an argument of type {what} cannot be "
                 "deep-copied, so the eager re-run shares it with the training call: changes the "
                 "re-run makes to it are visible to training. Make it copyable (copy.deepcopy) to "
-                "isolate it.", stacklevel=_IN_CALL)
+                "isolate it.", stacklevel=IN_CALL)
 
     def _call_params(self, step: Step, target: Target) -> list:
         """The parameters a call of ``target`` uses, with the hooks that sum their training
@@ -469,7 +424,7 @@ class SinglePass:
         except Exception as error:  # never break training because of the checker
             self._warn_once(pending.target.name, "outputs", f"dynaprobe: {pending.target.name}: "
                             f"outputs changed in place are not followed ({error})",
-                            stacklevel=_IN_CALL)
+                            stacklevel=IN_CALL)
 
     @staticmethod
     def _grad_output_hook(step: Step, pending: PendingBackward, index: int,

@@ -76,6 +76,9 @@ class Step:
         # Single-pass, float32: calls whose late reference is decided at the end of the backward
         # pass, with the pairs of gradients to decide it from (PendingBackward.run)
         self.late_decisions: List[Tuple[PendingBackward, Callable, list]] = []
+        # Single-pass, float32: (module, call) -> the decision of its reference, for the calls
+        # whose pairs the recorder holds until it is taken (hold_for_reference)
+        self.held_references: Dict[Tuple[str, int], Callable[[list], object]] = {}
         self.error: Optional[BaseException] = None
         # Backward hooks may run on autograd's device threads; the recorder takes one call at a
         # time.
@@ -198,6 +201,32 @@ class Step:
         for pending, late, pairs in decisions:
             pending.decide_late_reference(late, pairs)
 
+    def hold_for_reference(self, module: str, call: int, late: Callable[[list], object]) -> bool:
+        """Before a call's records: the recorder holds its pairs (parameter gradients aside)
+        until ``late``, the decision of its reference, is taken (settle_reference), judging each
+        meanwhile, so that ``late`` decides from their verdicts. False when the step is lost."""
+        if self.error is not None:
+            return False
+        try:
+            with self.lock:
+                self.recorder.hold_for_reference(module, call)
+        except Exception as error:  # the step is lost: reported by collect(), training goes on
+            self.error = error
+            return False
+        self.held_references[(module, call)] = late
+        return True
+
+    def settle_reference(self, module: str, call: int) -> None:
+        """A held call's reference is decided and, if any, recorded: the recorder judges the
+        pairs still waiting for it without one."""
+        if self.held_references.pop((module, call), None) is None or self.error is not None:
+            return
+        try:
+            with self.lock:
+                self.recorder.settle_reference(module, call)
+        except Exception as error:  # the step is lost: reported by collect(), training goes on
+            self.error = error
+
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
 
@@ -294,11 +323,12 @@ class PendingBackward:
 
     def decide_late_reference(self, late: Callable[[list], object], pairs: list) -> None:
         """A call without a reference whose eager backward has run: its reference, run now with
-        its backward, if any of ``pairs`` fails (``late``: SinglePass._late_reference)."""
+        its backward, if any of ``pairs`` fails (``late``: CallReferences.late)."""
         self.reference = late(pairs)
         if self.reference is not None and self._run_reference():
             self.step.backwards.setdefault(self.target.name, [0, 0])[1] += 1
         self.reference = None
+        self.step.settle_reference(self.target.name, self.call)
 
     def _gradient_pairs(self, grads, params: list) -> list:
         """(kind, eager, compiled) of this call's gradients known now: its grad_outputs (both
@@ -385,6 +415,9 @@ def run_pending(step: Step, unreached: str) -> None:
         pending.run()
     step.pending.clear()
     step.decide_late_references()
+    for (module, call), late in list(step.held_references.items()):  # their backward never ran
+        late([])
+        step.settle_reference(module, call)
 
 
 def record_shared_param_grads(step: Step, targets: List[Target]) -> None:
@@ -412,69 +445,5 @@ def compiled_param_grad_hook(session: StepSession, param: torch.Tensor):
         if step is not None and grad is not None and not _in_eager_backward() \
                 and not step.by_call.get(id(param), False):
             step.add_param_grad(SIDE_COMPILED, param, grad)
-
-    return hook
-
-
-class CallShares:
-    """Single-pass: the share of each parameter's gradient that one compiled call sends it, the
-    twin of what the eager re-run's backward gives it. A parameter the model also uses outside
-    the call (DiT's final layer reuses ``transformer_blocks[0].norm1.emb``; tied weights) gets
-    more from the training backward than from the call.
-
-    Created just before the call and ``close``-d just after it: the autograd nodes the call
-    created are the ones numbered in between (autograd numbers nodes in creation order, per
-    thread). ``attach`` walks them from the call's results: each edge into a parameter's
-    AccumulateGrad gets a post-hook that adds the gradient along it. A parameter also fed by a
-    node created before the call (autocast's cached cast of a weight, an earlier call of a
-    module that shares it) cannot be split this way: its compiled side stays the training
-    backward's sum (``Step.by_call``)."""
-
-    def __init__(self) -> None:
-        self.start = torch.autograd._get_sequence_nr()
-        self.end = self.start
-
-    def close(self) -> None:
-        self.end = torch.autograd._get_sequence_nr()
-
-    def attach(self, step: Step, results: List[torch.Tensor], params: List[torch.Tensor]) -> None:
-        """Hooks the call's nodes that feed ``params``, walking back from ``results`` (what the
-        call returned and left in its arguments)."""
-        start, end = self.start, self.end
-        watched = {id(p) for p in params}
-        found: Dict[int, List[Tuple[int, torch.Tensor]]] = {}  # id(node) -> (edge, parameter)
-        nodes: Dict[int, object] = {}
-        split = {key: True for key in watched}
-        pending = [t.grad_fn for t in results if t.grad_fn is not None]
-        while pending:
-            node = pending.pop()
-            if id(node) in nodes or not start <= node._sequence_nr() < end:
-                continue
-            nodes[id(node)] = node
-            for edge, (child, _) in enumerate(node.next_functions):
-                if child is None:
-                    continue
-                param = getattr(child, "variable", None)  # AccumulateGrad's leaf
-                if param is not None:
-                    if id(param) in watched:
-                        found.setdefault(id(node), []).append((edge, param))
-                elif start <= child._sequence_nr() < end:
-                    pending.append(child)
-                else:  # made before the call: does it feed a parameter of the call?
-                    for grandchild, _ in child.next_functions:
-                        if id(getattr(grandchild, "variable", None)) in watched:
-                            split[id(grandchild.variable)] = False
-        for key, ok in split.items():
-            step.by_call[key] = step.by_call.get(key, True) and ok
-        for key, edges in found.items():
-            nodes[key].register_hook(_share_hook(step, edges))
-
-
-def _share_hook(step: Step, edges: List[Tuple[int, torch.Tensor]]):
-    def hook(grad_inputs, _grad_outputs) -> None:
-        for edge, param in edges:
-            grad = grad_inputs[edge]
-            if grad is not None and step.by_call.get(id(param), False):
-                step.add_param_grad(SIDE_COMPILED, param, grad)
 
     return hook
