@@ -24,6 +24,13 @@ bool PairJudge::expects_reference(const formats::RecordKey& key) const {
   return referenced_calls_.count(call) > 0 || held_calls_.count(call) > 0;
 }
 
+bool PairJudge::fails_alone(const formats::RecordKey& key, const formats::TensorView& a,
+                            const formats::TensorView& b,
+                            const formats::TensorMetrics& metrics) const {
+  return !metrics.allclose ||
+         judging_.beyond_screen(key.module, key.kind, a.dtype, b.dtype, metrics);
+}
+
 void PairJudge::hold_for_reference(const std::string& module, std::uint32_t call) {
   if (active_) held_calls_.emplace(module, call);
 }
@@ -54,8 +61,7 @@ void PairJudge::judge_held(const formats::RecordKey& key, Slot& slot,
     pair->tolerances = judging_.row_tolerances(key.module, key.kind, a.dtype, b.dtype);
     pair->metrics = analyze::compare_in_memory(a, b, pair->tolerances, chunk_bytes_);
     pair->judged = true;
-    fails = !pair->metrics.allclose ||
-            judging_.beyond_screen(key.module, key.kind, a.dtype, b.dtype, pair->metrics);
+    fails = fails_alone(key, a, b, pair->metrics);
     slot.eager->judged = slot.compiled->judged = std::move(pair);
   }
   if (fails) failing_before_reference_.emplace_back(key.module, key.call);
@@ -171,8 +177,7 @@ bool PairJudge::judge(const RecordItem& eager, const RecordItem& compiled,
   } else {
     row.metrics = judged_before ? early->metrics
                                 : analyze::compare_in_memory(a, b, row.tolerances, chunk_bytes_);
-    fails = !row.metrics.allclose ||
-            judging_.beyond_screen(row.key.module, row.key.kind, a.dtype, b.dtype, row.metrics);
+    fails = fails_alone(row.key, a, b, row.metrics);
   }
   metrics_.push_back(std::move(row));
   return fails;

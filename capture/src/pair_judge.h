@@ -84,6 +84,10 @@ class PairJudge {
   // `store` if it fails without the reference (StoreMode::kFailing), else to `describe`.
   void judge_held(const formats::RecordKey& key, Slot& slot, std::vector<RecordItem>& store,
                   std::vector<RecordItem>& describe);
+  // Whether a pair with these metrics FAILs without a reference: outside its tolerances, or
+  // (a float32 pair) beyond fp32 noise.
+  bool fails_alone(const formats::RecordKey& key, const formats::TensorView& a,
+                   const formats::TensorView& b, const formats::TensorMetrics& metrics) const;
   // The metrics of a pair with both sides, and (with its reference) of each side against it;
   // whether the row FAILs as the engine will judge it.
   bool judge(const RecordItem& eager, const RecordItem& compiled, const RecordItem* reference);

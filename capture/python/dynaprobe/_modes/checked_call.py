@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -50,9 +50,9 @@ class CheckedCall:
         self.candidate = None  # its replay data, until decided
         self.reference: Optional[ReferenceRun] = None
         # float32, grad mode: its reference is decided once its backward has run, from its
-        # verdicts (held: CallReferences.late), the recorder holding its pairs meanwhile
+        # verdicts (CallReferences.late), the recorder holding its pairs meanwhile
+        # (Step.hold_for_reference)
         self.holds_reference = False
-        self.held: Optional[Callable[[list], Optional[ReferenceRun]]] = None
         self.left_found: list = []  # left_in_arguments: (path, tensor) of what it left
         self.shares: Optional[CallShares] = None  # grad mode: its parameters' gradient shares
 

@@ -284,8 +284,7 @@ class SinglePass:
         re-run left in their arguments (CheckedCall.left_in_arguments)."""
         step, name = call.step, call.name
         if call.holds_reference:  # its pairs wait for the decision (CallReferences.late)
-            late = self.references.late(call.for_reference())
-            call.held = late if step.hold_for_reference(name, call.index, late) else None
+            step.hold_for_reference(name, call.index, self.references.late(call.for_reference()))
         compiled_leaves = call.compiled_leaves = tensor_leaves(compiled_out)
         eager_leaves = call.eager_leaves = tensor_leaves(call.eager_out)
         for index, (label, tensor) in enumerate(compiled_leaves):
@@ -304,10 +303,11 @@ class SinglePass:
         """Grad mode: the eager backward waits (PendingBackward) for the grad_output the
         compiled outputs receive, through probes on them; returns the probed outputs."""
         step = call.step
-        if call.held is not None and eager_left:
+        held = step.held_references.get((call.name, call.index))  # its reference's decision
+        if held is not None and eager_left:
             # Its reference would need the twins of what it left, found only now: decided at
             # once, from its outputs' verdicts, and run as its forward's reference.
-            call.reference, call.held = call.held([]), None
+            call.reference = held([])
             step.settle_reference(call.name, call.index)  # later pairs wait for its reference
             if call.reference is not None:
                 call.left_in_reference()
@@ -322,12 +322,11 @@ class SinglePass:
                 call.candidate.pending = pending
         self._split_param_grads(call, left)
         if call.reference is None and call.reference_args is not None:
-            if call.held is not None:
-                pending.late_reference = call.held
-            elif eager_left:  # its reference would need the twins of what it left: none late
+            if eager_left:  # its reference would need the twins of what it left: none late
                 call.reference_args = None
             else:
-                pending.late_reference = self.references.late(call.for_reference())
+                pending.late_reference = held if held is not None else \
+                    self.references.late(call.for_reference())
         probed = probe_outputs(compiled_out,
                                lambda index: self._grad_output_hook(step, pending, index))
         self._hook_outputs_themselves(step, pending, call.compiled_leaves, call.args,

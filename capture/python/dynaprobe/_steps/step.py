@@ -201,31 +201,32 @@ class Step:
         for pending, late, pairs in decisions:
             pending.decide_late_reference(late, pairs)
 
-    def hold_for_reference(self, module: str, call: int, late: Callable[[list], object]) -> bool:
+    def hold_for_reference(self, module: str, call: int, late: Callable[[list], object]) -> None:
         """Before a call's records: the recorder holds its pairs (parameter gradients aside)
         until ``late``, the decision of its reference, is taken (settle_reference), judging each
-        meanwhile, so that ``late`` decides from their verdicts. False when the step is lost."""
-        if self.error is not None:
-            return False
-        try:
-            with self.lock:
-                self.recorder.hold_for_reference(module, call)
-        except Exception as error:  # the step is lost: reported by collect(), training goes on
-            self.error = error
-            return False
-        self.held_references[(module, call)] = late
-        return True
+        meanwhile, so that ``late`` decides from their verdicts. Nothing is held once the step is
+        lost (its late reference then looks at its gradients only)."""
+        if self._tell_recorder(self.recorder.hold_for_reference, module, call):
+            self.held_references[(module, call)] = late
 
     def settle_reference(self, module: str, call: int) -> None:
         """A held call's reference is decided and, if any, recorded: the recorder judges the
         pairs still waiting for it without one."""
-        if self.held_references.pop((module, call), None) is None or self.error is not None:
-            return
+        if self.held_references.pop((module, call), None) is not None:
+            self._tell_recorder(self.recorder.settle_reference, module, call)
+
+    def _tell_recorder(self, method: Callable, *args) -> bool:
+        """``method(*args)`` of the recorder, unless the step is lost; an error loses the step
+        (reported by collect(); training goes on). Whether it was told."""
+        if self.error is not None:
+            return False
         try:
             with self.lock:
-                self.recorder.settle_reference(module, call)
-        except Exception as error:  # the step is lost: reported by collect(), training goes on
+                method(*args)
+        except Exception as error:
             self.error = error
+            return False
+        return True
 
     def note(self, module: str, note: str, reason: str) -> None:
         self.notes.setdefault(module, (note, reason))
